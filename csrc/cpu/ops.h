@@ -1,0 +1,53 @@
+// Non-matmul CPU kernels. Every kernel takes (ith, nth): it does its 1/nth share of
+// the work and returns; the executor puts a barrier between steps. In-place use
+// (y == x) is allowed for silu, rope and the element-wise ops.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace minfer::cpu {
+
+void add_f32(const float* a, const float* b, float* y, int64_t n, int ith, int nth);
+void mul_f32(const float* a, const float* b, float* y, int64_t n, int ith, int nth);
+void silu_f32(const float* x, float* y, int64_t n, int ith, int nth);
+// y = silu(g) * u in one pass; bit-identical to silu_f32 followed by mul_f32.
+void swiglu_f32(const float* g, const float* u, float* y, int64_t n, int ith, int nth);
+
+// nrows rows of d floats; w (d floats) may be null.
+void rms_norm_f32(const float* x, const float* w, float* y, int64_t d, int64_t nrows,
+                  float eps, int ith, int nth);
+
+// NeoX-style (non-interleaved) RoPE: within each head, element i pairs with i + n_rot/2.
+// x and y are [nt][nh * hd]; pos holds nt positions.
+void rope_neox_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh,
+                   int64_t hd, int64_t n_rot, float freq_base, int ith, int nth);
+
+// Embedding lookup from a (possibly quantized) weight table of row_bytes per row.
+void get_rows_w(int32_t wtype, const void* table, size_t row_bytes, int64_t d,
+                const int32_t* ids, int64_t n, float* y, int ith, int nth);
+// Row selection from an f32 activation [rows][d].
+void get_rows_f32(const float* x, int64_t d, const int32_t* ids, int64_t n, float* y,
+                  int ith, int nth);
+
+// Writes nt rows of k and v (kv_dim floats each) into rows cells[t] of the persistent
+// regions kc, vc ([n_ctx][kv_dim]).
+void kv_store_f32(const float* k, const float* v, const int32_t* cells, int64_t nt,
+                  int64_t kv_dim, float* kc, float* vc, int ith, int nth);
+
+struct AttnArgs {
+    const float* q;      // [nt][q_stride], head h at q + h*hd
+    int64_t q_stride;
+    const float* k;      // [n_ctx][nkv*hd]
+    const float* v;      // [n_ctx][nkv*hd]
+    const int32_t* pos;  // [nt] positions: token t sees cells [0, pos[t]] ...
+    const int32_t* span; // ... unless span != null: token t sees cells [span[2t], span[2t+1])
+    float* out;          // [nt][nh*hd]
+    int64_t nt, nh, nkv, hd, n_ctx;
+    float scale;
+};
+// Causal GQA attention with an online softmax (prefill tiles queries, decode splits
+// nothing but heads). scratch is this thread's attention_scratch_floats() floats.
+size_t attention_scratch_floats(const AttnArgs& a);
+void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth);
+
+}  // namespace minfer::cpu
