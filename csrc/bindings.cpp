@@ -83,19 +83,17 @@ PYBIND11_MODULE(_core, m) {
         .def("size", &Pool::size, py::arg("id"))
         .def("count", &Pool::count)
         .def("bytes_total", &Pool::bytes_total)
-        .def("write", [](Pool& p, int id, py::buffer data, size_t offset) {
-                py::buffer_info bi = data.request();
-                if (!PyBuffer_IsContiguous(data.ptr(), 'C') && bi.ndim > 1)
-                    throw std::invalid_argument("write needs a C-contiguous array");
-                size_t nbytes = (size_t)bi.size * (size_t)bi.itemsize;
+        .def("write", [](Pool& p, int id, py::array data, size_t offset) {
+                if (!(data.flags() & py::array::c_style)) throw std::invalid_argument("write needs a C-contiguous array");
+                size_t nbytes = (size_t)data.nbytes();
                 check_range(p, id, offset, nbytes);
-                std::memcpy(p.data(id) + offset, bi.ptr, nbytes);
+                std::memcpy(p.data(id) + offset, data.data(), nbytes);
             }, py::arg("id"), py::arg("data"), py::arg("offset") = 0)
         .def("read", [](const Pool& p, int id, const std::string& dtype, py::ssize_t count, size_t offset) {
                 py::dtype dt = dtype_of(dtype);
                 size_t nbytes = (size_t)count * dt.itemsize();
                 check_range(p, id, offset, nbytes);
-                py::array out(dt, {count});
+                py::array out(dt, std::vector<py::ssize_t>{count});
                 std::memcpy(out.mutable_data(), p.data(id) + offset, nbytes);
                 return out;
             }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0);

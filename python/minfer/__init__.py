@@ -1,6 +1,13 @@
 """minfer: a local LLM inference engine. Python decides, C++ executes."""
 
+import os as _os
+
 __version__ = "0.1.0"
+
+# Developers can point at a separately built compiled core (a cmake build dir holding
+# _core*.so) without reinstalling: MINFER_CORE_DIR=/tmp/build-x python -m pytest ...
+if _os.environ.get("MINFER_CORE_DIR"):
+    __path__.insert(0, _os.environ["MINFER_CORE_DIR"])  # noqa: F821  (package __path__)
 
 from minfer.errors import MinferError  # noqa: E402
 
