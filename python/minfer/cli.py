@@ -1,0 +1,260 @@
+"""The `minfer` command line. Each command is a thin shell over a module that does the
+work; errors from those modules (MinferError) become one line on stderr and exit 1,
+bad arguments exit 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+try:  # typer >= 0.20 vendors its own click; older ones use the real one
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc
+
+from minfer import __version__
+from minfer.errors import MinferError
+
+app = typer.Typer(
+    name="minfer",
+    help="minfer: a local LLM inference engine (GGUF, Qwen2/Qwen3, CPU kernels).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ModelArg = Annotated[Optional[str], typer.Argument(help="GGUF file (default: the default model, pulled on first use)", show_default=False)]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: physical cores)")]
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="Comma list of backends to use (cpu, cuda, metal); default: all usable. Env: MINFER_BACKENDS")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"minfer {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """minfer: run GGUF language models locally."""
+
+
+def _resolve_model(model: str | None) -> Path:
+    from minfer.model_cache import default_model_path
+
+    if model is None:
+        return default_model_path(pull=True, progress=True)
+    p = Path(model)
+    if not p.exists():
+        raise MinferError(f"model file not found: {model}")
+    return p
+
+
+def _split_model_and_text(args: list[str], what: str) -> tuple[str | None, str]:
+    if len(args) == 1:
+        return None, args[0]
+    if len(args) == 2:
+        return args[0], args[1]
+    raise click_exc.UsageError(f"expected [MODEL] {what}, got {len(args)} arguments")
+
+
+def _backends(backend: str | None) -> list[str] | None:
+    if backend is None:
+        return None
+    names = [b.strip() for b in backend.split(",") if b.strip()]
+    if not names:
+        raise click_exc.UsageError("--backend needs at least one name")
+    return names
+
+
+@app.command()
+def pull(force: Annotated[bool, typer.Option("--force", help="Fetch again even if cached.")] = False) -> None:
+    """Fetch, verify (sha256) and cache the default model."""
+    from minfer.model_cache import pull as do_pull
+
+    path = do_pull(progress=True, force=force)
+    typer.echo(str(path))
+
+
+@app.command()
+def info(
+    model: ModelArg = None,
+    all_tensors: Annotated[bool, typer.Option("--all", help="List every tensor, not a summary.")] = False,
+) -> None:
+    """Architecture, hyper-parameters, tokenizer and tensors of a GGUF model."""
+    from minfer.inspect_model import print_info
+
+    print_info(_resolve_model(model), all_tensors=all_tensors)
+
+
+@app.command()
+def tokenize(
+    args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT", show_default=False)],
+    pieces: Annotated[bool, typer.Option("--pieces", help="Show each token's piece next to its id.")] = False,
+) -> None:
+    """Print the token ids of TEXT as a JSON list."""
+    from minfer.tokenizer import Tokenizer, format_tokens
+
+    model, text = _split_model_and_text(args, "TEXT")
+    tok = Tokenizer.from_gguf_path(_resolve_model(model))
+    typer.echo(format_tokens(tok, tok.encode(text), pieces=pieces))
+
+
+@app.command()
+def generate(
+    args: Annotated[list[str], typer.Argument(help="[MODEL] PROMPT", show_default=False)],
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate.")] = 128,
+    temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold (1 = off).")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).")] = 0.05,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recently seen tokens (1 = off).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed (same seed, same output).")] = None,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size in tokens.")] = 4096,
+    threads: ThreadsOpt = None,
+    backend: BackendOpt = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap PROMPT as a user message with the model's chat template.")] = False,
+    echo: Annotated[bool, typer.Option("--echo", help="Also print the prompt.")] = False,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string is generated (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of streaming.")] = False,
+    dump_graph: Annotated[Optional[Path], typer.Option("--dump-graph", help="Write the graph as Graphviz DOT and exit.")] = None,
+    decode: Annotated[bool, typer.Option("--decode", help="With --dump-graph: dump the decode graph instead of prefill.")] = False,
+) -> None:
+    """Generate a continuation of PROMPT, streamed to stdout; timings go to stderr."""
+    model, prompt = _split_model_and_text(args, "PROMPT")
+    from minfer.engine import Engine
+    from minfer.sampling import SamplingParams
+
+    if n_predict < 0:
+        raise click_exc.UsageError("-n must be >= 0")
+    sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+    sp.validate()
+    t0 = time.perf_counter()
+    engine = Engine.load(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend))
+    tok = engine.tokenizer
+    text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True) if chat else prompt
+    prompt_ids = tok.encode(text)
+    if dump_graph is not None:
+        engine.dump_graph(dump_graph, n_tokens=1 if decode else max(len(prompt_ids), 1), decode=decode)
+        typer.echo(f"wrote {'decode' if decode else 'prefill'} graph to {dump_graph}", err=True)
+        return
+    engine.check_fits(len(prompt_ids), n_predict)
+    load_ms = (time.perf_counter() - t0) * 1000
+
+    if echo and not as_json:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = engine.generate(prompt_ids, n_predict, sp, stop=stop or [], on_text=on_text)
+    stats = {
+        "load_ms": round(load_ms, 2),
+        "prompt_tokens": len(prompt_ids),
+        "prompt_ms": round(result.prompt_ms, 2),
+        "prompt_tps": round(result.prompt_tps, 2),
+        "generated_tokens": len(result.ids),
+        "gen_ms": round(result.gen_ms, 2),
+        "gen_tps": round(result.gen_tps, 2),
+    }
+    if as_json:
+        typer.echo(json.dumps({"text": result.text, "ids": result.ids, "prompt_ids": prompt_ids,
+                               "stop_reason": result.stop_reason, "timings": stats}, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        typer.echo(
+            f"load {stats['load_ms']:.0f} ms | prompt {stats['prompt_tokens']} tok, {stats['prompt_tps']:.1f} tok/s | "
+            f"generated {stats['generated_tokens']} tok, {stats['gen_tps']:.1f} tok/s | stop: {result.stop_reason}",
+            err=True,
+        )
+
+
+@app.command()
+def perplexity(
+    model: ModelArg = None,
+    file: Annotated[Path, typer.Option("-f", "--file", help="Text file to score.", exists=True, dir_okay=False)] = ...,  # type: ignore[assignment]
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Chunk size in tokens.")] = 512,
+    threads: ThreadsOpt = None,
+    backend: BackendOpt = None,
+    max_chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (0 = all).")] = 0,
+) -> None:
+    """Perplexity over FILE the way llama.cpp's perplexity tool computes it."""
+    from minfer.engine import Engine
+    from minfer.perplexity import run_perplexity
+
+    engine = Engine.load(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend))
+    run_perplexity(engine, file.read_text(encoding="utf-8"), ctx, max_chunks=max_chunks,
+                   out=lambda s: typer.echo(s))
+
+
+@app.command()
+def bench(
+    model: ModelArg = None,
+    n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="Prompt sizes, comma list.")] = "512",
+    n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="Generation lengths, comma list.")] = "128",
+    reps: Annotated[int, typer.Option("-r", "--repetitions", help="Repetitions per test.")] = 5,
+    threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="Thread counts, comma list.")] = None,
+    backend: BackendOpt = None,
+    output: Annotated[str, typer.Option("-o", "--output", help="md, json or csv.")] = "md",
+) -> None:
+    """Measure prompt processing (pp) and text generation (tg) speed, llama-bench style."""
+    if output not in ("md", "json", "csv"):
+        raise click_exc.UsageError(f"-o must be md, json or csv, not {output!r}")
+    if reps < 1:
+        raise click_exc.UsageError("-r must be >= 1")
+    from minfer.bench import format_results, parse_int_list, run_bench
+    from minfer.engine import default_threads
+
+    try:
+        pp, tg = parse_int_list(n_prompt), parse_int_list(n_gen)
+        th = parse_int_list(threads) if threads else [default_threads()]
+    except ValueError as e:
+        raise click_exc.UsageError(str(e)) from None
+    results = run_bench(_resolve_model(model), n_prompt=pp, n_gen=tg, reps=reps, threads=th,
+                        backends=_backends(backend), progress=lambda s: typer.echo(s, err=True))
+    typer.echo(format_results(results, output))
+
+
+def _rewrite_top_level_dump_graph(argv: list[str]) -> list[str]:
+    # `minfer --dump-graph g.dot [MODEL] PROMPT` is the documented spelling; it is
+    # `generate --dump-graph ...` underneath.
+    if argv and argv[0].startswith("--dump-graph"):
+        return ["generate", *argv]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _rewrite_top_level_dump_graph(list(sys.argv[1:] if argv is None else argv))
+    try:
+        app(args=argv, prog_name="minfer", standalone_mode=False)
+    except click_exc.NoArgsIsHelpError:
+        # Bare `minfer` prints help, as with --help.
+        return 0
+    except click_exc.UsageError as e:
+        msg = e.format_message().replace("\n", " ")
+        sys.stderr.write(f"minfer: error: {msg} (see 'minfer --help')\n")
+        return 2
+    except typer.Exit as e:
+        return int(getattr(e, "exit_code", 0) or 0)
+    except click_exc.ClickException as e:
+        sys.stderr.write(f"minfer: error: {e.format_message()}\n")
+        return 1
+    except MinferError as e:
+        sys.stderr.write(f"minfer: error: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("\nminfer: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
