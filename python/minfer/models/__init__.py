@@ -1,0 +1,31 @@
+"""Architectures minfer runs. load_model dispatches on general.architecture."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from minfer.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from minfer.gguf_file import GGUFFile
+    from minfer.models.base import ModelDef
+
+
+def _registry() -> dict[str, type]:
+    from minfer.models.qwen2 import Qwen2Model
+    from minfer.models.qwen3 import Qwen3Model
+
+    return {"qwen2": Qwen2Model, "qwen3": Qwen3Model}
+
+
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3")
+
+
+def load_model(gguf: GGUFFile) -> ModelDef:
+    arch = gguf.metadata.get("general.architecture")
+    models = _registry()
+    if arch not in models:
+        raise UnsupportedModelError(
+            f"{gguf.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return models[arch](gguf)
