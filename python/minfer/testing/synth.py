@@ -1,0 +1,302 @@
+"""Small random-weight Qwen2/Qwen3 GGUF models for tests.
+
+The files use the real llama.cpp tensor names and metadata keys, so every loader and
+graph path that runs the real model also runs these; only the sizes are tiny. Weights
+are scaled like an initialised network (std ~ 1/sqrt(fan_in), norms ~ 1) so a forward
+pass stays in a sane numeric range and differences between kernels show up clearly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import gguf
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+ROLES = (
+    "token_embd", "output", "attn_q", "attn_k", "attn_v",
+    "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+)
+SUPPORTED_TYPES = (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+)
+DEFAULT_TYPES: dict[str, str] = {r: "F32" for r in ROLES}
+# The per-role mix of the real Qwen2.5-Coder-0.5B Q4_K_M file (ffn_down alternates
+# Q4_K/Q6_K there; Q6_K is used for all layers here). Needs n_ff a multiple of 256.
+QWEN2_Q4_K_M_TYPES: dict[str, str] = {
+    "token_embd": "Q5_0", "output": "Q8_0", "attn_q": "Q5_0", "attn_k": "Q5_0",
+    "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q5_0", "ffn_up": "Q5_0",
+    "ffn_down": "Q6_K",
+}
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# A handful of merges so BPE actually merges something; each result becomes a token.
+MERGES = (
+    ("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġt", "he"), ("e", "r"), ("Ġ", "a"),
+    ("o", "n"), ("r", "e"), ("Ġ", "s"), ("a", "t"), ("e", "n"), ("o", "r"),
+    ("Ġ", "w"), ("Ġ", "c"), ("i", "s"), ("Ġ", "Ġ"), ("l", "l"), ("Ġ", "f"),
+    ("e", "s"), ("Ġ", "b"),
+)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNUSED = 1, 3, 5
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    path: Path
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    ctx: int
+    rope_base: float
+    eps: float
+    types: dict[str, str] = field(hash=False)
+    seed: int
+    tie_embeddings: bool
+    with_tokenizer: bool
+    bos_id: int | None = None
+    eos_id: int | None = None
+    eot_ids: tuple[int, ...] = ()
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+
+def bytes_to_unicode() -> list[tuple[int, str]]:
+    """GPT-2's byte -> printable char table, in GPT-2 vocabulary order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [(b, chr(c)) for b, c in zip(bs, cs)]
+
+
+def tokenizer_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) before padding: bytes, merge results, specials."""
+    tokens = [c for _, c in bytes_to_unicode()]
+    merges = [f"{a} {b}" for a, b in MERGES]
+    for a, b in MERGES:
+        tokens.append(a + b)
+    types = [TOKEN_TYPE_NORMAL] * len(tokens)
+    tokens += SPECIAL_TOKENS
+    types += [TOKEN_TYPE_CONTROL] * len(SPECIAL_TOKENS)
+    return tokens, types, merges
+
+
+# ---- weight encoding ---------------------------------------------------------------
+
+
+def _encode_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Pack 8 six-bit scales and 8 six-bit mins per block into Q4_K/Q5_K's 12 bytes."""
+    out = np.zeros((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def _random_k_blocks(qtype: QT, n_rows: int, n_cols: int, std: float, rng) -> np.ndarray:
+    """Random K-quant blocks (gguf cannot quantize these) whose dequantized values are
+    roughly zero-mean with the requested std. The quant bits are uniform random; the
+    scales are chosen so the per-sub-block min cancels the quant midpoint."""
+    n_blocks = n_rows * n_cols // 256
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, size=(n_blocks, block_bytes), dtype=np.uint8)
+    if qtype == QT.Q6_K:
+        # layout: ql[128] qh[64] scales[16] (int8) d (f16); w = d * scale * (q - 32)
+        scales = rng.integers(16, 64, size=(n_blocks, 16), dtype=np.int8)
+        raw[:, 192:208] = scales.view(np.uint8)
+        d = std / (40.0 * 18.5)  # mean |scale| ~40, std of uniform(0..63)-32 ~18.5
+        raw[:, 208:210] = np.full(n_blocks, d, np.float16).view(np.uint8).reshape(-1, 2)
+    else:
+        # layout: d, dmin (f16), scales[12], [qh[32] for Q5_K], qs[128];
+        # w = d * sc * q - dmin * m, q uniform in 0..15 (Q4_K) or 0..31 (Q5_K)
+        q_mid, q_std = (7.5, 4.6) if qtype == QT.Q4_K else (15.5, 9.2)
+        sc = rng.integers(16, 64, size=(n_blocks, 8)).astype(np.uint8)
+        d = std / (40.0 * q_std)
+        dmin = d * (q_mid + 1.0)
+        m = np.clip(np.rint(sc * q_mid * d / dmin), 0, 63).astype(np.uint8)
+        raw[:, 0:2] = np.full(n_blocks, d, np.float16).view(np.uint8).reshape(-1, 2)
+        raw[:, 2:4] = np.full(n_blocks, dmin, np.float16).view(np.uint8).reshape(-1, 2)
+        raw[:, 4:16] = _encode_k_scales(sc, m)
+    return raw.reshape(n_rows, -1)
+
+
+class _Writer:
+    def __init__(self, w: gguf.GGUFWriter, rng: np.random.Generator) -> None:
+        self.w = w
+        self.rng = rng
+
+    def f32(self, name: str, arr: np.ndarray) -> None:
+        self.w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+
+    def matrix(self, name: str, n_out: int, n_in: int, type_name: str) -> None:
+        """A weight with GGUF shape [n_in, n_out] (memory: n_out rows of n_in)."""
+        qtype = QT[type_name]
+        block = GGML_QUANT_SIZES[qtype][0]
+        if n_in % block:
+            raise ValueError(
+                f"{name}: row length {n_in} is not a multiple of the {type_name} block size "
+                f"{block}; pick dimensions that are"
+            )
+        std = 1.0 / np.sqrt(n_in)
+        if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+            self.w.add_tensor(name, _random_k_blocks(qtype, n_out, n_in, std, self.rng), raw_dtype=qtype)
+            return
+        x = (self.rng.standard_normal((n_out, n_in)) * std).astype(np.float32)
+        if qtype == QT.F32:
+            self.w.add_tensor(name, x)
+        elif qtype == QT.F16:
+            self.w.add_tensor(name, x.astype(np.float16))
+        else:
+            self.w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+
+    def norm(self, name: str, n: int) -> None:
+        self.f32(name, 1.0 + 0.1 * self.rng.standard_normal(n))
+
+    def bias(self, name: str, n: int) -> None:
+        self.f32(name, 0.02 * self.rng.standard_normal(n))
+
+
+def write_model(
+    path: str | Path,
+    arch: str = "qwen2",
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int | None = None,
+    n_ff: int = 128,
+    n_vocab: int | None = None,
+    ctx: int = 256,
+    rope_base: float = 1e6,
+    eps: float = 1e-6,
+    types: dict[str, str] | None = None,
+    seed: int = 0,
+    tie_embeddings: bool = False,
+    with_tokenizer: bool = True,
+) -> SynthConfig:
+    """Write a random-weight model; `types` overrides DEFAULT_TYPES (all F32) per role."""
+    if arch not in ("qwen2", "qwen3"):
+        raise ValueError(f"arch must be 'qwen2' or 'qwen3', got {arch!r}")
+    if n_head % n_head_kv:
+        raise ValueError(f"n_head {n_head} must be a multiple of n_head_kv {n_head_kv}")
+    if head_dim is None:
+        if n_embd % n_head:
+            raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
+        head_dim = n_embd // n_head
+    if arch == "qwen2" and head_dim * n_head != n_embd:
+        raise ValueError("qwen2 ties head_dim to n_embd / n_head; only qwen3 may decouple it")
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} must be even for RoPE")
+    role_types = dict(DEFAULT_TYPES)
+    for role, t in (types or {}).items():
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+        if t not in SUPPORTED_TYPES:
+            raise ValueError(f"unsupported type {t!r} for {role}; use one of {SUPPORTED_TYPES}")
+        role_types[role] = t
+
+    tokens, tok_types, merges = tokenizer_vocab()
+    if n_vocab is None:
+        n_vocab = len(tokens) + 16 if with_tokenizer else 256
+    if with_tokenizer and n_vocab < len(tokens):
+        raise ValueError(f"n_vocab {n_vocab} is smaller than the tokenizer's {len(tokens)} tokens")
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"synthetic-{arch}")
+    w.add_block_count(n_layer)
+    w.add_context_length(ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    if arch == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_freq_base(rope_base)
+    w.add_layer_norm_rms_eps(eps)
+    if any(t not in ("F32", "F16", "BF16") for t in role_types.values()):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    bos = eos = None
+    eot: tuple[int, ...] = ()
+    if with_tokenizer:
+        n_pad = n_vocab - len(tokens)
+        all_tokens = tokens + [f"[PAD{i}]" for i in range(n_pad)]
+        all_types = tok_types + [TOKEN_TYPE_UNUSED] * n_pad
+        bos = tokens.index("<|endoftext|>")
+        eos = tokens.index("<|im_end|>")
+        eot = (eos, bos)
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(all_tokens)
+        w.add_token_types(all_types)
+        w.add_token_merges(merges)
+        w.add_eos_token_id(eos)
+        w.add_pad_token_id(bos)
+        w.add_bos_token_id(bos)
+        w.add_add_bos_token(False)
+        w.add_chat_template(CHATML_TEMPLATE)
+
+    t = _Writer(w, rng)
+    q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    t.matrix("token_embd.weight", n_vocab, n_embd, role_types["token_embd"])
+    t.norm("output_norm.weight", n_embd)
+    if not tie_embeddings:
+        t.matrix("output.weight", n_vocab, n_embd, role_types["output"])
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        t.norm(p + "attn_norm.weight", n_embd)
+        t.matrix(p + "attn_q.weight", q_dim, n_embd, role_types["attn_q"])
+        t.matrix(p + "attn_k.weight", kv_dim, n_embd, role_types["attn_k"])
+        t.matrix(p + "attn_v.weight", kv_dim, n_embd, role_types["attn_v"])
+        if arch == "qwen2":
+            t.bias(p + "attn_q.bias", q_dim)
+            t.bias(p + "attn_k.bias", kv_dim)
+            t.bias(p + "attn_v.bias", kv_dim)
+        else:
+            t.norm(p + "attn_q_norm.weight", head_dim)
+            t.norm(p + "attn_k_norm.weight", head_dim)
+        t.matrix(p + "attn_output.weight", n_embd, q_dim, role_types["attn_output"])
+        t.norm(p + "ffn_norm.weight", n_embd)
+        t.matrix(p + "ffn_gate.weight", n_ff, n_embd, role_types["ffn_gate"])
+        t.matrix(p + "ffn_up.weight", n_ff, n_embd, role_types["ffn_up"])
+        t.matrix(p + "ffn_down.weight", n_embd, n_ff, role_types["ffn_down"])
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return SynthConfig(
+        path=path, arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+        n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, n_vocab=n_vocab, ctx=ctx,
+        rope_base=rope_base, eps=eps, types=role_types, seed=seed,
+        tie_embeddings=tie_embeddings, with_tokenizer=with_tokenizer,
+        bos_id=bos, eos_id=eos, eot_ids=eot,
+    )
