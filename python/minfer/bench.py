@@ -1,0 +1,488 @@
+"""`minfer bench`: prompt-processing (pp) and text-generation (tg) throughput, measured
+and printed the way llama-bench does it, so scripts that read llama-bench output read ours.
+
+What is timed mirrors llama-bench:
+- ppN: from an empty KV cache, one forward of N random tokens (logits for the last only).
+- tgN: after an untimed 1-token prefill, N sequential single-token decode steps.
+Each test gets one warm-up run, then `reps` timed repetitions; the KV cache is reset
+outside the timed region. t/s is computed per sample and then averaged (llama-bench's
+order, which is not the same as tokens / mean time).
+
+Our extras on top of llama-bench's fields: peak RSS, and for tg the fraction of the
+machine's memory bandwidth the decode uses (weight bytes per token x tok/s divided by
+what the STREAM-style probe in `minfer.membw` measured at the start of the run).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import gc
+import io
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from minfer.errors import MinferError
+
+__all__ = [
+    "BenchArgumentError", "BenchResult", "FIELDS", "format_results", "parse_int_list", "run_bench",
+]
+
+
+class BenchArgumentError(MinferError, ValueError):
+    """A bench parameter is malformed (also a ValueError, so argument parsers catch it)."""
+
+
+# llama-bench's field names, in its order, restricted to the ones that mean something
+# for minfer; then ours. JSON/CSV consumers key on these names.
+LLAMA_FIELDS = [
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends",
+    "model_filename", "model_type", "model_size", "model_n_params", "n_batch",
+    "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers", "flash_attn",
+    "n_prompt", "n_gen", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
+]
+EXTRA_FIELDS = ["peak_rss_bytes", "mem_bw_frac", "mem_bw_bytes_per_s", "weight_bytes_per_token"]
+FIELDS = LLAMA_FIELDS + ["samples_ns", "samples_ts"] + EXTRA_FIELDS
+
+
+def parse_int_list(text: str | int | Iterable[int]) -> list[int]:
+    """'128,512' -> [128, 512]. Zero is kept (it means "skip this test", as in llama-bench)."""
+    if isinstance(text, int):
+        items: list[object] = [text]
+    elif isinstance(text, str):
+        items = [s.strip() for s in text.split(",")]
+    else:
+        items = list(text)
+    if not items:
+        raise BenchArgumentError(f"expected a comma-separated list of integers, got {text!r}")
+    out = []
+    for it in items:
+        try:
+            v = int(it) if not isinstance(it, float) else None
+        except (TypeError, ValueError):
+            v = None
+        if v is None or isinstance(it, bool):
+            raise BenchArgumentError(
+                f"expected a comma-separated list of non-negative integers like '128,512', "
+                f"got {text!r} (bad item {it!r})")
+        if v < 0:
+            raise BenchArgumentError(f"negative value {v} in {text!r}; use 0 to skip a test")
+        out.append(v)
+    return out
+
+
+def _mean(v: Sequence[float]) -> float:
+    return sum(v) / len(v) if v else 0.0
+
+
+def _stdev(v: Sequence[float]) -> float:
+    # Sample standard deviation, 0 for fewer than two samples, as llama-bench.
+    if len(v) <= 1:
+        return 0.0
+    m = _mean(v)
+    return math.sqrt(max(0.0, sum((x - m) ** 2 for x in v) / (len(v) - 1)))
+
+
+@dataclass
+class BenchResult:
+    """One test (one row of llama-bench output)."""
+
+    model_filename: str
+    model_type: str
+    model_size: int
+    model_n_params: int
+    backends: str
+    n_threads: int
+    n_prompt: int
+    n_gen: int
+    samples_ns: list[int]
+    n_batch: int = 0
+    n_ubatch: int = 0
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_gpu_layers: int = 0
+    flash_attn: int = 0  # llama-bench's integer flash_attn_type; minfer has one attention path
+    build_commit: str = "unknown"
+    build_number: int = 0
+    cpu_info: str = ""
+    gpu_info: str = ""
+    test_time: str = ""
+    peak_rss_bytes: int = 0
+    mem_bw_bytes_per_s: float | None = None
+    weight_bytes_per_token: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_prompt + self.n_gen
+
+    @property
+    def test_name(self) -> str:
+        if self.n_prompt > 0 and self.n_gen == 0:
+            return f"pp{self.n_prompt}"
+        if self.n_gen > 0 and self.n_prompt == 0:
+            return f"tg{self.n_gen}"
+        return f"pp{self.n_prompt}+tg{self.n_gen}"
+
+    @property
+    def samples_ts(self) -> list[float]:
+        return [1e9 * self.n_tokens / ns for ns in self.samples_ns if ns > 0]
+
+    @property
+    def avg_ns(self) -> int:
+        return int(_mean(self.samples_ns))
+
+    @property
+    def stddev_ns(self) -> int:
+        return int(_stdev(self.samples_ns))
+
+    @property
+    def avg_ts(self) -> float:
+        return _mean(self.samples_ts)
+
+    @property
+    def stddev_ts(self) -> float:
+        return _stdev(self.samples_ts)
+
+    @property
+    def mem_bw_frac(self) -> float | None:
+        # Only decode is bandwidth-bound; prefill reuses each weight across many tokens.
+        if self.n_prompt != 0 or not self.mem_bw_bytes_per_s or not self.weight_bytes_per_token:
+            return None
+        return self.weight_bytes_per_token * self.avg_ts / self.mem_bw_bytes_per_s
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in FIELDS}
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _fmt_size(nbytes: int) -> str:
+    if nbytes < 1024 ** 3:
+        return f"{nbytes / 1024 / 1024:.2f} MiB"
+    return f"{nbytes / 1024 ** 3:.2f} GiB"
+
+
+def _fmt_params(n: int) -> str:
+    if n < 1000 ** 3:
+        return f"{n / 1e6:.2f} M"
+    return f"{n / 1e9:.2f} B"
+
+
+# (header, width); negative width = left aligned, as llama-bench's markdown printer.
+_MD_COLUMNS = [
+    ("model", -30), ("size", 10), ("params", 10), ("backend", -10), ("threads", 7),
+    ("test", 15), ("t/s", 20),
+]
+_MD_EXTRA_COLUMNS = [("peak RSS", 10), ("mem bw", 7)]
+
+
+def _md_row(cells: Sequence[str], cols: Sequence[tuple[str, int]]) -> str:
+    parts = [f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, (_, w) in zip(cells, cols)]
+    return "| " + " | ".join(parts) + " |"
+
+
+def _format_md(results: Sequence[BenchResult], extras: bool) -> str:
+    cols = _MD_COLUMNS + (_MD_EXTRA_COLUMNS if extras else [])
+    lines = [
+        _md_row([h for h, _ in cols], cols),
+        "|" + "".join(f" {'-' * (abs(w) - 1)}{':' if w > 0 else '-'} |" for _, w in cols),
+    ]
+    for r in results:
+        cells = [
+            r.model_type, _fmt_size(r.model_size), _fmt_params(r.model_n_params), r.backends,
+            str(r.n_threads), r.test_name, f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}",
+        ]
+        if extras:
+            frac = r.mem_bw_frac
+            cells += [f"{r.peak_rss_bytes / 1024 / 1024:.0f} MiB",
+                      "-" if frac is None else f"{100 * frac:.1f}%"]
+        lines.append(_md_row(cells, cols))
+    if results:
+        r0 = results[0]
+        lines.append("")
+        lines.append(f"build: {r0.build_commit} ({r0.build_number})")
+        if extras and r0.mem_bw_bytes_per_s:
+            lines.append(f"memory bandwidth (STREAM-style probe): {r0.mem_bw_bytes_per_s / 1e9:.1f} GB/s; "
+                         "mem bw = weight bytes per token x t/s / that")
+    return "\n".join(lines)
+
+
+def _json_value(r: BenchResult, name: str):
+    v = getattr(r, name)
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def _format_json(results: Sequence[BenchResult]) -> str:
+    return json.dumps([{n: _json_value(r, n) for n in FIELDS} for r in results],
+                      indent=2, ensure_ascii=False)
+
+
+def _csv_cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, float):
+        return f"{v:.6f}"  # std::to_string's precision
+    if isinstance(v, list):
+        return " ".join(_csv_cell(x) for x in v)
+    return str(v)
+
+
+def _format_csv(results: Sequence[BenchResult]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, quoting=csv.QUOTE_ALL, lineterminator="\n")
+    buf.write(",".join(FIELDS) + "\n")  # llama-bench leaves the header unquoted
+    for r in results:
+        w.writerow([_csv_cell(getattr(r, n)) for n in FIELDS])
+    return buf.getvalue().rstrip("\n")
+
+
+def format_results(results: Sequence[BenchResult], fmt: str = "md", *, extras: bool = True) -> str:
+    """Renders results as llama-bench does: 'md' table, 'json' list of objects, or 'csv'.
+
+    extras adds our peak-RSS and memory-bandwidth columns to the md table (json and csv
+    always carry them as extra fields, which llama-bench readers ignore)."""
+    if fmt == "md":
+        return _format_md(results, extras)
+    if fmt == "json":
+        return _format_json(results)
+    if fmt == "csv":
+        return _format_csv(results)
+    raise BenchArgumentError(f"unknown output format {fmt!r}; expected md, json or csv")
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes, Linux KiB
+
+
+@functools.lru_cache(maxsize=1)
+def build_info() -> tuple[str, int]:
+    """(short commit, commit count) of the source tree minfer runs from, if it is a git checkout."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short=7", "HEAD"), int(git("rev-list", "--count", "HEAD"))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        from minfer import __version__
+        return __version__, 0
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _vocab_size(eng, model_path: Path) -> int:
+    info = getattr(eng, "model_info", {}) or {}
+    for v in (info.get("n_vocab"), getattr(eng, "n_vocab", None)):
+        if isinstance(v, int) and v > 0:
+            return v
+    import gguf  # last resort: the embedding table's row count
+    reader = gguf.GGUFReader(str(model_path))
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[1])
+    raise MinferError(f"{model_path}: cannot tell the vocabulary size (no token_embd.weight)")
+
+
+def _model_type(info: dict) -> str:
+    for key in ("type_label", "type", "model_type", "desc"):
+        if isinstance(info.get(key), str) and info[key]:
+            return info[key]
+    return str(info.get("arch", "unknown"))
+
+
+def _default_engine_loader(path, *, n_ctx, n_threads, backends):
+    from minfer.engine import Engine
+    return Engine.load(path, n_ctx=n_ctx, n_threads=n_threads, backends=backends)
+
+
+def _now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def run_bench(
+    model_path: str | os.PathLike,
+    n_prompt: Sequence[int] = (512,),
+    n_gen: Sequence[int] = (128,),
+    reps: int = 5,
+    threads: Sequence[int] | None = None,
+    backends: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    *,
+    seed: int = 1234,
+    warmup: bool = True,
+    n_ctx: int | None = None,
+    mem_bandwidth: float | bool | None = None,
+    engine_loader: Callable | None = None,
+) -> list[BenchResult]:
+    """Runs every pp test in n_prompt and tg test in n_gen for each thread count.
+
+    Zeros in n_prompt / n_gen are skipped. threads=None uses the engine's default.
+    backends is passed to Engine.load as is (None = automatic choice).
+    mem_bandwidth: None measures it once here (bytes/s), a number uses that, False
+    skips it (mem_bw_frac is then absent). engine_loader(path, n_ctx=, n_threads=,
+    backends=) replaces Engine.load, for tests and for embedding in other harnesses."""
+    model_path = Path(model_path)
+    pps = [p for p in parse_int_list(list(n_prompt)) if p > 0]
+    tgs = [n for n in parse_int_list(list(n_gen)) if n > 0]
+    if threads is None:
+        from minfer.engine import default_threads
+        threads = [default_threads()]
+    ths = parse_int_list(list(threads))
+    if any(t < 1 for t in ths):
+        raise BenchArgumentError(f"thread counts must be >= 1, got {list(threads)}")
+    if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+        raise BenchArgumentError(f"repetitions must be an integer >= 1, got {reps!r}")
+    if not model_path.is_file():
+        raise MinferError(f"model file not found: {model_path}")
+    say = progress or (lambda s: None)
+    load = engine_loader or _default_engine_loader
+    if not pps and not tgs:
+        return []
+
+    if mem_bandwidth is None:
+        from minfer.membw import measure_bandwidth
+        say("minfer bench: measuring memory bandwidth")
+        bw: float | None = measure_bandwidth()
+    elif mem_bandwidth is False:
+        bw = None
+    else:
+        bw = float(mem_bandwidth)
+
+    # Room for the biggest prompt, and for the 1-token prefill plus every decode step.
+    need_ctx = max([*pps, *(n + 1 for n in tgs), 1])
+    ctx = n_ctx if n_ctx is not None else need_ctx
+    if ctx < need_ctx:
+        raise BenchArgumentError(f"n_ctx {ctx} is smaller than the largest test needs ({need_ctx})")
+
+    commit, build_number = build_info()
+    total = len(ths) * (len(pps) + len(tgs))
+    idx = 0
+    results: list[BenchResult] = []
+    for n_threads in ths:
+        eng = load(model_path, n_ctx=ctx, n_threads=n_threads,
+                   backends=list(backends) if backends is not None else None)
+        try:
+            info = dict(getattr(eng, "model_info", {}) or {})
+            n_vocab = _vocab_size(eng, model_path)
+            base = dict(
+                model_filename=str(model_path),
+                model_type=_model_type(info),
+                model_size=int(info.get("size_bytes", 0) or 0),
+                model_n_params=int(info.get("n_params", 0) or 0),
+                backends=",".join(getattr(eng, "backend_names", None) or ["CPU"]),
+                n_threads=n_threads,
+                type_k=str(info.get("type_k", "f16")),
+                type_v=str(info.get("type_v", "f16")),
+                build_commit=commit, build_number=build_number,
+                cpu_info=cpu_info(),
+                mem_bw_bytes_per_s=bw,
+                weight_bytes_per_token=(int(info["weight_bytes_per_token"])
+                                        if info.get("weight_bytes_per_token") else None),
+            )
+            for kind, n in [("pp", p) for p in pps] + [("tg", g) for g in tgs]:
+                idx += 1
+                tag = f"minfer bench: {idx}/{total} {kind}{n} t={n_threads}"
+                rng = np.random.default_rng(seed)
+                # Random ids, as llama-bench: the work per token does not depend on the id.
+                toks = rng.integers(0, n_vocab, size=max(n, 1) + 1).tolist()
+                run = _make_pp(eng, toks[:n]) if kind == "pp" else _make_tg(eng, toks, n)
+                if warmup:
+                    say(f"{tag}: warm-up")
+                    _one_rep(eng, run, warm=True)
+                samples = []
+                for r in range(reps):
+                    say(f"{tag}: run {r + 1}/{reps}")
+                    samples.append(_one_rep(eng, run))
+                results.append(BenchResult(
+                    **base,
+                    n_prompt=n if kind == "pp" else 0,
+                    n_gen=n if kind == "tg" else 0,
+                    n_batch=n if kind == "pp" else 1,
+                    n_ubatch=n if kind == "pp" else 1,
+                    samples_ns=samples,
+                    test_time=_now_rfc3339(),
+                    peak_rss_bytes=peak_rss_bytes(),
+                ))
+                res = results[-1]
+                frac = res.mem_bw_frac
+                say(f"{tag}: {res.avg_ts:.2f} ± {res.stddev_ts:.2f} t/s"
+                    + (f", {100 * frac:.1f}% of memory bandwidth" if frac is not None else ""))
+        finally:
+            # Two engines must never hold their weights and pools at once.
+            del eng
+            gc.collect()
+    return results
+
+
+@dataclass
+class _Run:
+    setup: Callable[[], None]   # untimed
+    timed: Callable[[], None]
+    warm: Callable[[], None]
+
+
+def _one_rep(eng, run: _Run, warm: bool = False) -> int:
+    eng.reset()
+    if warm:
+        run.warm()
+        return 0
+    run.setup()
+    t0 = time.perf_counter_ns()
+    run.timed()
+    return time.perf_counter_ns() - t0
+
+
+def _make_pp(eng, toks: list[int]) -> _Run:
+    def timed() -> None:
+        eng.forward(toks, n_out=1)
+    return _Run(setup=lambda: None, timed=timed, warm=timed)
+
+
+def _make_tg(eng, toks: list[int], n: int) -> _Run:
+    def setup() -> None:
+        eng.forward(toks[:1], n_out=1)
+
+    def timed() -> None:
+        fwd = eng.forward
+        for i in range(1, n + 1):
+            fwd(toks[i:i + 1], n_out=1)
+
+    def warm() -> None:
+        # Like llama-bench's warm-up for tg: exercise the decode path once.
+        setup()
+        eng.forward(toks[1:2], n_out=1)
+    return _Run(setup=setup, timed=timed, warm=warm)

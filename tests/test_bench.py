@@ -1,0 +1,252 @@
+"""minfer bench: llama-bench-compatible output, argument parsing, and the runner's
+structure (never its speed: timings are not assertions)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from minfer.bench import (
+    FIELDS, BenchArgumentError, BenchResult, format_results, parse_int_list, run_bench,
+)
+from minfer.errors import MinferError
+
+LLAMA_BENCH_JSON_FIELDS = [
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
+    "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads",
+    "type_k", "type_v", "n_gpu_layers", "flash_attn", "n_prompt", "n_gen", "test_time",
+    "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
+]
+
+
+def _result(n_prompt=512, n_gen=0, samples=(1_000_000_000, 2_000_000_000), **kw) -> BenchResult:
+    base = dict(
+        model_filename="/m/model.gguf", model_type="qwen2 0.5B Q4_K - Medium",
+        model_size=491_400_032, model_n_params=494_032_768, backends="CPU", n_threads=2,
+        n_prompt=n_prompt, n_gen=n_gen, samples_ns=list(samples), build_commit="abc1234",
+        build_number=7, cpu_info="Test CPU", test_time="2026-01-01T00:00:00Z",
+        peak_rss_bytes=300 * 1024 * 1024, mem_bw_bytes_per_s=20e9,
+        weight_bytes_per_token=400_000_000,
+    )
+    base.update(kw)
+    return BenchResult(**base)
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def test_ts_statistics_follow_llama_bench_per_sample_order():
+    r = _result(n_prompt=512, samples=(1_000_000_000, 2_000_000_000))
+    # t/s is per sample first (512, 256), then mean and sample stdev of those.
+    assert r.samples_ts == pytest.approx([512.0, 256.0])
+    assert r.avg_ts == pytest.approx(384.0)
+    assert r.stddev_ts == pytest.approx(statistics.stdev([512.0, 256.0]))
+    assert r.avg_ns == 1_500_000_000
+    assert r.stddev_ns == int(statistics.stdev([1e9, 2e9]))
+
+
+def test_single_sample_has_zero_stddev():
+    r = _result(samples=(5_000_000,))
+    assert r.stddev_ts == 0.0 and r.stddev_ns == 0
+
+
+def test_mem_bw_frac_only_for_tg():
+    pp = _result(n_prompt=128)
+    tg = _result(n_prompt=0, n_gen=100, samples=(2_000_000_000,))  # 50 t/s
+    assert pp.mem_bw_frac is None
+    assert tg.mem_bw_frac == pytest.approx(400e6 * 50 / 20e9)
+    assert _result(n_prompt=0, n_gen=10, mem_bw_bytes_per_s=None).mem_bw_frac is None
+
+
+def test_test_names():
+    assert _result(n_prompt=512, n_gen=0).test_name == "pp512"
+    assert _result(n_prompt=0, n_gen=128).test_name == "tg128"
+    assert _result(n_prompt=16, n_gen=4).test_name == "pp16+tg4"
+
+
+# ------------------------------------------------------------------ formats
+
+
+def test_md_table_matches_llama_bench_layout():
+    text = format_results([_result(), _result(n_prompt=0, n_gen=128, samples=(2_000_000_000,))],
+                          "md")
+    lines = text.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[:7] == ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    sep = [c.strip() for c in lines[1].strip("|").split("|")]
+    assert sep[0].endswith("-") and not sep[0].endswith(":")  # model is left-aligned
+    assert sep[6].endswith(":")  # t/s is right-aligned
+    row = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert row[:7] == ["qwen2 0.5B Q4_K - Medium", "468.64 MiB", "494.03 M", "CPU", "2",
+                       "pp512", "384.00 ± 181.02"]
+    tg = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert tg[5] == "tg128" and tg[6] == "64.00 ± 0.00"
+    assert tg[7] == "300 MiB" and tg[8] == f"{100 * 400e6 * 64 / 20e9:.1f}%"
+    assert row[8] == "-"  # no bandwidth fraction for pp
+    assert "build: abc1234 (7)" in text
+    # Every table line has the same number of cells.
+    assert len({ln.count("|") for ln in lines[:4]}) == 1
+
+
+def test_md_without_extras_is_exactly_llama_bench_columns():
+    lines = format_results([_result()], "md", extras=False).splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == [
+        "model", "size", "params", "backend", "threads", "test", "t/s"]
+
+
+def test_md_sizes_switch_to_gib_and_billions():
+    row = format_results([_result(model_size=3 * 1024 ** 3, model_n_params=7_240_000_000)],
+                         "md").splitlines()[2]
+    assert "3.00 GiB" in row and "7.24 B" in row
+
+
+def test_json_has_llama_bench_fields_and_values():
+    rs = [_result(), _result(n_prompt=0, n_gen=64, samples=(1_000_000_000, 1_000_000_000))]
+    data = json.loads(format_results(rs, "json"))
+    assert isinstance(data, list) and len(data) == 2
+    for name in LLAMA_BENCH_JSON_FIELDS + ["peak_rss_bytes", "mem_bw_frac"]:
+        assert name in data[0], name
+    pp, tg = data
+    assert pp["n_prompt"] == 512 and pp["n_gen"] == 0
+    assert tg["n_prompt"] == 0 and tg["n_gen"] == 64
+    assert isinstance(pp["model_size"], int) and pp["model_size"] == 491_400_032
+    assert pp["samples_ns"] == [1_000_000_000, 2_000_000_000]
+    assert pp["samples_ts"] == pytest.approx([512.0, 256.0])
+    assert pp["avg_ts"] == pytest.approx(384.0)
+    assert pp["avg_ns"] == 1_500_000_000
+    assert pp["backends"] == "CPU" and pp["n_threads"] == 2
+    assert pp["mem_bw_frac"] is None
+    assert tg["mem_bw_frac"] == pytest.approx(400e6 * 64 / 20e9)
+    assert tg["stddev_ts"] == 0.0
+
+
+def test_csv_header_and_rows():
+    rs = [_result(), _result(n_prompt=0, n_gen=32, samples=(1_000_000_000,))]
+    text = format_results(rs, "csv")
+    first = text.splitlines()[0]
+    assert first == ",".join(FIELDS)  # unquoted header, as llama-bench
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert len(rows) == 2
+    for name in LLAMA_BENCH_JSON_FIELDS:
+        assert name in rows[0]
+    assert rows[0]["model_type"] == "qwen2 0.5B Q4_K - Medium"
+    assert int(rows[0]["n_prompt"]) == 512 and int(rows[1]["n_gen"]) == 32
+    assert float(rows[0]["avg_ts"]) == pytest.approx(384.0)
+    assert rows[0]["mem_bw_frac"] == ""
+    assert float(rows[1]["mem_bw_frac"]) == pytest.approx(400e6 * 32 / 20e9)
+    assert [int(x) for x in rows[0]["samples_ns"].split()] == [1_000_000_000, 2_000_000_000]
+    # Every cell is quoted, which is what llama-bench writes.
+    assert text.splitlines()[1].startswith('"abc1234",')
+
+
+def test_unknown_format_is_a_clear_error():
+    with pytest.raises(MinferError, match="md, json or csv"):
+        format_results([_result()], "xml")
+
+
+# ------------------------------------------------------------------ parse_int_list
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512", [512]), ("128,512", [128, 512]), (" 1, 2 ,3 ", [1, 2, 3]), ("0,16", [0, 16]),
+    (64, [64]), ([1, 2], [1, 2]),
+])
+def test_parse_int_list_accepts(text, expected):
+    assert parse_int_list(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1,,2", "1.5", "12,x", "-4", "1;2"])
+def test_parse_int_list_rejects_junk_clearly(text):
+    with pytest.raises(BenchArgumentError) as ei:
+        parse_int_list(text)
+    assert isinstance(ei.value, ValueError) and isinstance(ei.value, MinferError)
+    assert repr(text) in str(ei.value) or "negative" in str(ei.value)
+
+
+# ------------------------------------------------------------------ runner (fake engine)
+
+
+class FakeEngine:
+    """Records what the runner asks of an engine; stands in for Engine in structure tests."""
+
+    def __init__(self, n_threads):
+        self.n_threads = n_threads
+        self.n_past = 0
+        self.calls: list[tuple[str, int]] = []
+        self.model_info = {"arch": "qwen2", "n_params": 1000, "size_bytes": 4096,
+                           "type_label": "qwen2 tiny F32", "weight_bytes_per_token": 4000,
+                           "n_vocab": 50}
+        self.backend_names = ["CPU"]
+
+    def reset(self):
+        self.n_past = 0
+        self.calls.append(("reset", 0))
+
+    def forward(self, tokens, n_out=1):
+        assert all(0 <= t < 50 for t in tokens)
+        self.n_past += len(tokens)
+        self.calls.append(("fwd", len(tokens)))
+        return np.zeros((n_out, 50), np.float32)
+
+
+def test_run_bench_structure_with_fake_engine(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    engines: list[FakeEngine] = []
+    seen_ctx = []
+
+    def loader(path, *, n_ctx, n_threads, backends):
+        seen_ctx.append(n_ctx)
+        engines.append(FakeEngine(n_threads))
+        return engines[-1]
+
+    lines: list[str] = []
+    rs = run_bench(model, n_prompt=[8, 0], n_gen=[5], reps=3, threads=[1, 2],
+                   progress=lines.append, mem_bandwidth=1e9, engine_loader=loader)
+    assert [(r.test_name, r.n_threads) for r in rs] == [
+        ("pp8", 1), ("tg5", 1), ("pp8", 2), ("tg5", 2)]
+    assert seen_ctx == [8, 8]  # max(pp 8, tg 5 + 1 prefill)
+    for r in rs:
+        assert len(r.samples_ns) == 3 and all(s > 0 for s in r.samples_ns)
+        assert r.avg_ts > 0 and r.peak_rss_bytes > 0
+        assert r.model_type == "qwen2 tiny F32" and r.backends == "CPU"
+    assert rs[0].mem_bw_frac is None and rs[1].mem_bw_frac is not None
+    calls = engines[0].calls
+    # pp: warm-up + 3 reps, each a reset then one forward of all 8 tokens.
+    assert calls[:8] == [("reset", 0), ("fwd", 8)] * 4
+    # tg: warm-up (reset, prefill 1, one step), then per rep reset, prefill 1, 5 single steps.
+    tg = calls[8:]
+    assert tg[:3] == [("reset", 0), ("fwd", 1), ("fwd", 1)]
+    assert tg[3:] == ([("reset", 0), ("fwd", 1)] + [("fwd", 1)] * 5) * 3
+    assert any("warm-up" in ln for ln in lines) and any("run 3/3" in ln for ln in lines)
+
+
+def test_run_bench_rejects_bad_arguments(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    loader = lambda *a, **k: FakeEngine(1)  # noqa: E731
+    with pytest.raises(BenchArgumentError):
+        run_bench(model, [8], [0], reps=0, threads=[1], mem_bandwidth=False, engine_loader=loader)
+    with pytest.raises(BenchArgumentError):
+        run_bench(model, [8], [0], reps=1, threads=[0], mem_bandwidth=False, engine_loader=loader)
+    with pytest.raises(MinferError, match="not found"):
+        run_bench(tmp_path / "nope.gguf", [8], [0], reps=1, threads=[1], engine_loader=loader)
+    assert run_bench(model, [0], [0], reps=1, threads=[1], engine_loader=loader) == []
+
+
+# ------------------------------------------------------------------ bandwidth probe
+
+
+def test_membw_probe_is_positive_and_counts_bytes_like_stream():
+    from minfer import membw
+    rep = membw.measure(n_threads=2, array_bytes=8 << 20, repeats=1)
+    for v in (rep.copy_bytes_per_s, rep.triad_bytes_per_s, rep.read_bytes_per_s):
+        assert math.isfinite(v) and v > 1e8  # any real machine moves > 100 MB/s
+    assert rep.best == max(rep.copy_bytes_per_s, rep.triad_bytes_per_s, rep.read_bytes_per_s)
+    assert rep.array_bytes % (2 * 8) == 0
