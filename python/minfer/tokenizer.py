@@ -1,0 +1,419 @@
+"""Byte-level BPE tokenizer rebuilt from a GGUF file's `tokenizer.*` metadata.
+
+GGUF carries no tokenizer.json: only the vocabulary, merges, token types and special ids.
+We rebuild the tokenizer the model was trained with on top of HF `tokenizers` (fast and
+exact), and keep our own byte table for decoding so that streaming and whole-text decode
+agree byte for byte. Chat templates live in `minfer.chat`; `Tokenizer.render_chat` is the
+entry point the engine and CLI use.
+
+Public API
+    Tokenizer.from_metadata(metadata) / Tokenizer.from_gguf_path(path)
+    tok.encode(text, add_bos=None) -> list[int]     tok.decode(ids) -> str
+    tok.token_to_piece(id) -> str (raw vocab spelling, e.g. 'Ġhello')
+    tok.token_bytes(id) -> bytes                    tok.id_of(text) -> int
+    tok.n_vocab, tok.bos_id, tok.eos_id, tok.eot_ids, tok.add_bos, tok.chat_template
+    tok.render_chat(messages, add_generation_prompt=True, **kwargs) -> str
+    StreamDecoder(tok).push(id) -> str / .flush() -> str
+    format_tokens(tok, ids, pieces) -> str (JSON for `minfer tokenize`)
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import operator
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from minfer.errors import GGUFError, MinferError, UnsupportedModelError
+
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
+
+# The split regex each `tokenizer.ggml.pre` value stands for. llama.cpp knows these by
+# name only, so a name we have not verified against its reference tokenizer is refused
+# rather than silently tokenized with a wrong split (which would degrade output quietly).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZER_SPLITS: dict[str, str] = {
+    "qwen2": _QWEN2_SPLIT,
+}
+
+# Texts of end-of-generation tokens across model families, the same list llama.cpp
+# falls back on when a GGUF names no eot/eom id. Only those present in a vocab count.
+_EOG_TEXTS = (
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+    "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>",
+)
+# A FIM-trained coder that emits these has left the answer; llama.cpp stops on them too.
+_FIM_EOG_TEXTS = ("<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+
+
+class TokenizerError(MinferError, ValueError):
+    """Bad input to the tokenizer: an unknown token id or text, a non-string, bad messages."""
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE.
+
+    Printable Latin-1 bytes stand for themselves; the rest (controls, space, 0x7f-0xa0,
+    0xad) are shifted to U+0100 upward so every byte has a visible, non-space spelling.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+_BYTE_TO_CHAR = bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+def _is_byte_spelled(token: str) -> bool:
+    return all(c in _CHAR_TO_BYTE for c in token)
+
+
+def _respell(token: str) -> str:
+    """The byte-alphabet spelling of a token stored as plain text (a llama.cpp quirk)."""
+    return "".join(_BYTE_TO_CHAR[b] for b in token.encode("utf-8"))
+
+
+def _str_list(metadata: Mapping[str, Any], key: str) -> list[str]:
+    value = metadata.get(key)
+    if value is None:
+        raise GGUFError(f"metadata key {key!r} is missing; cannot build a tokenizer")
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise GGUFError(f"metadata key {key!r} must be an array of strings, got {type(value).__name__}")
+    out = []
+    for i, v in enumerate(value):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise GGUFError(f"{key}[{i}] is not valid UTF-8") from None
+        if not isinstance(v, str):
+            raise GGUFError(f"{key}[{i}] must be a string, got {type(v).__name__}")
+        out.append(v)
+    return out
+
+
+def _opt_id(metadata: Mapping[str, Any], key: str, n_vocab: int) -> int | None:
+    value = metadata.get(key)
+    if value is None:
+        return None
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        raise GGUFError(f"metadata key {key!r} must be an integer token id, got {value!r}") from None
+    if not 0 <= value < n_vocab:
+        raise GGUFError(f"metadata key {key!r} = {value} is outside the vocabulary [0, {n_vocab})")
+    return value
+
+
+class Tokenizer:
+    """A GGUF vocabulary's byte-level BPE tokenizer. Build with `from_metadata`."""
+
+    def __init__(
+        self,
+        tokens: list[str],
+        token_types: list[int],
+        merges: list[str],
+        pre: str,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+        extra_eog_ids: Iterable[int] = (),
+    ) -> None:
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        if pre not in PRE_TOKENIZER_SPLITS:
+            raise UnsupportedModelError(
+                f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; "
+                f"supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}"
+            )
+        if len(token_types) != len(tokens):
+            raise GGUFError(
+                f"tokenizer.ggml.token_type has {len(token_types)} entries but there are {len(tokens)} tokens"
+            )
+        if not tokens:
+            raise GGUFError("tokenizer.ggml.tokens is empty")
+
+        self._tokens = tokens
+        self._types = token_types
+        self.pre = pre
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = bool(add_bos)
+        self.chat_template = chat_template
+
+        special = {i for i, t in enumerate(token_types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)}
+        # Control/user-defined tokens decode to their literal text; every other token is a
+        # byte-alphabet spelling of raw bytes (respelled first if stored as plain text).
+        vocab: dict[str, int] = {}
+        self._bytes: list[bytes] = []
+        for i, tok in enumerate(tokens):
+            if i in special:
+                vocab.setdefault(tok, i)
+                self._bytes.append(tok.encode("utf-8"))
+                continue
+            spelled = tok if _is_byte_spelled(tok) else _respell(tok)
+            vocab.setdefault(spelled, i)
+            self._bytes.append(bytes(_CHAR_TO_BYTE[c] for c in spelled))
+        self._vocab = vocab
+        self._text_to_id = {tok: i for i, tok in reversed(list(enumerate(tokens)))}
+
+        pairs = []
+        for k, m in enumerate(merges):
+            a, sep, b = m.partition(" ")
+            if not sep or not a or not b or " " in b:
+                raise GGUFError(f"tokenizer.ggml.merges[{k}] = {m!r} is not two pieces separated by one space")
+            pairs.append((a, b))
+
+        model = models.BPE(
+            vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
+            end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
+        )
+        hf = HFTokenizer(model)
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        hf.decoder = decoders.ByteLevel()
+        # Control tokens are matched whole in the raw text (never normalized or split) so
+        # a prompt's `<|im_start|>` is one id, as the chat template intends.
+        control = [
+            AddedToken(tokens[i], normalized=False, special=True)
+            for i in sorted(special) if token_types[i] == TOKEN_TYPE_CONTROL
+        ]
+        user = [
+            AddedToken(tokens[i], normalized=False, special=False)
+            for i in sorted(special) if token_types[i] == TOKEN_TYPE_USER_DEFINED
+        ]
+        if control:
+            hf.add_special_tokens(control)
+        if user:
+            hf.add_tokens(user)
+        self._hf = hf
+
+        eog = {i for i in (eos_id, *extra_eog_ids) if i is not None}
+        for text in (*_EOG_TEXTS, *_FIM_EOG_TEXTS):
+            i = self._text_to_id.get(text)
+            if i is not None and token_types[i] == TOKEN_TYPE_CONTROL:
+                eog.add(i)
+        self.eot_ids: frozenset[int] = frozenset(eog)
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
+        """Build from GGUF metadata as a plain dict (key -> Python value or numpy array)."""
+        model = metadata.get("tokenizer.ggml.model")
+        if model is None:
+            raise GGUFError("metadata has no tokenizer (tokenizer.ggml.model is missing)")
+        if model != "gpt2":
+            raise UnsupportedModelError(
+                f"unsupported tokenizer model tokenizer.ggml.model={model!r}; only byte-level BPE ('gpt2') is supported"
+            )
+        pre = metadata.get("tokenizer.ggml.pre")
+        if pre is None:
+            raise UnsupportedModelError(
+                "tokenizer.ggml.pre is missing, so the pre-tokenizer split is unknown; "
+                f"supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}"
+            )
+        tokens = _str_list(metadata, "tokenizer.ggml.tokens")
+        merges = _str_list(metadata, "tokenizer.ggml.merges")
+        raw_types = metadata.get("tokenizer.ggml.token_type")
+        if raw_types is None:
+            types = [TOKEN_TYPE_NORMAL] * len(tokens)
+        else:
+            try:
+                types = [int(t) for t in raw_types]
+            except (TypeError, ValueError):
+                raise GGUFError("tokenizer.ggml.token_type must be an array of integers") from None
+        n = len(tokens)
+        extra = [
+            i for i in (_opt_id(metadata, "tokenizer.ggml.eot_token_id", n),
+                        _opt_id(metadata, "tokenizer.ggml.eom_token_id", n))
+            if i is not None
+        ]
+        template = metadata.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise GGUFError("tokenizer.chat_template must be a string")
+        return cls(
+            tokens, types, merges, str(pre),
+            bos_id=_opt_id(metadata, "tokenizer.ggml.bos_token_id", n),
+            eos_id=_opt_id(metadata, "tokenizer.ggml.eos_token_id", n),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=template,
+            extra_eog_ids=extra,
+        )
+
+    @classmethod
+    def from_gguf_path(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Read only what the tokenizer needs from a GGUF file and build it."""
+        return cls.from_metadata(read_gguf_metadata(path))
+
+    # -- vocabulary ------------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return len(self._tokens)
+
+    def _check_id(self, i: Any) -> int:
+        if isinstance(i, bool):
+            raise TokenizerError("token id must be an integer, got bool")
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise TokenizerError(f"token id must be an integer, got {type(i).__name__}") from None
+        if not 0 <= i < len(self._tokens):
+            raise TokenizerError(f"token id {i} is outside the vocabulary [0, {len(self._tokens)})")
+        return i
+
+    def token_to_piece(self, i: int) -> str:
+        """The token's spelling in the vocabulary (byte alphabet: ' hello' is 'Ġhello')."""
+        return self._tokens[self._check_id(i)]
+
+    def token_bytes(self, i: int) -> bytes:
+        """The raw bytes the token stands for (specials: their UTF-8 text)."""
+        return self._bytes[self._check_id(i)]
+
+    def token_type(self, i: int) -> int:
+        return self._types[self._check_id(i)]
+
+    def is_special(self, i: int) -> bool:
+        return self._types[self._check_id(i)] in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+
+    def id_of(self, piece: str) -> int:
+        """The id of a vocabulary entry by its spelling ('<|im_end|>', 'Ġhello')."""
+        i = self._text_to_id.get(piece)
+        if i is None:
+            raise TokenizerError(f"{piece!r} is not a token in the vocabulary")
+        return i
+
+    # -- text <-> ids ----------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special-token texts in it become their single ids.
+
+        add_bos=None follows the model (tokenizer.ggml.add_bos_token, default False).
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TokenizerError(f"text is not encodable as UTF-8 at character {e.start}: {e.reason}") from None
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise TokenizerError("add_bos requested but the model defines no BOS token")
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        table = self._bytes
+        return b"".join(table[self._check_id(i)] for i in ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`, special tokens included; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    # -- chat ------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The model's chat template applied to `messages` (see minfer.chat)."""
+        from minfer.chat import render_chat
+
+        return render_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+class StreamDecoder:
+    """Turns generated ids into text as they arrive, never emitting half a character.
+
+    A multi-byte character (an emoji, a CJK ideograph) is often split across tokens; its
+    leading bytes are held until the rest arrives. Bytes that can never become valid UTF-8
+    are emitted as U+FFFD rather than stalling the stream.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._dec.decode(self._tok.token_bytes(token_id), final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held (an incomplete character ends as U+FFFD); then reset."""
+        out = self._dec.decode(b"", final=True)
+        self._dec.reset()
+        return out
+
+
+def format_tokens(tokenizer: Tokenizer, ids: list[int], pieces: bool = False) -> str:
+    """JSON for `minfer tokenize`: `[id, ...]`, or with pieces `[[id, piece], ...]`.
+
+    A piece is the token's vocabulary spelling (token_to_piece): lossless and one string
+    per id even when a token holds part of a UTF-8 character; a space shows as 'Ġ'.
+    """
+    if not pieces:
+        return json.dumps([int(i) for i in ids])
+    return json.dumps([[int(i), tokenizer.token_to_piece(i)] for i in ids], ensure_ascii=False)
+
+
+_TOKENIZER_KEYS_PREFIX = "tokenizer."
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The tokenizer.* and general.* metadata of a GGUF file as a plain dict."""
+    p = os.fspath(path)
+    try:
+        from minfer.gguf_file import GGUFFile
+    except ImportError:
+        GGUFFile = None  # noqa: N806
+    if GGUFFile is not None:
+        f = GGUFFile.open(p)
+        try:
+            return dict(f.metadata)
+        finally:
+            close = getattr(f, "close", None)
+            if close is not None:
+                close()
+    return _read_with_gguf_reader(p)
+
+
+def _read_with_gguf_reader(path: str) -> dict[str, Any]:
+    from gguf import GGUFReader, GGUFValueType
+
+    try:
+        reader = GGUFReader(path, "r")
+    except FileNotFoundError:
+        raise GGUFError(f"{path}: no such file") from None
+    except Exception as e:  # the reader raises bare ValueError/struct errors on corruption
+        raise GGUFError(f"{path}: cannot read GGUF metadata: {e}") from None
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if not (key.startswith(_TOKENIZER_KEYS_PREFIX) or key.startswith("general.")):
+            continue
+        types = field.types
+        if not types:
+            continue
+        if types[0] == GGUFValueType.ARRAY:
+            if len(types) > 1 and types[1] == GGUFValueType.STRING:
+                out[key] = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+            else:
+                out[key] = [field.parts[i].tolist()[0] for i in field.data]
+        elif types[0] == GGUFValueType.STRING:
+            out[key] = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+        else:
+            out[key] = field.parts[field.data[0]].tolist()[0]
+    return out
