@@ -1,0 +1,271 @@
+// Causal GQA attention over the persistent K/V regions, with an online softmax.
+//
+// Work is cut into items of (query-token block, KV head, slice of that head's query
+// heads). An item walks KV cells in blocks of BK; each K/V row of a block is loaded
+// once and used by every query row of the item (all heads of the GQA group, for a
+// block of tokens), which is what makes prefill cache-friendly.
+//
+// Determinism: KV blocks are aligned to absolute multiples of BK and every per-row
+// operation (dot-product tree, max, exp, sums, accumulation order) depends only on
+// that row's own data and range. So a (token, head) output is bit-identical whatever
+// item it landed in, and therefore for any thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cpu/ops.h"
+#include "cpu/quants.h"
+#include "cpu/vec_math.h"
+
+namespace minfer::cpu {
+
+namespace {
+
+constexpr int64_t BK = 64;      // KV cells per block: a 64 x hd64 f32 K block is 16 KiB (L1)
+constexpr int64_t QROWS = 64;   // target query rows per prefill item
+
+struct Tiling {
+    int64_t r;         // query heads per KV head
+    int64_t bq;        // tokens per item
+    int64_t nqb;       // token blocks
+    int64_t rows_max;  // query rows an item may hold
+};
+
+Tiling tiling(const AttnArgs& a) {
+    Tiling t;
+    t.r = a.nh / a.nkv;
+    t.bq = a.nt <= 1 ? 1 : std::max<int64_t>(1, QROWS / t.r);
+    t.bq = std::min<int64_t>(t.bq, std::max<int64_t>(a.nt, 1));
+    t.nqb = (a.nt + t.bq - 1) / t.bq;
+    t.rows_max = t.bq * t.r;
+    return t;
+}
+
+inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
+
+inline bool use_simd() {
+#ifdef MINFER_VEC_AVX2
+    return kernel_path() == KernelPath::Simd;
+#else
+    return false;
+#endif
+}
+
+// out[j] = dot(q[j], k) for four query rows.
+inline void dot4(const float* const q[4], const float* k, int64_t hd, bool simd, float out[4]) {
+    int64_t d = 0;
+#ifdef MINFER_VEC_AVX2
+    if (simd) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (; d + 8 <= hd; d += 8) {
+            const __m256 kv = _mm256_loadu_ps(k + d);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[0] + d), kv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q[1] + d), kv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q[2] + d), kv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q[3] + d), kv, a3);
+        }
+        _mm_storeu_ps(out, vm::hsum4(a0, a1, a2, a3));
+    } else
+#endif
+    {
+        out[0] = out[1] = out[2] = out[3] = 0.0f;
+    }
+    for (; d < hd; ++d)
+        for (int j = 0; j < 4; ++j) out[j] += q[j][d] * k[d];
+}
+
+// p[0..n) = exp(p - m) in place; returns their sum.
+inline float exp_sub_sum(float* p, int64_t n, float m, bool simd) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#ifdef MINFER_VEC_AVX2
+    if (simd) {
+        const __m256 vm_ = _mm256_set1_ps(m);
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            __m256 e = vm::exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), vm_));
+            _mm256_storeu_ps(p + i, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        sum = vm::hsum8(acc);
+        if (i < n) {
+            alignas(32) float t[8];
+            const int64_t rem = n - i;
+            for (int j = 0; j < 8; ++j) t[j] = j < rem ? p[i + j] - m : -std::numeric_limits<float>::infinity();
+            _mm256_store_ps(t, vm::exp8(_mm256_load_ps(t)));
+            for (int64_t j = 0; j < rem; ++j) {
+                p[i + j] = t[j];
+                sum += t[j];
+            }
+        }
+        return sum;
+    }
+#endif
+    for (; i < n; ++i) {
+        p[i] = std::exp(p[i] - m);
+        sum += p[i];
+    }
+    return sum;
+}
+
+// acc[0..hd) = acc * alpha + sum_{c in [0, n)} p[c] * v[c * vstride + 0..hd).
+inline void accumulate(float* acc, float alpha, const float* p, const float* v, int64_t vstride, int64_t n,
+                       int64_t hd, bool simd) {
+    int64_t d0 = 0;
+#ifdef MINFER_VEC_AVX2
+    if (simd) {
+        const __m256 va = _mm256_set1_ps(alpha);
+        // 64 dims live in 8 registers across the whole cell loop.
+        for (; d0 + 64 <= hd; d0 += 64) {
+            __m256 r[8];
+            for (int k = 0; k < 8; ++k) r[k] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * k), va);
+            for (int64_t c = 0; c < n; ++c) {
+                const __m256 pc = _mm256_set1_ps(p[c]);
+                const float* vr = v + c * vstride + d0;
+                for (int k = 0; k < 8; ++k) r[k] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + 8 * k), r[k]);
+            }
+            for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + d0 + 8 * k, r[k]);
+        }
+        for (; d0 + 8 <= hd; d0 += 8) {
+            __m256 r0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), va);
+            for (int64_t c = 0; c < n; ++c)
+                r0 = _mm256_fmadd_ps(_mm256_set1_ps(p[c]), _mm256_loadu_ps(v + c * vstride + d0), r0);
+            _mm256_storeu_ps(acc + d0, r0);
+        }
+    }
+#endif
+    for (; d0 < hd; ++d0) {
+        float s = acc[d0] * alpha;
+        for (int64_t c = 0; c < n; ++c) s = std::fma(p[c], v[c * vstride + d0], s);
+        acc[d0] = s;
+    }
+}
+
+struct Row {
+    const float* q;
+    float* out;
+    int64_t lo, hi;  // visible cells [lo, hi)
+};
+
+// One work item: rows are (token, head) pairs that all read KV head g.
+void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, float* scratch, bool simd) {
+    const int64_t hd = a.hd, kvs = a.nkv * hd;
+    const float* kbase = a.k + g * hd;
+    const float* vbase = a.v + g * hd;
+    const int64_t hdp = round8(hd);
+    float* m = scratch;               // running max per row
+    float* l = m + nrows;             // running sum per row
+    float* acc = scratch + round8(2 * nrows);  // [nrows][hdp]
+    float* S = acc + nrows * hdp;     // [nrows][BK] scores, then probabilities
+    int64_t cmin = std::numeric_limits<int64_t>::max(), cmax = 0;
+    for (int64_t i = 0; i < nrows; ++i) {
+        m[i] = -std::numeric_limits<float>::infinity();
+        l[i] = 0.0f;
+        std::memset(acc + i * hdp, 0, hd * sizeof(float));
+        if (rows[i].lo < rows[i].hi) {
+            cmin = std::min(cmin, rows[i].lo);
+            cmax = std::max(cmax, rows[i].hi);
+        }
+    }
+    for (int64_t c0 = cmin / BK * BK; c0 < cmax; c0 += BK) {
+        const int64_t c1 = std::min(c0 + BK, cmax);
+        // Scores, four query rows per pass so each K row is read once per four rows.
+        for (int64_t i = 0; i < nrows; i += 4) {
+            const int64_t nj = std::min<int64_t>(4, nrows - i);
+            const float* qp[4];
+            int64_t a0 = c1, b0 = c0;
+            for (int64_t j = 0; j < 4; ++j) {
+                const Row& rw = rows[i + std::min(j, nj - 1)];  // pad with the last real row
+                qp[j] = rw.q;
+                if (j < nj && rw.lo < rw.hi) {
+                    a0 = std::min(a0, std::max(rw.lo, c0));
+                    b0 = std::max(b0, std::min(rw.hi, c1));
+                }
+            }
+            for (int64_t c = a0; c < b0; ++c) {
+                float d4[4];
+                dot4(qp, kbase + c * kvs, hd, simd, d4);
+                for (int64_t j = 0; j < nj; ++j) S[(i + j) * BK + (c - c0)] = d4[j] * a.scale;
+            }
+        }
+        // Online softmax update, row by row.
+        for (int64_t i = 0; i < nrows; ++i) {
+            const int64_t ca = std::max(rows[i].lo, c0), cb = std::min(rows[i].hi, c1);
+            if (ca >= cb) continue;
+            float* p = S + i * BK + (ca - c0);
+            const int64_t n = cb - ca;
+            float mb = p[0];
+            for (int64_t c = 1; c < n; ++c) mb = std::max(mb, p[c]);
+            const float mnew = std::max(m[i], mb);
+            const float alpha = m[i] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[i] - mnew);
+            const float ps = exp_sub_sum(p, n, mnew, simd);
+            l[i] = l[i] * alpha + ps;
+            m[i] = mnew;
+            accumulate(acc + i * hdp, alpha, p, vbase + ca * kvs, kvs, n, hd, simd);
+        }
+    }
+    for (int64_t i = 0; i < nrows; ++i) {
+        float* o = rows[i].out;
+        if (l[i] > 0.0f) {
+            const float inv = 1.0f / l[i];
+            for (int64_t d = 0; d < hd; ++d) o[d] = acc[i * hdp + d] * inv;
+        } else {
+            std::memset(o, 0, hd * sizeof(float));  // nothing visible: defined as zeros
+        }
+    }
+}
+
+}  // namespace
+
+size_t attention_scratch_floats(const AttnArgs& a) {
+    if (a.nkv <= 0 || a.nh <= 0 || a.hd <= 0) return 0;
+    const Tiling t = tiling(a);
+    return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK));
+}
+
+void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth) {
+    if (a.nt <= 0 || a.nkv <= 0) return;
+    const Tiling t = tiling(a);
+    // When token blocks x KV heads cannot keep every thread busy (decode with few KV
+    // heads), also split each group's query heads. Rows stay bit-identical (see top).
+    const int64_t base_items = t.nqb * a.nkv;
+    const int64_t hs = base_items >= nth ? 1 : std::min<int64_t>(t.r, (nth + base_items - 1) / base_items);
+    const int64_t hc = (t.r + hs - 1) / hs;
+    const int64_t n_items = base_items * hs;
+    const bool simd = use_simd();
+    Row rows[1024];
+    for (int64_t it = ith; it < n_items; it += nth) {
+        const int64_t hsub = it % hs;
+        const int64_t g = (it / hs) % a.nkv;
+        const int64_t qb = it / (hs * a.nkv);
+        const int64_t t0 = qb * t.bq, t1 = std::min(a.nt, t0 + t.bq);
+        const int64_t h0 = g * t.r + hsub * hc, h1 = std::min(g * t.r + t.r, h0 + hc);
+        if (h0 >= h1) continue;
+        int64_t nrows = 0;
+        for (int64_t tk = t0; tk < t1; ++tk) {
+            int64_t lo, hi;
+            if (a.span) {
+                lo = a.span[2 * tk];
+                hi = a.span[2 * tk + 1];
+            } else {
+                lo = 0;
+                hi = (int64_t)a.pos[tk] + 1;
+            }
+            for (int64_t h = h0; h < h1; ++h) {
+                Row& rw = rows[nrows];
+                rw.q = a.q + tk * a.q_stride + h * a.hd;
+                rw.out = a.out + (tk * a.nh + h) * a.hd;
+                rw.lo = lo;
+                rw.hi = hi;
+                if (++nrows == 1024) {  // very wide groups: flush early, rows are independent
+                    run_item(a, g, rows, nrows, scratch, simd);
+                    nrows = 0;
+                }
+            }
+        }
+        if (nrows) run_item(a, g, rows, nrows, scratch, simd);
+    }
+}
+
+}  // namespace minfer::cpu

@@ -1,0 +1,223 @@
+// Element-wise ops, RMSNorm, RoPE, row gathers and the KV store (attention lives in
+// attention.cpp). Each kernel does a contiguous share of its rows/elements; nothing
+// here synchronizes, the executor's barrier between steps does that.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu/ops.h"
+#include "cpu/quants.h"
+#include "cpu/vec_math.h"
+
+namespace minfer::cpu {
+
+namespace {
+
+// Honors set_kernel_path so tests can pin the portable path on a SIMD build.
+inline bool use_simd() {
+#ifdef MINFER_VEC_AVX2
+    return kernel_path() == KernelPath::Simd;
+#else
+    return false;
+#endif
+}
+
+#ifdef MINFER_VEC_AVX2
+// Applies a binary op f(a, b) over [i0, i1); the last partial vector goes through a
+// padded copy so every element, tail included, takes the SIMD arithmetic. That makes
+// the result independent of how the range was split between threads.
+template <class F>
+inline void map2_avx2(const float* a, const float* b, float* y, int64_t i0, int64_t i1, F f) {
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(y + i, f(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    if (i < i1) {
+        alignas(32) float ta[8] = {0}, tb[8] = {0}, ty[8];
+        const int64_t m = i1 - i;
+        std::memcpy(ta, a + i, m * 4);
+        std::memcpy(tb, b + i, m * 4);
+        _mm256_store_ps(ty, f(_mm256_load_ps(ta), _mm256_load_ps(tb)));
+        std::memcpy(y + i, ty, m * 4);
+    }
+}
+#endif
+
+}  // namespace
+
+void add_f32(const float* a, const float* b, float* y, int64_t n, int ith, int nth) {
+    int64_t i0, i1;
+    vm::share(n, ith, nth, 16, i0, i1);
+#ifdef MINFER_VEC_AVX2
+    if (use_simd()) {
+        map2_avx2(a, b, y, i0, i1, [](__m256 x, __m256 z) { return _mm256_add_ps(x, z); });
+        return;
+    }
+#endif
+    for (int64_t i = i0; i < i1; ++i) y[i] = a[i] + b[i];
+}
+
+void mul_f32(const float* a, const float* b, float* y, int64_t n, int ith, int nth) {
+    int64_t i0, i1;
+    vm::share(n, ith, nth, 16, i0, i1);
+#ifdef MINFER_VEC_AVX2
+    if (use_simd()) {
+        map2_avx2(a, b, y, i0, i1, [](__m256 x, __m256 z) { return _mm256_mul_ps(x, z); });
+        return;
+    }
+#endif
+    for (int64_t i = i0; i < i1; ++i) y[i] = a[i] * b[i];
+}
+
+void silu_f32(const float* x, float* y, int64_t n, int ith, int nth) {
+    int64_t i0, i1;
+    vm::share(n, ith, nth, 16, i0, i1);
+#ifdef MINFER_VEC_AVX2
+    if (use_simd()) {
+        // b is unused; passing x keeps one helper for both arities.
+        map2_avx2(x, x, y, i0, i1, [](__m256 v, __m256) { return vm::silu8(v); });
+        return;
+    }
+#endif
+    for (int64_t i = i0; i < i1; ++i) y[i] = vm::silu_scalar(x[i]);
+}
+
+void swiglu_f32(const float* g, const float* u, float* y, int64_t n, int ith, int nth) {
+    int64_t i0, i1;
+    vm::share(n, ith, nth, 16, i0, i1);
+#ifdef MINFER_VEC_AVX2
+    if (use_simd()) {
+        map2_avx2(g, u, y, i0, i1, [](__m256 a, __m256 b) { return _mm256_mul_ps(vm::silu8(a), b); });
+        return;
+    }
+#endif
+    for (int64_t i = i0; i < i1; ++i) {
+        // silu ends in a division, so there is no mul+add to contract: s * u rounds
+        // exactly as silu_f32 followed by mul_f32 does.
+        const float s = vm::silu_scalar(g[i]);
+        y[i] = s * u[i];
+    }
+}
+
+void rms_norm_f32(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps, int ith,
+                  int nth) {
+    int64_t r0, r1;
+    vm::share(nrows, ith, nth, 1, r0, r1);
+    const bool simd = use_simd();
+    for (int64_t r = r0; r < r1; ++r) {
+        const float* xr = x + r * d;
+        float* yr = y + r * d;
+        // Sum of squares in double: rows are short, and this matches a float64
+        // reference to ~1e-7 instead of drifting with d.
+        double ss = 0.0;
+        int64_t i = 0;
+#ifdef MINFER_VEC_AVX2
+        if (simd) {
+            __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+            for (; i + 8 <= d; i += 8) {
+                __m256d lo = _mm256_cvtps_pd(_mm_loadu_ps(xr + i));
+                __m256d hi = _mm256_cvtps_pd(_mm_loadu_ps(xr + i + 4));
+                acc0 = _mm256_fmadd_pd(lo, lo, acc0);
+                acc1 = _mm256_fmadd_pd(hi, hi, acc1);
+            }
+            alignas(32) double t[4];
+            _mm256_store_pd(t, _mm256_add_pd(acc0, acc1));
+            ss = (t[0] + t[1]) + (t[2] + t[3]);
+        }
+#endif
+        for (; i < d; ++i) ss += (double)xr[i] * (double)xr[i];
+        const float scale = (float)(1.0 / std::sqrt(ss / (double)d + (double)eps));
+        i = 0;
+#ifdef MINFER_VEC_AVX2
+        if (simd) {
+            const __m256 vs = _mm256_set1_ps(scale);
+            if (w) {
+                for (; i + 8 <= d; i += 8)
+                    _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), vs),
+                                                           _mm256_loadu_ps(w + i)));
+            } else {
+                for (; i + 8 <= d; i += 8) _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(xr + i), vs));
+            }
+        }
+#endif
+        if (w) {
+            for (; i < d; ++i) yr[i] = xr[i] * scale * w[i];
+        } else {
+            for (; i < d; ++i) yr[i] = xr[i] * scale;
+        }
+    }
+}
+
+void rope_neox_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd,
+                   int64_t n_rot, float freq_base, int ith, int nth) {
+    // Rows are (token, head) pairs; a thread recomputes cos/sin only when its token changes.
+    int64_t r0, r1;
+    vm::share(nt * nh, ith, nth, 1, r0, r1);
+    if (r0 >= r1) return;
+    const int64_t half = n_rot / 2;
+    static thread_local std::vector<float> cs;
+    static thread_local std::vector<double> inv_freq;
+    if ((int64_t)cs.size() < 2 * half) cs.resize(2 * half);
+    if ((int64_t)inv_freq.size() < half) inv_freq.resize(half);
+    for (int64_t i = 0; i < half; ++i)
+        inv_freq[i] = std::pow((double)freq_base, -2.0 * (double)i / (double)n_rot);
+    float* cosv = cs.data();
+    float* sinv = cs.data() + half;
+    int64_t cur_t = -1;
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t t = r / nh;
+        if (t != cur_t) {
+            // Angles in double: at position 3e4 a float theta would already be off by ~1e-3 rad.
+            for (int64_t i = 0; i < half; ++i) {
+                const double th = (double)pos[t] * inv_freq[i];
+                cosv[i] = (float)std::cos(th);
+                sinv[i] = (float)std::sin(th);
+            }
+            cur_t = t;
+        }
+        const float* xr = x + r * hd;
+        float* yr = y + r * hd;
+        for (int64_t i = 0; i < half; ++i) {
+            const float x0 = xr[i], x1 = xr[i + half];
+            yr[i] = x0 * cosv[i] - x1 * sinv[i];
+            yr[i + half] = x0 * sinv[i] + x1 * cosv[i];
+        }
+        if (yr != xr && n_rot < hd) std::memcpy(yr + n_rot, xr + n_rot, (hd - n_rot) * sizeof(float));
+    }
+}
+
+void get_rows_w(int32_t wtype, const void* table, size_t row_bytes, int64_t d, const int32_t* ids, int64_t n,
+                float* y, int ith, int nth) {
+    int64_t r0, r1;
+    vm::share(n, ith, nth, 1, r0, r1);
+    const uint8_t* base = (const uint8_t*)table;
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* src = base + (size_t)ids[r] * row_bytes;
+        if (wtype == T_F32)
+            std::memcpy(y + r * d, src, d * sizeof(float));
+        else
+            dequantize_row(wtype, src, y + r * d, d);
+    }
+}
+
+void get_rows_f32(const float* x, int64_t d, const int32_t* ids, int64_t n, float* y, int ith, int nth) {
+    int64_t r0, r1;
+    vm::share(n, ith, nth, 1, r0, r1);
+    for (int64_t r = r0; r < r1; ++r) std::memcpy(y + r * d, x + (int64_t)ids[r] * d, d * sizeof(float));
+}
+
+void kv_store_f32(const float* k, const float* v, const int32_t* cells, int64_t nt, int64_t kv_dim, float* kc,
+                  float* vc, int ith, int nth) {
+    // 2*nt row copies (K rows, then V rows) so a single decode token still uses two threads.
+    int64_t r0, r1;
+    vm::share(2 * nt, ith, nth, 1, r0, r1);
+    const size_t nb = (size_t)kv_dim * sizeof(float);
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t t = r < nt ? r : r - nt;
+        const int64_t c = cells[t];
+        if (r < nt)
+            std::memcpy(kc + c * kv_dim, k + t * kv_dim, nb);
+        else
+            std::memcpy(vc + c * kv_dim, v + t * kv_dim, nb);
+    }
+}
+
+}  // namespace minfer::cpu

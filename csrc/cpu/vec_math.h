@@ -1,0 +1,98 @@
+// Small vector-math helpers shared by the element-wise and attention kernels.
+// Internal to csrc/cpu (ops.cpp, attention.cpp); not part of the kernel contract.
+//
+// The SIMD helpers are written with explicit FMA intrinsics wherever a multiply
+// feeds an add, so the compiler has no mul+add pairs left to contract differently
+// depending on the inlining context; that keeps swiglu bit-identical to silu + mul.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MINFER_VEC_AVX2 1
+#endif
+
+namespace minfer::cpu::vm {
+
+// Contiguous [a, b) share of n items for thread ith; shares are multiples of align
+// so SIMD loops see whole vectors except in the very last share.
+inline void share(int64_t n, int ith, int nth, int64_t align, int64_t& a, int64_t& b) {
+    int64_t per = (n + nth - 1) / nth;
+    per = (per + align - 1) / align * align;
+    a = per * ith < n ? per * ith : n;
+    b = a + per < n ? a + per : n;
+}
+
+// Scalar silu, used by the portable path: splitting on the sign keeps exp() in (0, 1],
+// so neither tail overflows and large negative inputs keep their relative accuracy.
+// Clamping the negative multiplier at -200 (where e is already 0) makes silu(-inf) = -0
+// rather than -inf * 0 = NaN.
+inline float silu_scalar(float x) {
+    float e = std::exp(-std::fabs(x));
+    float num = x >= 0.0f ? x : (x < -200.0f ? -200.0f : x) * e;
+    return num / (1.0f + e);
+}
+
+#ifdef MINFER_VEC_AVX2
+
+// exp(x) for 8 floats, Cephes-style: x = n*ln2 + r, |r| <= ln2/2, degree-6 polynomial
+// (max rel. error ~2 ulp). 2^n is applied in two halves so results down to the
+// denormal range (x ~ -103) come out right and x > 88.72 overflows to +inf. NaN stays NaN.
+inline __m256 exp8(__m256 x) {
+    // Operand order matters: max/min return the second operand on NaN, so NaN survives.
+    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);
+    x = _mm256_min_ps(_mm256_set1_ps(89.0f), x);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // ln2 split in two so r keeps full precision.
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    p = _mm256_fmadd_ps(p, r2, r);
+    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+    __m256i n = _mm256_cvtps_epi32(fx);
+    __m256i n1 = _mm256_srai_epi32(n, 1);
+    __m256i n2 = _mm256_sub_epi32(n, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+// silu(x) = x * sigmoid(x), same sign split as silu_scalar.
+inline __m256 silu8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 e = exp8(_mm256_or_ps(x, sign));  // exp(-|x|)
+    __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    __m256 xc = _mm256_max_ps(_mm256_set1_ps(-200.0f), x);  // see silu_scalar; NaN survives
+    __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(xc, e), neg);
+    return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// Horizontal sum in a fixed tree: ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)). hsum4 uses the
+// very same per-row tree, so a row's value never depends on which helper summed it.
+inline float hsum8(__m256 v) {
+    __m256 h = _mm256_hadd_ps(v, v);
+    h = _mm256_hadd_ps(h, h);
+    __m128 lo = _mm256_castps256_ps128(h), hi = _mm256_extractf128_ps(h, 1);
+    return _mm_cvtss_f32(_mm_add_ps(lo, hi));
+}
+
+// Four horizontal sums at once -> (sum a, sum b, sum c, sum d).
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 ab = _mm256_hadd_ps(a, b);   // a01 a23 b01 b23 | a45 a67 b45 b67
+    __m256 cd = _mm256_hadd_ps(c, d);
+    __m256 s = _mm256_hadd_ps(ab, cd);  // a0123 b0123 c0123 d0123 | a4567 ...
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+#endif  // MINFER_VEC_AVX2
+
+}  // namespace minfer::cpu::vm
