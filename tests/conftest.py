@@ -1,0 +1,26 @@
+"""Shared fixtures. Keep this small: fixtures used by one test module live there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    """The real default model, fetched once per machine through minfer's own cache
+    (honours $MINFER_CACHE). A failed fetch is an error, not a skip."""
+    from minfer.model_cache import default_model_path
+
+    return default_model_path(pull=True, progress=False)
+
+
+@pytest.fixture(scope="session")
+def synth_model_path(tmp_path_factory) -> Path:
+    """A tiny random-weight qwen2 model (all F32, with tokenizer), shared read-only."""
+    from minfer.testing import write_model
+
+    path = tmp_path_factory.mktemp("synth") / "qwen2-tiny.gguf"
+    write_model(path)
+    return path
