@@ -36,6 +36,7 @@ from minfer.errors import MinferError
 
 __all__ = [
     "BenchArgumentError", "BenchResult", "FIELDS", "format_results", "parse_int_list", "run_bench",
+    "time_pp", "time_tg", "random_tokens",
 ]
 
 
@@ -306,7 +307,8 @@ def cpu_info() -> str:
 
 def _vocab_size(eng, model_path: Path) -> int:
     info = getattr(eng, "model_info", {}) or {}
-    for v in (info.get("n_vocab"), getattr(eng, "n_vocab", None)):
+    hp = getattr(eng, "hp", None)
+    for v in (info.get("n_vocab"), getattr(eng, "n_vocab", None), getattr(hp, "n_vocab", None)):
         if isinstance(v, int) and v > 0:
             return v
     import gguf  # last resort: the embedding table's row count
@@ -416,17 +418,25 @@ def run_bench(
             for kind, n in [("pp", p) for p in pps] + [("tg", g) for g in tgs]:
                 idx += 1
                 tag = f"minfer bench: {idx}/{total} {kind}{n} t={n_threads}"
-                rng = np.random.default_rng(seed)
-                # Random ids, as llama-bench: the work per token does not depend on the id.
-                toks = rng.integers(0, n_vocab, size=max(n, 1) + 1).tolist()
-                run = _make_pp(eng, toks[:n]) if kind == "pp" else _make_tg(eng, toks, n)
+                toks = random_tokens(n_vocab, n + 1, seed)
+                if kind == "pp":
+                    def one() -> int:
+                        return time_pp(eng, toks[:n])
+                    warm = one
+                else:
+                    def one() -> int:
+                        return time_tg(eng, toks, n)
+
+                    def warm() -> int:
+                        # As llama-bench's tg warm-up: exercise the decode path once.
+                        return time_tg(eng, toks, 1)
                 if warmup:
                     say(f"{tag}: warm-up")
-                    _one_rep(eng, run, warm=True)
+                    warm()
                 samples = []
                 for r in range(reps):
                     say(f"{tag}: run {r + 1}/{reps}")
-                    samples.append(_one_rep(eng, run))
+                    samples.append(one())
                 results.append(BenchResult(
                     **base,
                     n_prompt=n if kind == "pp" else 0,
@@ -448,41 +458,30 @@ def run_bench(
     return results
 
 
-@dataclass
-class _Run:
-    setup: Callable[[], None]   # untimed
-    timed: Callable[[], None]
-    warm: Callable[[], None]
-
-
-def _one_rep(eng, run: _Run, warm: bool = False) -> int:
+def time_pp(eng, toks: Sequence[int]) -> int:
+    """ns for one forward of toks from an empty KV (the reset is not timed)."""
     eng.reset()
-    if warm:
-        run.warm()
-        return 0
-    run.setup()
     t0 = time.perf_counter_ns()
-    run.timed()
+    eng.forward(list(toks), n_out=1)
     return time.perf_counter_ns() - t0
 
 
-def _make_pp(eng, toks: list[int]) -> _Run:
-    def timed() -> None:
-        eng.forward(toks, n_out=1)
-    return _Run(setup=lambda: None, timed=timed, warm=timed)
+def time_tg(eng, toks: Sequence[int], n: int) -> int:
+    """ns for n single-token decode steps after an untimed 1-token prefill.
+
+    toks needs n + 1 ids: toks[0] is the prefill, toks[1..n] are fed one by one."""
+    if len(toks) < n + 1:
+        raise BenchArgumentError(f"tg{n} needs {n + 1} token ids, got {len(toks)}")
+    eng.reset()
+    fwd = eng.forward
+    fwd([toks[0]], n_out=1)
+    steps = [[t] for t in toks[1:n + 1]]
+    t0 = time.perf_counter_ns()
+    for step in steps:
+        fwd(step, n_out=1)
+    return time.perf_counter_ns() - t0
 
 
-def _make_tg(eng, toks: list[int], n: int) -> _Run:
-    def setup() -> None:
-        eng.forward(toks[:1], n_out=1)
-
-    def timed() -> None:
-        fwd = eng.forward
-        for i in range(1, n + 1):
-            fwd(toks[i:i + 1], n_out=1)
-
-    def warm() -> None:
-        # Like llama-bench's warm-up for tg: exercise the decode path once.
-        setup()
-        eng.forward(toks[1:2], n_out=1)
-    return _Run(setup=setup, timed=timed, warm=warm)
+def random_tokens(n_vocab: int, n: int, seed: int) -> list[int]:
+    # Random ids, as llama-bench uses: the work per token does not depend on the id.
+    return np.random.default_rng(seed).integers(0, n_vocab, size=n).tolist()
