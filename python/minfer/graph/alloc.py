@@ -1,0 +1,337 @@
+"""GraphAllocator: the single owner of every buffer.
+
+One pool per participating backend (pools live in `_core`). A graph build plans its
+buffers here: liveness in build order (the order the scheduler executes), inputs
+and outputs pinned, in-place aliasing where it is safe, persistent per-layer K/V
+regions that survive rebuilds, and fresh staging buffers for split boundaries.
+
+KV sizing rule: a layer's regions are created once, by the first graph that uses
+the layer, on that graph's backend for the layer. A later graph asking for the
+same layer with a different kv_dim or n_ctx is an error (the KV holds the
+conversation; silently resizing would drop it). Call `reset_kv()` to start over.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import numpy as np
+
+from minfer.graph.ir import KV_BOUND, KV_WRITERS, ComputeGraph, DType, GraphError, Op
+
+# Ops that may write their output over their first input (same shape, elementwise
+# per position), saving a buffer and keeping kernel-order execution correct.
+ALIASING = frozenset({Op.Silu, Op.RoPE, Op.QkvBiasRopeStore})
+
+_INF = 1 << 62
+
+
+@dataclass(frozen=True)
+class BufRef:
+    backend: int
+    id: int
+
+
+@dataclass
+class KvRegion:
+    layer: int
+    backend: int
+    k: int
+    v: int
+    kv_dim: int
+    n_ctx: int
+
+
+class _Cross:
+    """One split-boundary staging buffer: a node's value copied to another backend."""
+    __slots__ = ("node", "src", "dst", "nbytes", "state", "ticket")
+
+    def __init__(self, node: int, src: BufRef, dst: BufRef, nbytes: int) -> None:
+        self.node, self.src, self.dst, self.nbytes = node, src, dst, nbytes
+        self.state = "idle"      # idle -> enqueued -> ready, once per execute
+        self.ticket = None
+
+
+def liveness(graph: ComputeGraph, order: Iterable[int]) -> dict:
+    """last_use[node] as a position in `order`: the last position any live consumer
+    reads it. Inputs and outputs are pinned for the whole graph."""
+    order = list(order)
+    pos = {nid: i for i, nid in enumerate(order)}
+    last = {}
+    for nid in order:
+        if nid in graph.dead:
+            continue
+        last[nid] = max(last.get(nid, pos[nid]), pos[nid])
+        for s in graph.nodes[nid].src:
+            last[s] = max(last.get(s, pos[s]), pos[nid])
+    for nid in list(graph.outputs) + pinned_inputs(graph):
+        last[nid] = _INF
+    return last
+
+
+def pinned_inputs(graph: ComputeGraph) -> list:
+    ids = set(graph.inputs) | {n.id for n in graph.nodes if n.op is Op.Input}
+    return sorted(i for i in ids if i not in graph.dead)
+
+
+def plan_buffers(graph: ComputeGraph, order: Iterable[int]):
+    """Decide which nodes share a buffer, walking `order` (the allocator always
+    passes build order; the parameter exists so tests can show why).
+
+    Returns (slot_of: node -> slot index, slots: list of (backend, nbytes)) for every
+    live node that needs a pooled buffer. KV-bound nodes are absent (they use the
+    persistent regions). Sharing is by exact byte size, matching the pool."""
+    order = list(order)
+    last = liveness(graph, order)
+    cons = graph.consumers()
+    outputs = set(graph.outputs)
+    inputs = pinned_inputs(graph)
+    pinned = set(inputs) | outputs
+    slots: list = []
+    slot_of: dict = {}
+    expiry: dict = {}            # slot -> last position read
+    free: dict = {}              # (backend, nbytes) -> free slots (LIFO)
+    heap: list = []              # (expiry, slot) of live, non-pinned slots
+
+    def backend_of(node) -> int:
+        if node.backend is None:
+            raise GraphError(f"node {node.id} ({node.name}) has no backend; run assign_backends first")
+        return node.backend
+
+    def new_slot(node, exp: int) -> int:
+        key = (backend_of(node), node.nbytes)
+        lst = free.get(key)
+        s = lst.pop() if lst else None
+        if s is None:
+            s = len(slots)
+            slots.append(key)
+        expiry[s] = exp
+        if exp < _INF:
+            heapq.heappush(heap, (exp, s))
+        return s
+
+    # Inputs are host-filled before anything runs, so they are live from the start
+    # and never share a buffer with each other or with anything else.
+    for nid in inputs:
+        slot_of[nid] = new_slot(graph.nodes[nid], _INF)
+
+    for i, nid in enumerate(order):
+        node = graph.nodes[nid]
+        if nid in graph.dead or nid in slot_of or node.op in KV_BOUND:
+            continue
+        while heap and heap[0][0] < i:
+            exp, s = heapq.heappop(heap)
+            if expiry[s] != exp:
+                continue        # stale: an alias extended this slot (and re-pushed it)
+            free.setdefault(slots[s], []).append(s)
+        if node.op in ALIASING and node.src:
+            x = node.src[0]
+            xn = graph.nodes[x]
+            if (x in slot_of and x not in pinned and cons[x] == [nid] and xn.backend == backend_of(node)
+                    and xn.nbytes == node.nbytes):
+                s = slot_of[x]
+                slot_of[nid] = s
+                if last[nid] > expiry[s]:
+                    expiry[s] = last[nid]
+                    if last[nid] < _INF:
+                        heapq.heappush(heap, (last[nid], s))
+                continue
+        slot_of[nid] = new_slot(node, last[nid])
+    return slot_of, slots
+
+
+class GraphAllocator:
+    def __init__(self, entries: list) -> None:
+        self.entries = {e.id: e for e in entries}
+        self.pools = {e.id: e.make_pool() for e in entries}
+        self.node_to_buf: dict = {}
+        self.cross: dict = {}            # (node, dst backend) -> _Cross
+        self.kv: dict = {}               # layer -> KvRegion
+        self.persistent: list = []       # (name, BufRef): never freed by a rebuild
+        self.stats = {"copies": 0, "waits": 0}
+        self._graph: Optional[ComputeGraph] = None
+        self._inputs: dict = {}          # name -> (node, pool, id)
+
+    # ---- build time ----
+
+    def release(self) -> None:
+        """Return the current graph's buffers (not the KV) to their pools."""
+        kv_ids = {(r.backend, r.k) for r in self.kv.values()}
+        seen = set()
+        for ref in self.node_to_buf.values():
+            key = (ref.backend, ref.id)
+            if key in kv_ids or key in seen:
+                continue
+            seen.add(key)
+            self.pools[ref.backend].free(ref.id)
+        for c in self.cross.values():
+            self.pools[c.dst.backend].free(c.dst.id)
+        self.node_to_buf.clear()
+        self.cross.clear()
+        self._inputs.clear()
+        self._graph = None
+
+    def alloc_graph(self, graph: ComputeGraph) -> None:
+        self.release()
+        graph.topo_order()          # acyclicity; the order itself is not used
+        graph.check_build_order()
+        for node in graph.nodes:
+            if node.id not in graph.dead and node.backend not in self.pools:
+                raise GraphError(f"node {node.id} ({node.name}) is assigned to backend {node.backend}, "
+                                 f"which has no pool here (participating: {sorted(self.pools)})")
+        slot_of, slots = plan_buffers(graph, range(len(graph.nodes)))
+        slot_ids = [self.pools[b].alloc(nbytes) for b, nbytes in slots]
+        for nid, s in slot_of.items():
+            self.node_to_buf[nid] = BufRef(slots[s][0], slot_ids[s])
+        for node in graph.nodes:
+            if node.id in graph.dead:
+                continue
+            if node.op in KV_BOUND:
+                r = self.ensure_kv(node.meta.layer, node.backend, node.meta.kv_dim, node.meta.n_ctx)
+                self.node_to_buf[node.id] = BufRef(r.backend, r.k)
+            elif node.op in KV_WRITERS:
+                m = node.meta
+                self.ensure_kv(m.layer, node.backend, m.kv_dim, m.n_ctx)
+        for nid in pinned_inputs(graph):
+            node = graph.nodes[nid]
+            ref = self.node_to_buf[nid]
+            self._inputs[node.name] = (node, self.pools[ref.backend], ref.id)
+        self._graph = graph
+
+    def ensure_kv(self, layer: int, backend: int, kv_dim: int, n_ctx: int) -> KvRegion:
+        r = self.kv.get(layer)
+        if r is not None:
+            if (r.kv_dim, r.n_ctx) != (kv_dim, n_ctx):
+                raise GraphError(f"layer {layer} KV was created as [{r.kv_dim}, {r.n_ctx}] and a graph now asks for "
+                                 f"[{kv_dim}, {n_ctx}]; size the context once per conversation or call reset_kv()")
+            return r
+        nbytes = kv_dim * n_ctx * 4
+        pool = self.pools[backend]
+        r = KvRegion(layer, backend, pool.alloc_fresh(nbytes), pool.alloc_fresh(nbytes), kv_dim, n_ctx)
+        self.kv[layer] = r
+        self.persistent += [(f"kv.{layer}.k", BufRef(backend, r.k)), (f"kv.{layer}.v", BufRef(backend, r.v))]
+        return r
+
+    def kv_pair(self, layer: int) -> KvRegion:
+        r = self.kv.get(layer)
+        if r is None:
+            raise GraphError(f"layer {layer} has no KV regions (no KV store/load node for it was allocated)")
+        return r
+
+    def reset_kv(self) -> None:
+        """Drop every layer's K/V (a new conversation with a different context size)."""
+        for r in self.kv.values():
+            self.pools[r.backend].free(r.k)
+            self.pools[r.backend].free(r.v)
+        self.kv.clear()
+        self.persistent = [p for p in self.persistent if not p[0].startswith("kv.")]
+
+    def buffer(self, node_id: int) -> BufRef:
+        try:
+            return self.node_to_buf[node_id]
+        except KeyError:
+            raise GraphError(f"node {node_id} has no buffer (fused away, or the graph was not allocated)") from None
+
+    # ---- split-boundary staging ----
+
+    def stage(self, node_id: int, dst_backend: int) -> BufRef:
+        """The staging buffer for node_id's value on dst_backend: created once per
+        graph (fresh, so it cannot collide with a recycled buffer in this graph)."""
+        key = (node_id, dst_backend)
+        c = self.cross.get(key)
+        if c is None:
+            src = self.buffer(node_id)
+            nbytes = self._graph.nodes[node_id].nbytes
+            c = _Cross(node_id, src, BufRef(dst_backend, self.pools[dst_backend].alloc_fresh(nbytes)), nbytes)
+            self.cross[key] = c
+        return c.dst
+
+    def begin_execute(self) -> None:
+        for c in self.cross.values():
+            c.state = "idle"
+            c.ticket = None
+
+    def enqueue_cross(self, key: tuple) -> None:
+        """Phase 1, at the split boundary: start the copy. A second enqueue of an
+        entry already in flight is the same transfer, so it is a no-op."""
+        c = self.cross[key]
+        if c.state == "enqueued":
+            return
+        src_entry = self.entries[c.src.backend]
+        c.ticket = src_entry.copy_cross(self.pools[c.src.backend], c.src.id, self.pools[c.dst.backend], c.dst.id,
+                                        c.nbytes)
+        c.state = "enqueued"
+        self.stats["copies"] += 1
+
+    def await_cross(self, key: tuple) -> None:
+        """Phase 2, at the consumer's first read: exactly one wait per copy."""
+        c = self.cross[key]
+        if c.state == "ready":
+            return
+        if c.state != "enqueued":
+            raise GraphError(f"staged copy of node {c.node} to backend {c.dst.backend} was never enqueued")
+        self.entries[c.src.backend].await_cross(c.ticket)
+        c.state = "ready"
+        c.ticket = None
+        self.stats["waits"] += 1
+
+    def cross_input(self, key: tuple) -> BufRef:
+        """The staged buffer, refused unless its copy has been awaited this execute."""
+        c = self.cross[key]
+        if c.state != "ready":
+            raise GraphError(f"staged copy of node {c.node} to backend {c.dst.backend} read before it was awaited "
+                             f"(state {c.state})")
+        return c.dst
+
+    def finish_execute(self) -> None:
+        """Drain copies nothing read (one wait each), so no transfer outlives the step."""
+        for key, c in self.cross.items():
+            if c.state == "enqueued":
+                self.await_cross(key)
+
+    # ---- host access ----
+
+    def fill_input(self, graph: ComputeGraph, name: str, data) -> None:
+        if graph is not self._graph:
+            raise GraphError("fill_input: this graph is not the one currently allocated")
+        try:
+            node, pool, bid = self._inputs[name]
+        except KeyError:
+            raise GraphError(f"graph has no input named {name!r} (inputs: {', '.join(self._inputs)})") from None
+        arr = np.asarray(data)
+        if node.out_dtype is DType.I32:
+            if arr.dtype.kind not in "iu" and arr.size:
+                raise GraphError(f"input {name!r} is i32 and needs integer data, got {arr.dtype}")
+            if arr.dtype != np.int32:
+                if arr.size and (arr.min() < -(1 << 31) or arr.max() >= (1 << 31)):
+                    raise GraphError(f"input {name!r}: values outside int32")
+                arr = arr.astype(np.int32)
+        elif node.out_dtype is DType.F32:
+            arr = arr.astype(np.float32, copy=False)
+        else:
+            raise GraphError(f"input {name!r} has dtype {node.out_dtype.value}; host fill supports f32 and i32")
+        if arr.size != node.n_elements:
+            raise GraphError(f"input {name!r} takes exactly {node.n_elements} values, got {arr.size}")
+        pool.write(bid, np.ascontiguousarray(arr).reshape(-1))
+
+    def copy_to_host(self, node_id: int) -> np.ndarray:
+        """A node's value as a token-major array [rows, d]."""
+        g = self._graph
+        if g is None or not 0 <= node_id < len(g.nodes):
+            raise GraphError(f"copy_to_host: no node {node_id} in the allocated graph")
+        node = g.nodes[node_id]
+        ref = self.buffer(node_id)
+        if node.out_dtype not in (DType.F32, DType.I32):
+            raise GraphError(f"copy_to_host: node {node.name!r} is {node.out_dtype.value}")
+        out = self.pools[ref.backend].read(ref.id, node.out_dtype.numpy, node.n_elements)
+        return out.reshape(node.n_rows, node.out_shape[0])
+
+    def copy_kv_to_host(self, layer: int) -> tuple:
+        """(K, V) of a layer, each [n_ctx, kv_dim]."""
+        r = self.kv_pair(layer)
+        pool = self.pools[r.backend]
+        n = r.kv_dim * r.n_ctx
+        return (pool.read(r.k, "float32", n).reshape(r.n_ctx, r.kv_dim),
+                pool.read(r.v, "float32", n).reshape(r.n_ctx, r.kv_dim))

@@ -1,0 +1,39 @@
+"""FusionPass: the peephole rewrite Mul(Silu(x), y) -> SwiGLU(x, y).
+
+Runs after backend assignment, because a rewrite is only made where the mul's
+backend says it has the fused kernel. The folded Silu becomes a dead node (no
+buffer, never executed). Build-time fused ops (FusedQKV, FusedFFN, ...) are not
+matched here: the builder emits them directly.
+"""
+
+from __future__ import annotations
+
+from minfer.graph.ir import ComputeGraph, Op
+
+
+class FusionPass:
+    def run(self, graph: ComputeGraph, entries_by_id: dict) -> int:
+        """Rewrite in place; returns the number of rewrites."""
+        cons = graph.consumers()
+        outputs = set(graph.outputs)
+        count = 0
+        for node in graph.nodes:
+            if node.op is not Op.Mul or node.id in graph.dead or node.backend is None:
+                continue
+            entry = entries_by_id.get(node.backend)
+            if entry is None or not entry.supports_fused("swiglu"):
+                continue
+            a, b = node.src
+            for gate_side, other in ((a, b), (b, a)):
+                s = graph.nodes[gate_side]
+                # The Silu must feed only this mul (its value is dropped) and be live.
+                if (s.op is Op.Silu and gate_side != other and gate_side not in graph.dead
+                        and gate_side not in outputs and cons[gate_side] == [node.id]):
+                    x = s.src[0]
+                    node.op = Op.SwiGLU
+                    node.src = [x, other]
+                    graph.dead.add(gate_side)
+                    cons[x] = [node.id if c == gate_side else c for c in cons[x]]
+                    count += 1
+                    break
+        return count

@@ -1,0 +1,112 @@
+"""Lowering: each split becomes one `_core.Plan`, once per graph build.
+
+Buffer ids are resolved here through the allocator (node buffers, KV regions,
+staging buffers for cross-backend inputs) and weight names through the model's
+WeightRegistry, so a reused graph re-runs its plans with no Python per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minfer.errors import BackendError
+from minfer.graph.ir import KV_BOUND, ComputeGraph, GraphError
+
+
+@dataclass
+class LoweredSplit:
+    split: object
+    entry: object
+    pool: object
+    plan: object
+    step_nodes: list
+    staged: list = field(default_factory=list)      # (node, backend) keys, in first-read order
+    first_read: dict = field(default_factory=dict)  # step index -> staged keys first read there
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.step_nodes)
+
+
+@dataclass
+class Lowered:
+    splits: list
+
+
+class LowerCtx:
+    """What a backend's lower_node may ask: buffer ids on its own backend."""
+
+    def __init__(self, graph: ComputeGraph, alloc, weights, backend: int, names) -> None:
+        self.graph, self.alloc, self.weights, self.backend, self._names = graph, alloc, weights, backend, names
+        self.staged: list = []
+        self.first_read: dict = {}
+        self.step = 0
+
+    def _mismatch(self, node, what: str, other: int) -> BackendError:
+        return BackendError(f"node {node.id} ({node.name}) runs in a {self._names(self.backend)} split but {what} "
+                            f"lives on backend {self._names(other)}")
+
+    def out(self, node) -> int:
+        ref = self.alloc.buffer(node.id)
+        if ref.backend != self.backend:
+            raise self._mismatch(node, "its buffer", ref.backend)
+        return ref.id
+
+    def src(self, node, i: int) -> int:
+        s = node.src[i]
+        if s in self.graph.dead:
+            raise GraphError(f"node {node.id} ({node.name}) reads node {s}, which was fused away")
+        ref = self.alloc.buffer(s)
+        if ref.backend == self.backend:
+            return ref.id
+        prod = self.graph.nodes[s]
+        if prod.op in KV_BOUND:
+            raise self._mismatch(node, f"its KV source {prod.name!r}", ref.backend)
+        key = (s, self.backend)
+        dst = self.alloc.stage(s, self.backend)
+        if key not in self.staged:
+            self.staged.append(key)
+            self.first_read.setdefault(self.step, []).append(key)
+        return dst.id
+
+    def kv(self, node, layer: int) -> tuple:
+        r = self.alloc.kv_pair(layer)
+        if r.backend != self.backend:
+            raise self._mismatch(node, f"layer {layer}'s KV", r.backend)
+        return r.k, r.v
+
+    def weight(self, name, node) -> int:
+        return self.weights.handle(name, node.name)
+
+
+def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, registry) -> Lowered:
+    from minfer import _core
+
+    out = []
+    for k, sp in enumerate(splits):
+        entry = alloc.entries[sp.backend]
+        if entry.lower_node is None:
+            raise BackendError(f"backend {entry.name!r} cannot execute plans in this build")
+        pool = alloc.pools[sp.backend]
+        ctx = LowerCtx(graph, alloc, weights, sp.backend, registry.name_of)
+        plan = _core.Plan(f"split{k}:{entry.name}")
+        step_nodes = []
+        for i in range(*sp.node_range):
+            node = graph.nodes[i]
+            if i in graph.dead:
+                continue
+            if node.backend != sp.backend:
+                raise BackendError(f"node {i} ({node.name}) is on backend {registry.name_of(node.backend)} inside a "
+                                   f"{entry.name} split")
+            for op, bufs, ip, fp, w in entry.lower_node(node, graph, ctx):
+                plan.add(op, i, bufs, ip, fp, w)
+                step_nodes.append(i)
+                ctx.step = len(step_nodes)
+            if node.op not in KV_BOUND and node.id not in alloc.node_to_buf:
+                raise GraphError(f"node {i} ({node.name}) was not allocated")
+        try:
+            _core.validate(plan, pool, weights.store)
+        except (ValueError, IndexError) as e:
+            raise GraphError(f"split {k} ({entry.name}) does not lower to a valid plan: {e}") from e
+        out.append(LoweredSplit(sp, entry, pool, plan, step_nodes, ctx.staged, ctx.first_read))
+    return Lowered(out)

@@ -1,0 +1,34 @@
+"""The reuse identity: everything the topology of a graph depends on, and nothing else.
+
+n_past is deliberately absent: positions and KV cells are graph inputs (data), so a
+decode step at any position reuses the same graph.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class GraphType(enum.Enum):
+    Prefill = "prefill"
+    Decode = "decode"
+
+
+@dataclass(frozen=True)
+class CParams:
+    n_ctx: int
+    flash_attn: bool = False
+    gpu: bool = False            # a GPU backend participates: assignment is topology
+    fuse_qkv: bool = False       # decode QKV fusion; part of the identity so env A/Bs rebuild
+    fuse_ffn: bool = False       # decode FFN fusion; same reason
+    explicit_span: bool = False  # attention reads an explicit per-token span input
+
+
+@dataclass(frozen=True)
+class GraphParams:
+    n_tokens: int
+    n_out: int                   # tail rows that need logits: changes the topology (get_rows)
+    gtype: GraphType
+    cparams: CParams
+    weights_version: int = 1     # reserved: a weight reload bumps it to break reuse
