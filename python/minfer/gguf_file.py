@@ -319,9 +319,10 @@ class GGUFFile:
         n_elements = 1
         for d in shape:
             n_elements *= d
-        if shape and shape[0] % block:
+        row = shape[0] if shape else 1
+        if row % block:
             raise GGUFError(
-                f"tensor {name!r} at byte {at}: row length {shape[0]} is not a multiple of the "
+                f"tensor {name!r} at byte {at}: row length {row} is not a multiple of the "
                 f"{qtype.name} block size {block}"
             )
         nbytes = n_elements // block * type_size

@@ -63,7 +63,7 @@ def _sidecar(path: Path) -> Path:
 
 def _stamp(path: Path, sha256: str) -> str:
     st = path.stat()
-    return f"{sha256} {st.st_size} {st.st_mtime_ns}"
+    return f"{sha256} {st.st_size} {st.st_mtime_ns} {st.st_ino}"
 
 
 def _record_verified(path: Path, sha256: str) -> None:
@@ -186,9 +186,12 @@ def assemble(
         tmp.unlink(missing_ok=True)
 
 
-def verify(path: Path, size: int = DEFAULT_MODEL_SIZE, sha256: str = DEFAULT_MODEL_SHA256) -> bool:
-    """True if `path` is the expected file: the cheap sidecar check, else a full re-hash
-    (whose success is recorded so the next check is cheap again)."""
+def verify(path: Path, size: int | None = None, sha256: str | None = None) -> bool:
+    """True if `path` is the expected file (default: the default model's size and hash):
+    the cheap sidecar check, else a full re-hash whose success is recorded so the next
+    check is cheap again."""
+    size = DEFAULT_MODEL_SIZE if size is None else size
+    sha256 = DEFAULT_MODEL_SHA256 if sha256 is None else sha256
     if _is_verified(path, size, sha256):
         return True
     try:
