@@ -135,25 +135,26 @@ float dot_q5K_scalar(int64_t nb, const block_q5_K* x, const block_q8_K* y) {
 float dot_q6K_scalar(int64_t nb, const block_q6_K* x, const block_q8_K* y) {
     float acc = 0.0f;
     for (int64_t i = 0; i < nb; ++i) {
-        int32_t sub[16] = {0};
+        // Unpacking to a flat array first keeps the sub-block loops simple enough for
+        // the compiler to vectorize even in this portable path.
+        int8_t q[QK_K];
         for (int h = 0; h < 2; ++h) {
             const uint8_t* ql = x[i].ql + 64 * h;
             const uint8_t* qh = x[i].qh + 32 * h;
-            const int8_t* a = y[i].qs + 128 * h;
+            int8_t* o = q + 128 * h;
             for (int l = 0; l < 32; ++l) {
-                const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
-                const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                const int k = 8 * h + l / 16;
-                sub[k + 0] += q1 * a[l];
-                sub[k + 2] += q2 * a[l + 32];
-                sub[k + 4] += q3 * a[l + 64];
-                sub[k + 6] += q4 * a[l + 96];
+                o[l + 0] = (int8_t)(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                o[l + 32] = (int8_t)(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                o[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
             }
         }
         int32_t sumi = 0;
-        for (int k = 0; k < 16; ++k) sumi += x[i].scales[k] * sub[k];
+        for (int k = 0; k < 16; ++k) {
+            int32_t s = 0;
+            for (int l = 0; l < 16; ++l) s += q[16 * k + l] * y[i].qs[16 * k + l];
+            sumi += x[i].scales[k] * s;
+        }
         acc += y[i].d * h2f(x[i].d) * (float)sumi;
     }
     return acc;
