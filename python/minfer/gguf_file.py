@@ -147,6 +147,32 @@ def _value_type(raw: int, at: int, what: str) -> GGUFValueType:
         raise GGUFError(f"unknown metadata value type {raw} for {what} at byte {at}") from None
 
 
+_U64 = struct.Struct("<Q")
+
+
+def _string_array(cur: _Cursor, count: int, key: str) -> list[str]:
+    """The hot path of opening a model (~300k vocabulary strings): the same checks as
+    _Cursor.value_string, inlined."""
+    buf, pos, size = cur.buf, cur.pos, cur.size
+    unpack = _U64.unpack_from
+    out: list[str] = [""] * count
+    for i in range(count):
+        if pos + 8 > size:
+            cur.pos = pos
+            cur.need(8, f"length of element {i} of {key!r}")
+        (n,) = unpack(buf, pos)
+        pos += 8
+        if n > size - pos:
+            raise GGUFError(
+                f"element {i} of {key!r} at byte {pos - 8} claims {n} bytes but only "
+                f"{size - pos} remain in the file"
+            )
+        out[i] = buf[pos : pos + n].decode("utf-8", errors="replace")
+        pos += n
+    cur.pos = pos
+    return out
+
+
 def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0) -> Any:
     if vtype == GGUFValueType.STRING:
         return cur.value_string(f"string value of {key!r}")
@@ -168,7 +194,7 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0) ->
             f"(at least {count * min_size} bytes) but only {cur.remaining} bytes remain"
         )
     if etype == GGUFValueType.STRING:
-        return [cur.value_string(f"element of {key!r}") for _ in range(count)]
+        return _string_array(cur, count, key)
     if etype == GGUFValueType.ARRAY:
         return [_read_value(cur, etype, key, depth + 1) for _ in range(count)]
     _, dtype = _SCALAR_FORMATS[etype]
