@@ -447,3 +447,12 @@ def test_real_model_header(real_model_path):
         assert {t.type_name for t in g.tensors.values()} == {"F32", "Q5_0", "Q8_0", "Q4_K", "Q6_K"}
     out = _render(real_model_path)
     assert "Qwen2.5 Coder 0.5B Instruct" in out and "151,936" in out
+
+
+def test_print_info_without_tokenizer(tmp_path):
+    from minfer.testing import write_model
+
+    cfg = write_model(tmp_path / "n.gguf", with_tokenizer=False, tie_embeddings=True, n_layer=1)
+    out = _render(cfg.path)
+    assert "absent" in out  # no chat template
+    assert "output.weight" not in out and "blk.0.ffn_down.weight" in out
