@@ -1,0 +1,75 @@
+"""What the engine holds between forward passes: the model's weights registered with
+the compiled core (by reference into the GGUF mmap), and the graph cache.
+
+A forward pass is §11.1's reuse kernel: params -> reuse or build+install -> fill the
+inputs -> run the plans -> read the logits. A reused decode step is a handful of
+Python->C++ calls: three input writes, one run per split, one read.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from minfer.graph import runtime as graph_runtime
+from minfer.graph.cache import GraphCache
+from minfer.graph.export import write_dot
+from minfer.graph.params import CParams, GraphParams, GraphType
+from minfer.graph.trace import trace_enabled, trace_summary
+from minfer.graph.weights import WeightRegistry
+
+
+def register_weights(model, gguf, weights: WeightRegistry) -> None:
+    for name in model.expected_tensors():
+        t = model.tensors[name]
+        ne0 = int(t.shape[0])
+        ne1 = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+        weights.add(name, gguf.tensor_data(name), t.type, ne0, ne1)
+
+
+class Runtime:
+    def __init__(self, model, gguf, n_threads: int, backends: list[str] | None):
+        self.model = model
+        self.weights = WeightRegistry()
+        register_weights(model, gguf, self.weights)
+        self.cache = GraphCache(self.weights, backends=backends, n_threads=n_threads)
+        self.builds = 0  # graph builds so far (reuse is observable in tests)
+        self._tail_cache: dict[tuple[int, int], np.ndarray] = {}
+
+    @property
+    def backend_names(self) -> list[str]:
+        return [self.cache.registry.name_of(e.id).upper() for e in self.cache.scheduler.entries]
+
+    def params(self, n_tokens: int, n_out: int, n_ctx: int) -> GraphParams:
+        gtype = GraphType.Decode if n_tokens == 1 else GraphType.Prefill
+        # The CPU builds no decode-fused QKV/FFN nodes (it has no such kernels); a GPU
+        # backend joining would flip gpu and the fusion flags, and so rebuild.
+        return GraphParams(n_tokens=n_tokens, n_out=n_out, gtype=gtype, cparams=CParams(n_ctx=n_ctx))
+
+    def forward(self, ids: np.ndarray, n_past: int, n_out: int, n_ctx: int, reuse: bool = True,
+                fuse: bool = True) -> np.ndarray:
+        nt = int(ids.size)
+        params = self.params(nt, n_out, n_ctx)
+        cache = self.cache
+        if not (reuse and cache.try_reuse(params)):
+            graph = self.model.build_graph(params)
+            graph_runtime.install(cache, graph, params)
+            self.builds += 1
+            if trace_enabled():
+                sys.stderr.write(trace_summary(graph, cache.splits, cache.registry) + "\n")
+        g = cache.graph
+        alloc = cache.alloc
+        alloc.fill_input(g, "token_ids", ids)
+        alloc.fill_input(g, "positions", np.arange(n_past, n_past + nt, dtype=np.int32))
+        if n_out < nt:
+            alloc.fill_input(g, "tail_ids", np.arange(nt - n_out, nt, dtype=np.int32))
+        cache.execute()
+        return alloc.copy_to_host(g.outputs[0])
+
+    def dump_graph(self, path: str | Path, n_tokens: int, n_ctx: int, decode: bool, fuse: bool = True) -> None:
+        nt = 1 if decode else n_tokens
+        graph = self.model.build_graph(self.params(nt, 1, n_ctx))
+        graph_runtime.preview(graph, self.cache)
+        write_dot(graph, str(path), self.cache.registry)
