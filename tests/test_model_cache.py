@@ -87,6 +87,7 @@ def test_pull_assembles_and_verifies(fake_default):
     assert fake_default.calls == ["fake-part1", "fake-part2", "fake-part3"]
     # only the model and its verification record remain
     assert _leftovers(path.parent) == [mc.DEFAULT_MODEL_NAME, mc.DEFAULT_MODEL_NAME + ".sha256"]
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_pull_is_idempotent_and_force_refetches(fake_default):

@@ -175,6 +175,8 @@ def assemble(
         digest = h.hexdigest()
         if digest != sha256:
             raise ModelFetchError(f"assembled model has sha256 {digest}, expected {sha256}")
+        # mkstemp makes the file owner-only; a model cache may be shared.
+        os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
         _record_verified(dest, sha256)
         return dest
