@@ -352,6 +352,10 @@ void quantize_q8_0_avx2(const float* x, block_q8_0* y, int64_t nb) {
 // ---------------------------------------------------------------------------------
 // AVX-512: two blocks per 512-bit register, same per-block codes as AVX2.
 #if defined(MINFER_Q_AVX512)
+// GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "__Y = __Y"
+// placeholder idiom); the warning is about the headers, not this code.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 inline __m512i dot_u8s8(__m512i u, __m512i s) {
 #if defined(__AVX512VNNI__)
@@ -404,6 +408,7 @@ void rows_avx512(int64_t nb, const uint8_t* w, size_t ws, int nw, const uint8_t*
     }
 }
 
+#pragma GCC diagnostic pop
 #endif  // MINFER_Q_AVX512
 
 // ---------------------------------------------------------------------------------
@@ -552,16 +557,6 @@ void rows_float_neon(int64_t n, const uint8_t* w, size_t ws, int nw, const uint8
 // Tile drivers: activation rows go in groups of up to four so one unpacked weight
 // block feeds four accumulators.
 
-using RowsFn = void (*)(int64_t, const uint8_t*, size_t, int, const uint8_t*, size_t, float*, size_t);
-
-void tile_groups(const RowsFn fns[4], int64_t len, const uint8_t* w, size_t ws, int nw, const uint8_t* a,
-                 size_t as, int na, float* out, size_t os) {
-    for (int a0 = 0; a0 < na; a0 += 4) {
-        const int k = std::min(4, na - a0);
-        fns[k - 1](len, w, ws, nw, a + a0 * as, as, out + a0 * os, os);
-    }
-}
-
 #if defined(MINFER_Q_AVX512)
 #define MINFER_QROWS rows_avx512
 #elif defined(MINFER_Q_AVX2)
@@ -576,6 +571,16 @@ void tile_groups(const RowsFn fns[4], int64_t len, const uint8_t* w, size_t ws, 
 #endif
 
 #if defined(MINFER_QROWS)
+using RowsFn = void (*)(int64_t, const uint8_t*, size_t, int, const uint8_t*, size_t, float*, size_t);
+
+void tile_groups(const RowsFn fns[4], int64_t len, const uint8_t* w, size_t ws, int nw, const uint8_t* a,
+                 size_t as, int na, float* out, size_t os) {
+    for (int a0 = 0; a0 < na; a0 += 4) {
+        const int k = std::min(4, na - a0);
+        fns[k - 1](len, w, ws, nw, a + a0 * as, as, out + a0 * os, os);
+    }
+}
+
 template <class W>
 void tile_simd(int64_t n, const uint8_t* w, size_t ws, int nw, const uint8_t* a, size_t as, int na, float* out,
                size_t os) {
