@@ -80,8 +80,19 @@ _BYTE_TO_CHAR = bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
-def _is_byte_spelled(token: str) -> bool:
-    return all(c in _CHAR_TO_BYTE for c in token)
+# str.translate table turning a byte-alphabet spelling into a latin-1 string of its bytes.
+# Low characters that are NOT in the alphabet (space, controls) map to a non-latin-1
+# character so the latin-1 encode fails and marks the token as plain text.
+_UNSPELL = {ord(c): chr(b) for c, b in _CHAR_TO_BYTE.items()}
+_UNSPELL.update({cp: "\U0010ffff" for cp in range(256) if cp not in _UNSPELL})
+
+
+def _spelled_bytes(token: str) -> bytes | None:
+    """The bytes a byte-alphabet token stands for, or None if it is not byte-spelled."""
+    try:
+        return token.translate(_UNSPELL).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
 
 
 def _respell(token: str) -> str:
@@ -169,9 +180,13 @@ class Tokenizer:
                 vocab.setdefault(tok, i)
                 self._bytes.append(tok.encode("utf-8"))
                 continue
-            spelled = tok if _is_byte_spelled(tok) else _respell(tok)
-            vocab.setdefault(spelled, i)
-            self._bytes.append(bytes(_CHAR_TO_BYTE[c] for c in spelled))
+            raw = _spelled_bytes(tok)
+            if raw is None:
+                vocab.setdefault(_respell(tok), i)
+                raw = tok.encode("utf-8")
+            else:
+                vocab.setdefault(tok, i)
+            self._bytes.append(raw)
         self._vocab = vocab
         self._text_to_id = {tok: i for i, tok in reversed(list(enumerate(tokens)))}
 
