@@ -183,10 +183,13 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
                     b0 = std::max(b0, std::min(rw.hi, c1));
                 }
             }
-            for (int64_t c = a0; c < b0; ++c) {
-                float d4[4];
-                dot4(qp, kbase + c * kvs, hd, simd, d4);
-                for (int64_t j = 0; j < nj; ++j) S[(i + j) * BK + (c - c0)] = d4[j] * a.scale;
+            // Dots land cell-major in a small buffer, then get transposed into the score
+            // rows: four scattered scalar stores per cell stalled the dot loop.
+            alignas(16) float T[BK][4];
+            for (int64_t c = a0; c < b0; ++c) dot4(qp, kbase + c * kvs, hd, simd, T[c - c0]);
+            for (int64_t j = 0; j < nj; ++j) {
+                float* Sr = S + (i + j) * BK;
+                for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = T[c - c0][j] * a.scale;
             }
         }
         // Online softmax update, row by row.
