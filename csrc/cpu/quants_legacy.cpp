@@ -9,6 +9,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MINFER_Q_AVX2 1
@@ -253,19 +254,48 @@ inline __m256 block_step(__m256i q, __m256i aq, float d, float m, const block_q8
     }
 }
 
+// Activation scales as f32, converted once per tile instead of once per weight row.
+inline const float* act_scales(const uint8_t* a, size_t as, int na, int64_t nb) {
+    static thread_local std::vector<float> buf;
+    if (buf.size() < (size_t)(na * nb)) buf.resize((size_t)(na * nb));
+    for (int j = 0; j < na; ++j) {
+        const block_q8_0* y = (const block_q8_0*)(a + j * as);
+        for (int64_t ib = 0; ib < nb; ++ib) buf[j * nb + ib] = h2f(y[ib].d);
+    }
+    return buf.data();
+}
+
 template <class W, int NA>
 void rows_avx2(int64_t nb, const uint8_t* w, size_t ws, int nw, const uint8_t* a, size_t as, float* out,
                size_t os) {
+    const float* dys = act_scales(a, as, NA, nb);
+    const __m256i ones16 = _mm256_set1_epi16(1);
     for (int r = 0; r < nw; ++r) {
         const typename W::B* x = (const typename W::B*)(w + r * ws);
         __m256 acc[NA];
         for (int j = 0; j < NA; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t ib = 0; ib < nb; ++ib) {
             const __m256i q = W::load(x[ib]);
-            const __m256i aq = W::kMin ? q : _mm256_sign_epi8(q, q);
-            const float d = h2f(x[ib].d), m = wmin<W>(x[ib]);
-            for (int j = 0; j < NA; ++j)
-                acc[j] = block_step<W>(q, aq, d, m, ((const block_q8_0*)(a + j * as))[ib], acc[j]);
+            const __m256 d = _mm256_set1_ps(h2f(x[ib].d));
+            if constexpr (!W::kMin) {
+                const __m256i aq = _mm256_sign_epi8(q, q);
+                for (int j = 0; j < NA; ++j) {
+                    const __m256i yv = _mm256_loadu_si256((const __m256i*)((const block_q8_0*)(a + j * as))[ib].qs);
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(yv, q)), ones16);
+                    const __m256 sc = _mm256_mul_ps(d, _mm256_broadcast_ss(dys + j * nb + ib));
+                    acc[j] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[j]);
+                }
+            } else {
+                const __m256 m = _mm256_set1_ps(wmin<W>(x[ib]));
+                for (int j = 0; j < NA; ++j) {
+                    const __m256i yv = _mm256_loadu_si256((const __m256i*)((const block_q8_0*)(a + j * as))[ib].qs);
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv), ones16);
+                    const __m256i sy = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), yv), ones16);
+                    const __m256 dy = _mm256_broadcast_ss(dys + j * nb + ib);
+                    acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(p), acc[j]);
+                    acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(m, dy), _mm256_cvtepi32_ps(sy), acc[j]);
+                }
+            }
         }
         for (int j = 0; j < NA; ++j) out[j * os + r] = hsum8(acc[j]);
     }
