@@ -250,3 +250,24 @@ def test_membw_probe_is_positive_and_counts_bytes_like_stream():
         assert math.isfinite(v) and v > 1e8  # any real machine moves > 100 MB/s
     assert rep.best == max(rep.copy_bytes_per_s, rep.triad_bytes_per_s, rep.read_bytes_per_s)
     assert rep.array_bytes % (2 * 8) == 0
+
+
+# ------------------------------------------------------------------ real engine, tiny model
+
+
+def test_run_bench_on_synthetic_model(synth_model_path):
+    lines: list[str] = []
+    rs = run_bench(synth_model_path, n_prompt=[8, 0], n_gen=[0, 4], reps=2, threads=[1],
+                   progress=lines.append, mem_bandwidth=10e9)
+    assert [r.test_name for r in rs] == ["pp8", "tg4"]
+    for r in rs:
+        assert len(r.samples_ns) == 2 and all(s > 0 for s in r.samples_ns)
+        assert r.avg_ts > 0 and math.isfinite(r.stddev_ts)
+        assert r.model_size > 0 and r.model_n_params > 0
+        assert r.model_type.startswith("qwen2")
+        assert r.backends and r.n_threads == 1
+        assert r.peak_rss_bytes > 0
+    assert rs[1].weight_bytes_per_token and rs[1].mem_bw_frac > 0
+    data = json.loads(format_results(rs, "json"))
+    assert [d["n_prompt"] for d in data] == [8, 0] and [d["n_gen"] for d in data] == [0, 4]
+    assert any("run 2/2" in ln for ln in lines)
