@@ -71,9 +71,56 @@ inline void dot4(const float* const q[4], const float* k, int64_t hd, bool simd,
     {
         out[0] = out[1] = out[2] = out[3] = 0.0f;
     }
+    // Explicit fma: a contractible a += b * c could compile differently here and in
+    // dot4x2_avx2, and then a score would depend on how cells were paired.
     for (; d < hd; ++d)
-        for (int j = 0; j < 4; ++j) out[j] += q[j][d] * k[d];
+        for (int j = 0; j < 4; ++j) out[j] = std::fma(q[j][d], k[d], out[j]);
 }
+
+#ifdef MINFER_VEC_AVX2
+// Two cells at once: each q load feeds two FMAs. Every (row, cell) sum uses the same
+// accumulation and reduction tree as dot4, so pairing never changes a score.
+inline void dot4x2_avx2(const float* const q[4], const float* k0, const float* k1, int64_t hd, float o0[4],
+                        float o1[4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) {
+        const __m256 x = _mm256_loadu_ps(k0 + d), y = _mm256_loadu_ps(k1 + d);
+        __m256 qv = _mm256_loadu_ps(q[0] + d);
+        a0 = _mm256_fmadd_ps(qv, x, a0);
+        b0 = _mm256_fmadd_ps(qv, y, b0);
+        qv = _mm256_loadu_ps(q[1] + d);
+        a1 = _mm256_fmadd_ps(qv, x, a1);
+        b1 = _mm256_fmadd_ps(qv, y, b1);
+        qv = _mm256_loadu_ps(q[2] + d);
+        a2 = _mm256_fmadd_ps(qv, x, a2);
+        b2 = _mm256_fmadd_ps(qv, y, b2);
+        qv = _mm256_loadu_ps(q[3] + d);
+        a3 = _mm256_fmadd_ps(qv, x, a3);
+        b3 = _mm256_fmadd_ps(qv, y, b3);
+    }
+    _mm_storeu_ps(o0, vm::hsum4(a0, a1, a2, a3));
+    _mm_storeu_ps(o1, vm::hsum4(b0, b1, b2, b3));
+    for (; d < hd; ++d)
+        for (int j = 0; j < 4; ++j) {
+            o0[j] = std::fma(q[j][d], k0[d], o0[j]);
+            o1[j] = std::fma(q[j][d], k1[d], o1[j]);
+        }
+}
+
+// max of p[0..n), n >= 1; max is exact, so the lane order cannot change the result.
+inline float max_avx2(const float* p, int64_t n) {
+    __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(p + i));
+    alignas(32) float t[8];
+    _mm256_store_ps(t, m);
+    float r = t[0];
+    for (int j = 1; j < 8; ++j) r = std::max(r, t[j]);
+    for (; i < n; ++i) r = std::max(r, p[i]);
+    return r;
+}
+#endif
 
 // p[0..n) = exp(p - m) in place; returns their sum.
 inline float exp_sub_sum(float* p, int64_t n, float m, bool simd) {
@@ -186,7 +233,13 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
             // Dots land cell-major in a small buffer, then get transposed into the score
             // rows: four scattered scalar stores per cell stalled the dot loop.
             alignas(16) float T[BK][4];
-            for (int64_t c = a0; c < b0; ++c) dot4(qp, kbase + c * kvs, hd, simd, T[c - c0]);
+            int64_t c = a0;
+#ifdef MINFER_VEC_AVX2
+            if (simd)
+                for (; c + 2 <= b0; c += 2)
+                    dot4x2_avx2(qp, kbase + c * kvs, kbase + (c + 1) * kvs, hd, T[c - c0], T[c + 1 - c0]);
+#endif
+            for (; c < b0; ++c) dot4(qp, kbase + c * kvs, hd, simd, T[c - c0]);
             for (int64_t j = 0; j < nj; ++j) {
                 float* Sr = S + (i + j) * BK;
                 for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = T[c - c0][j] * a.scale;
@@ -198,8 +251,16 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
             if (ca >= cb) continue;
             float* p = S + i * BK + (ca - c0);
             const int64_t n = cb - ca;
-            float mb = p[0];
-            for (int64_t c = 1; c < n; ++c) mb = std::max(mb, p[c]);
+            float mb;
+#ifdef MINFER_VEC_AVX2
+            if (simd) {
+                mb = max_avx2(p, n);
+            } else
+#endif
+            {
+                mb = p[0];
+                for (int64_t c = 1; c < n; ++c) mb = std::max(mb, p[c]);
+            }
             const float mnew = std::max(m[i], mb);
             const float alpha = m[i] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[i] - mnew);
             const float ps = exp_sub_sum(p, n, mnew, simd);
