@@ -233,3 +233,32 @@ def test_kernel_path_switch():
     expect = ("avx512" if f["avx512f"] else "avx2") if (f["avx2"] and f["fma"] and f["f16c"]) else (
         "neon" if f["neon"] else "scalar")
     assert f["simd_path"] == expect
+
+
+@pytest.fixture(scope="module")
+def real_tensor_slices(real_model_path):
+    """45 rows of the first 2-D tensor of each quantized type in the default model."""
+    from minfer.gguf_file import GGUFFile
+
+    out = {}
+    with GGUFFile.open(real_model_path) as f:
+        for info in f.tensors.values():
+            qtype = Q(info.type)
+            if qtype == Q.F32 or qtype in out or len(info.shape) != 2:
+                continue
+            rows = f.tensor_data(info.name).reshape(info.shape[1], info.row_nbytes)
+            out[qtype] = (info.name, info.shape[0], np.array(rows[:45]))
+    return out
+
+
+def test_real_model_tensors(real_tensor_slices, kernel_path):
+    """Real weights (real scale distributions, every tensor type of the default model),
+    dequantized and multiplied."""
+    assert {Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K} <= set(real_tensor_slices)
+    rng = np.random.default_rng(11)
+    for qtype, (name, in_dim, raw) in real_tensor_slices.items():
+        deq = gguf.quants.dequantize(raw, qtype).reshape(45, in_dim).astype(np.float32)
+        got = _core.dequantize_row(int(qtype), raw.reshape(-1), 45 * in_dim)
+        assert np.array_equal(got.view(np.uint32), deq.reshape(-1).view(np.uint32)), name
+        x = rng.standard_normal((5, in_dim)).astype(np.float32)
+        check_against_references(run_matmul(raw, qtype, in_dim, 45, x), x, deq, qtype)
