@@ -101,7 +101,7 @@ void rms_norm_f32(const float* x, const float* w, float* y, int64_t d, int64_t n
                   int nth) {
     int64_t r0, r1;
     vm::share(nrows, ith, nth, 1, r0, r1);
-    const bool simd = use_simd();
+    [[maybe_unused]] const bool simd = use_simd();
     for (int64_t r = r0; r < r1; ++r) {
         const float* xr = x + r * d;
         float* yr = y + r * d;
