@@ -7,11 +7,11 @@ threads (element-wise ops pad the tail into a full vector; attention aligns KV b
 absolute cell indices and computes each (token, head) row independently of its grouping).
 """
 
+import gguf
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")  # a declared dependency; import failure is a setup bug
-from minfer import _core  # noqa: E402
+from minfer import _core
 
 OPS = _core.OPS
 F32 = gguf.GGMLQuantizationType.F32
