@@ -186,16 +186,12 @@ inline float hsum_ps(__m128 s) {
 
 // One "pair" is 64 weights as unsigned bytes (two 32-wide chunks) with the i16 scale of
 // each chunk; pair_dot accumulates sum(scale * w * a) into 32-bit lanes. The AVX-512
-// build fuses the two chunks into one 512-bit register.
+// build holds both chunks in one 512-bit register.
 #if defined(KQ_AVX512)
 // GCC 12's own _mm512_undefined_* trips -Wmaybe-uninitialized inside insert/extract.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 struct Pair { __m512i w, s; };
 using IAcc = __m512i;
-inline Pair make_pair(__m256i w0, __m256i w1, __m256i s0, __m256i s1) {
-    return {_mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1),
-            _mm512_inserti64x4(_mm512_castsi256_si512(s0), s1, 1)};
-}
 inline IAcc iacc_zero() { return _mm512_setzero_si512(); }
 inline IAcc pair_dot(IAcc acc, const Pair& p, const int8_t* a) {
     const __m512i prod = _mm512_maddubs_epi16(p.w, _mm512_loadu_si512((const void*)a));
@@ -208,6 +204,39 @@ inline IAcc pair_dot(IAcc acc, const Pair& p, const int8_t* a) {
 inline __m256i iacc_fold(IAcc v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
+
+// Per-half shift counts and word-permute indices. Building each 512-bit pair with
+// variable shifts of a broadcast load and one vpermw (instead of two 256-bit halves
+// joined by inserts) keeps the shuffle port free; with inserts the 512-bit path was
+// slower than AVX2 at one activation row.
+struct Z512Tables {
+    alignas(64) int16_t k4_idx[4][32];  // Q4_K/Q5_K pair j: scale word 2j | 2j+1
+    alignas(64) int16_t q6_idx[4][32];  // Q6_K pair p: 128-bit lane q gets scale 4p+q
+    alignas(64) int16_t q5_shl[4][32];  // Q5_K pair j: move qh bit 2j | 2j+1 to bit 4
+    alignas(64) int16_t q5_shr[4][32];
+    alignas(64) int16_t shr_0_4[32];    // low nibbles | high nibbles
+    alignas(64) int16_t q6_shl[32];     // qh bits 0-1 | 2-3 to bits 4-5
+    alignas(64) int16_t q6_shr[32];     // qh bits 4-5 | 6-7 to bits 4-5
+};
+constexpr Z512Tables make_z512_tables() {
+    Z512Tables t{};
+    for (int l = 0; l < 32; ++l) {
+        const int hi = l / 16;
+        for (int j = 0; j < 4; ++j) {
+            const int bit = 2 * j + hi;
+            t.k4_idx[j][l] = (int16_t)bit;
+            t.q6_idx[j][l] = (int16_t)(4 * j + l / 8);
+            t.q5_shl[j][l] = (int16_t)(bit < 4 ? 4 - bit : 0);
+            t.q5_shr[j][l] = (int16_t)(bit > 4 ? bit - 4 : 0);
+        }
+        t.shr_0_4[l] = (int16_t)(4 * hi);
+        t.q6_shl[l] = (int16_t)(hi ? 2 : 4);
+        t.q6_shr[l] = (int16_t)(hi ? 2 : 0);
+    }
+    return t;
+}
+alignas(64) constexpr Z512Tables kZ = make_z512_tables();
+inline __m512i ztab(const int16_t* p) { return _mm512_load_si512((const void*)p); }
 #else
 struct Pair { __m256i w0, w1, s0, s1; };
 using IAcc = __m256i;
@@ -245,7 +274,7 @@ inline __m256i hbit5(__m256i hb) {
 // Shared by Q4_K and Q5_K: both carry 6-bit scales/mins; `Q5` adds the high bits.
 template <int NA, bool Q5, class Block>
 void dot_k4_avx2(int64_t nb, const Block* x, const block_q8_K* const* y, float* res) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    [[maybe_unused]] const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[NA];
     __m128 accm[NA];
     for (int a = 0; a < NA; ++a) { acc[a] = _mm256_setzero_ps(); accm[a] = _mm_setzero_ps(); }
@@ -256,9 +285,26 @@ void dot_k4_avx2(int64_t nb, const Block* x, const block_q8_K* const* y, float* 
         unpack_scales_k4(b.scales, sm);
         const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i*)sm));
         const __m128i mins = _mm256_extracti128_si256(sm16, 1);
-        const __m256i scl = _mm256_permute2x128_si256(sm16, sm16, 0x00);
+        [[maybe_unused]] const __m256i scl = _mm256_permute2x128_si256(sm16, sm16, 0x00);
 
         Pair p[4];
+#if defined(KQ_AVX512)
+        {
+            const __m512i m4z = _mm512_set1_epi8(0x0F), m10z = _mm512_set1_epi8(0x10);
+            const __m512i smz = _mm512_castsi256_si512(sm16);
+            [[maybe_unused]] __m512i hbz;
+            if constexpr (Q5) hbz = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)b.qh));
+            for (int j = 0; j < 4; ++j) {
+                const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b.qs + 32 * j)));
+                __m512i w = _mm512_and_si512(_mm512_srlv_epi16(v, ztab(kZ.shr_0_4)), m4z);
+                if constexpr (Q5) {
+                    const __m512i h = _mm512_srlv_epi16(_mm512_sllv_epi16(hbz, ztab(kZ.q5_shl[j])), ztab(kZ.q5_shr[j]));
+                    w = _mm512_or_si512(w, _mm512_and_si512(h, m10z));
+                }
+                p[j] = {w, _mm512_permutexvar_epi16(ztab(kZ.k4_idx[j]), smz)};
+            }
+        }
+#else
         [[maybe_unused]] __m256i hb;
         if constexpr (Q5) hb = _mm256_loadu_si256((const __m256i*)b.qh);
 #define KQ_CHUNK(J, SLO, SHI)                                                                  \
@@ -274,6 +320,7 @@ void dot_k4_avx2(int64_t nb, const Block* x, const block_q8_K* const* y, float* 
         }
         KQ_CHUNK(0, 0, 1) KQ_CHUNK(1, 2, 3) KQ_CHUNK(2, 4, 5) KQ_CHUNK(3, 6, 7)
 #undef KQ_CHUNK
+#endif
         const float dw = h2f(b.d), dmw = h2f(b.dmin);
 
         for (int a = 0; a < NA; ++a) {
@@ -291,7 +338,7 @@ void dot_k4_avx2(int64_t nb, const Block* x, const block_q8_K* const* y, float* 
 
 template <int NA>
 void dot_q6K_avx2(int64_t nb, const block_q6_K* x, const block_q8_K* const* y, float* res) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    [[maybe_unused]] const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[NA];
     for (int a = 0; a < NA; ++a) acc[a] = _mm256_setzero_ps();
 
@@ -301,6 +348,20 @@ void dot_q6K_avx2(int64_t nb, const block_q6_K* x, const block_q8_K* const* y, f
         // block through the activation sub-block sums: sum(sc*(q-32)*a) = sum(sc*q*a) - 32*sum(sc*bsum).
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)b.scales));
         Pair p[4];
+#if defined(KQ_AVX512)
+        const __m512i m4z = _mm512_set1_epi8(0x0F), m30z = _mm512_set1_epi8(0x30);
+        const __m512i scz = _mm512_castsi256_si512(sc16);
+        for (int h = 0; h < 2; ++h) {
+            const __m512i ql = _mm512_loadu_si512((const void*)(b.ql + 64 * h));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b.qh + 32 * h)));
+            const __m512i w01 = _mm512_or_si512(_mm512_and_si512(ql, m4z),
+                                                _mm512_and_si512(_mm512_sllv_epi16(qh, ztab(kZ.q6_shl)), m30z));
+            const __m512i w23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4z),
+                                                _mm512_and_si512(_mm512_srlv_epi16(qh, ztab(kZ.q6_shr)), m30z));
+            p[2 * h] = {w01, _mm512_permutexvar_epi16(ztab(kZ.q6_idx[2 * h]), scz)};
+            p[2 * h + 1] = {w23, _mm512_permutexvar_epi16(ztab(kZ.q6_idx[2 * h + 1]), scz)};
+        }
+#else
         for (int h = 0; h < 2; ++h) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(b.ql + 64 * h));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(b.ql + 64 * h + 32));
@@ -315,6 +376,7 @@ void dot_q6K_avx2(int64_t nb, const block_q6_K* x, const block_q8_K* const* y, f
             p[2 * h] = make_pair(q0, q1, splat_word2(sch, 0, 1), splat_word2(sch, 2, 3));
             p[2 * h + 1] = make_pair(q2, q3, splat_word2(sch, 4, 5), splat_word2(sch, 6, 7));
         }
+#endif
         const float dw = h2f(b.d);
 
         for (int a = 0; a < NA; ++a) {
