@@ -19,7 +19,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 from test_quant_kernels import (  # noqa: E402  (tests/ is on sys.path under pytest)
-    ALL_TYPES, KQUANTS, U, act_quant, in_dim_for, make_weight)
+    ALL_TYPES, FAMILY32, KQUANTS, U, act_quant, in_dim_for, make_weight)
 
 Q = gguf.GGMLQuantizationType
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,20 +43,30 @@ def write_vectors(path):
             n, nw, na = in_dim_for(qtype), 13, 5
             raw, deq = make_weight(qtype, nw, n, rng, random_codes=random_codes)
             x = (rng.standard_normal((na, n)) * 3).astype(np.float32)
+            if qtype in FAMILY32:
+                # Row 0: every block has amax 127, so the Q8_0 step is exactly 1 and all the
+                # k + 0.5 values are rounding ties (ggml rounds them away from zero).
+                ties = np.arange(n, dtype=np.float32) % 64 - 31.5
+                ties[::32] = 127.0
+                x[0] = ties * np.where(np.arange(n) % 3 == 0, -1, 1)
             roundtrip, _, _ = act_quant(qtype)
             y64, w64 = roundtrip(x).astype(np.float64), deq.astype(np.float64)
             ref = y64 @ w64.T
             c = 8.0 if qtype in KQUANTS else 2.0
             tol = c * n * U * (np.abs(y64) @ np.abs(w64).T) + 1e-30
-            cases.append((int(qtype), nw, na, n, raw, x, deq, ref, tol))
+            # The activation bytes gguf's Q8_0 quantizer gives (ggml's reference rounding).
+            act = (np.ascontiguousarray(gguf.quants.quantize(x, Q.Q8_0)).view(np.uint8).reshape(-1)
+                   if qtype in FAMILY32 else np.zeros(0, np.uint8))
+            cases.append((int(qtype), nw, na, n, raw, x, deq, ref, tol, act))
     with open(path, "wb") as f:
         f.write(b"MQKVEC1\0" + struct.pack("<I", len(cases)))
-        for qt, nw, na, n, raw, x, deq, ref, tol in cases:
+        for qt, nw, na, n, raw, x, deq, ref, tol, act in cases:
             raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
             f.write(struct.pack("<iiiiqQ", qt, nw, na, 0, n, raw.size))
             f.write(raw.tobytes())
             for arr, dt in ((x, "<f4"), (deq, "<f4"), (ref, "<f8"), (tol, "<f8")):
                 f.write(np.ascontiguousarray(arr, dtype=dt).tobytes())
+            f.write(struct.pack("<Q", act.size) + act.tobytes())
     return len(cases)
 
 

@@ -6,7 +6,8 @@
 //   "MQKVEC1\0", u32 ncases, then per case:
 //   i32 wtype, i32 nw, i32 na, i32 pad, i64 n, u64 wbytes, u8 w[wbytes],
 //   f32 x[na][n], f32 deq[nw][n]   (gguf's dequantization: must match bitwise),
-//   f64 ref[na][nw], f64 tol[na][nw]   (NumPy float64 reference and its bound).
+//   f64 ref[na][nw], f64 tol[na][nw]   (NumPy float64 reference and its bound),
+//   u64 nact, u8 act[nact]   (gguf's Q8_0 bytes of x, or nact = 0 for no reference).
 // For both kernel paths it checks dequantize_row, quantize_act_row (same bytes on both
 // paths), vec_dot against ref, and vec_dot_tile (bitwise equal to vec_dot per pair).
 // Prints the SIMD path name and a summary; exits non-zero on any mismatch.
@@ -48,6 +49,7 @@ struct Case {
     std::vector<uint8_t> w;
     std::vector<float> x, deq;
     std::vector<double> ref, tol;
+    std::vector<uint8_t> act;
 };
 
 int g_fail = 0, g_checks = 0;
@@ -142,10 +144,15 @@ int main(int argc, char** argv) {
             c.deq = rd.vec<float>((size_t)c.nw * c.n);
             c.ref = rd.vec<double>((size_t)c.na * c.nw);
             c.tol = rd.vec<double>((size_t)c.na * c.nw);
+            c.act = rd.vec<uint8_t>(rd.get<uint64_t>());
             const std::vector<uint8_t> a_scalar = check_case(c, KernelPath::Scalar);
             const std::vector<uint8_t> a_simd = check_case(c, KernelPath::Simd);
             ++g_checks;
             if (a_scalar != a_simd) failf(c, "both", "quantize_act_row bytes differ between scalar and SIMD");
+            if (!c.act.empty()) {
+                ++g_checks;
+                if (c.act != a_scalar) failf(c, "scalar", "quantize_act_row bytes differ from gguf's Q8_0");
+            }
         }
         std::fclose(f);
         std::printf("cases: %u  checks: %d  failures: %d\n", ncases, g_checks, g_fail);
