@@ -36,7 +36,7 @@ from minfer.errors import MinferError
 
 __all__ = [
     "BenchArgumentError", "BenchResult", "FIELDS", "format_results", "parse_int_list", "run_bench",
-    "time_pp", "time_tg", "random_tokens",
+    "time_pp", "time_tg", "random_tokens", "measure_bandwidth_isolated", "peak_rss_bytes",
 ]
 
 
@@ -109,8 +109,8 @@ class BenchResult:
     samples_ns: list[int]
     n_batch: int = 0
     n_ubatch: int = 0
-    type_k: str = "f16"
-    type_v: str = "f16"
+    type_k: str = "f32"  # minfer's KV cache holds F32 (graph/alloc.py sizes it 4 bytes/elt)
+    type_v: str = "f32"
     n_gpu_layers: int = 0
     flash_attn: int = 0  # llama-bench's integer flash_attn_type; minfer has one attention path
     build_commit: str = "unknown"
@@ -305,6 +305,22 @@ def cpu_info() -> str:
     return platform.processor() or platform.machine()
 
 
+def measure_bandwidth_isolated() -> float:
+    """The membw probe, run in a child process: its arrays (hundreds of MiB) would
+    otherwise become this process's peak RSS and hide the engine's."""
+    import minfer
+    pkg_parent = str(Path(minfer.__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([pkg_parent, *filter(None, [env.get("PYTHONPATH")])])
+    code = "from minfer.membw import measure_bandwidth; print(repr(measure_bandwidth()))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, timeout=300, check=True).stdout
+        return float(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        raise MinferError(f"memory-bandwidth probe failed: {e}") from None
+
+
 def _vocab_size(eng, model_path: Path) -> int:
     info = getattr(eng, "model_info", {}) or {}
     hp = getattr(eng, "hp", None)
@@ -376,9 +392,8 @@ def run_bench(
         return []
 
     if mem_bandwidth is None:
-        from minfer.membw import measure_bandwidth
         say("minfer bench: measuring memory bandwidth")
-        bw: float | None = measure_bandwidth()
+        bw: float | None = measure_bandwidth_isolated()
     elif mem_bandwidth is False:
         bw = None
     else:
@@ -407,8 +422,8 @@ def run_bench(
                 model_n_params=int(info.get("n_params", 0) or 0),
                 backends=",".join(getattr(eng, "backend_names", None) or ["CPU"]),
                 n_threads=n_threads,
-                type_k=str(info.get("type_k", "f16")),
-                type_v=str(info.get("type_v", "f16")),
+                type_k=str(info.get("type_k", "f32")),
+                type_v=str(info.get("type_v", "f32")),
                 build_commit=commit, build_number=build_number,
                 cpu_info=cpu_info(),
                 mem_bw_bytes_per_s=bw,
