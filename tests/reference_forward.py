@@ -50,22 +50,71 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def _round_away(x: np.ndarray) -> np.ndarray:
+    return np.sign(x) * np.floor(np.abs(x) + 0.5)  # C roundf
+
+
+def _fake_q8_0(x: np.ndarray) -> np.ndarray:
+    """x rounded as ggml's quantize_row_q8_0 would, then dequantized (fp16 block scale)."""
+    b = x.reshape(-1, 32)
+    d = np.abs(b).max(axis=1, keepdims=True) / 127.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(d == 0, 0.0, _round_away(b / d))
+    return (q * d.astype(np.float16).astype(np.float64)).reshape(x.shape)
+
+
+def _fake_q8_k(x: np.ndarray) -> np.ndarray:
+    """x rounded as ggml's quantize_row_q8_K would (signed max -> -127), then dequantized."""
+    b = x.reshape(-1, 256)
+    idx = np.abs(b).argmax(axis=1)
+    mx = b[np.arange(b.shape[0]), idx][:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = np.where(mx == 0, 0.0, -127.0 / mx)
+        q = np.minimum(127.0, np.rint(iscale * b))
+        d = np.where(mx == 0, 0.0, (1.0 / iscale).astype(np.float32).astype(np.float64))
+    return (q * d).reshape(x.shape)
+
+
+_Q8_0_FAMILY = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
+_Q8_K_FAMILY = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+
+class _Weight:
+    """A dequantized matrix plus how its input is rounded in act_quant mode."""
+
+    __array_ufunc__ = None  # makes ndarray @ _Weight defer to __rmatmul__
+
+    def __init__(self, t, act_quant: bool):
+        self.w = _dequant(t)
+        name = t.tensor_type.name
+        self.fake = None
+        if act_quant and name in _Q8_0_FAMILY:
+            self.fake = _fake_q8_0
+        elif act_quant and name in _Q8_K_FAMILY:
+            self.fake = _fake_q8_k
+
+    def __rmatmul__(self, x: np.ndarray) -> np.ndarray:
+        if self.fake is not None:
+            x = self.fake(x)
+        return x @ self.w.T
+
+
 @dataclass
 class _Layer:
     attn_norm: np.ndarray
-    wq: np.ndarray
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
+    wq: _Weight
+    wk: _Weight
+    wv: _Weight
+    wo: _Weight
     bq: np.ndarray | None
     bk: np.ndarray | None
     bv: np.ndarray | None
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     ffn_norm: np.ndarray
-    w_gate: np.ndarray
-    w_up: np.ndarray
-    w_down: np.ndarray
+    w_gate: _Weight
+    w_up: _Weight
+    w_down: _Weight
 
 
 class KVCache:
@@ -78,7 +127,12 @@ class KVCache:
 
 
 class ReferenceModel:
-    def __init__(self, path: str):
+    def __init__(self, path: str, act_quant: bool = False):
+        """act_quant: round each matmul input the way a ggml-style engine does (8-bit
+        Q8_0 blocks for the 32-element quant family, Q8_K for K-quants, none for F32/F16)
+        before the float64 matmul. Off, the reference is the ideal float64 network; on,
+        it isolates everything except accumulation order, so comparisons can be tight.
+        """
         reader = gguf.GGUFReader(path)
         arch = _field(reader, "general.architecture")
         if arch not in ("qwen2", "qwen3"):
@@ -99,6 +153,9 @@ class ReferenceModel:
         def get(name):
             return _dequant(tensors[name])
 
+        def mat(name):
+            return _Weight(tensors[name], act_quant)
+
         def opt_vec(name):
             return get(name).reshape(-1) if name in tensors else None
 
@@ -108,19 +165,19 @@ class ReferenceModel:
             self.layers.append(
                 _Layer(
                     attn_norm=get(p + "attn_norm.weight").reshape(-1),
-                    wq=get(p + "attn_q.weight"),
-                    wk=get(p + "attn_k.weight"),
-                    wv=get(p + "attn_v.weight"),
-                    wo=get(p + "attn_output.weight"),
+                    wq=mat(p + "attn_q.weight"),
+                    wk=mat(p + "attn_k.weight"),
+                    wv=mat(p + "attn_v.weight"),
+                    wo=mat(p + "attn_output.weight"),
                     bq=opt_vec(p + "attn_q.bias"),
                     bk=opt_vec(p + "attn_k.bias"),
                     bv=opt_vec(p + "attn_v.bias"),
                     q_norm=opt_vec(p + "attn_q_norm.weight"),
                     k_norm=opt_vec(p + "attn_k_norm.weight"),
                     ffn_norm=get(p + "ffn_norm.weight").reshape(-1),
-                    w_gate=get(p + "ffn_gate.weight"),
-                    w_up=get(p + "ffn_up.weight"),
-                    w_down=get(p + "ffn_down.weight"),
+                    w_gate=mat(p + "ffn_gate.weight"),
+                    w_up=mat(p + "ffn_up.weight"),
+                    w_down=mat(p + "ffn_down.weight"),
                 )
             )
         if arch == "qwen3" and self.layers and self.layers[0].q_norm is None:
@@ -129,7 +186,8 @@ class ReferenceModel:
         self._embd = tensors["token_embd.weight"]
         self.n_vocab = int(self._embd.shape[1])
         # Tied embeddings: the lm head is token_embd itself.
-        self.w_out = get("output.weight") if "output.weight" in tensors else get("token_embd.weight")
+        self.lm_head = mat("output.weight") if "output.weight" in tensors else mat("token_embd.weight")
+        self.w_out = self.lm_head.w
 
         hd = self.head_dim
         self._inv_freq = self.rope_base ** (-np.arange(0, hd // 2, dtype=np.float64) * 2.0 / hd)
@@ -157,9 +215,9 @@ class ReferenceModel:
     def _attention(self, L: _Layer, li: int, h: np.ndarray, cache: KVCache) -> np.ndarray:
         n_tok = h.shape[0]
         hd, nh, nkv = self.head_dim, self.n_head, self.n_head_kv
-        q = h @ L.wq.T
-        k = h @ L.wk.T
-        v = h @ L.wv.T
+        q = h @ L.wq
+        k = h @ L.wk
+        v = h @ L.wv
         if L.bq is not None:
             q = q + L.bq
         if L.bk is not None:
@@ -192,7 +250,7 @@ class ReferenceModel:
         p = np.exp(scores)
         p /= p.sum(axis=-1, keepdims=True)
         out = (p @ v_full).transpose(1, 0, 2).reshape(n_tok, nh * hd)
-        return out @ L.wo.T
+        return out @ L.wo
 
     def _hidden(self, tokens, cache: KVCache) -> np.ndarray:
         """Run tokens through the stack, appending to cache; returns final-normed states."""
@@ -200,7 +258,7 @@ class ReferenceModel:
         for li, L in enumerate(self.layers):
             x = x + self._attention(L, li, _rms_norm(x, L.attn_norm, self.eps), cache)
             h = _rms_norm(x, L.ffn_norm, self.eps)
-            x = x + (_silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+            x = x + (_silu(h @ L.w_gate) * (h @ L.w_up)) @ L.w_down
         cache.n_past += len(tokens)
         return _rms_norm(x, self.output_norm, self.eps)
 
@@ -221,7 +279,7 @@ class ReferenceModel:
             )
             x = x + att
             h = _rms_norm(x, L.ffn_norm, self.eps)
-            x = x + (_silu(h @ L.w_gate.T) * (h @ L.w_up.T)) @ L.w_down.T
+            x = x + (_silu(h @ L.w_gate) * (h @ L.w_up)) @ L.w_down
         for c, n in zip(caches, lens):
             c.n_past += n
         x = _rms_norm(x, self.output_norm, self.eps)
@@ -234,17 +292,25 @@ class ReferenceModel:
 
     def logits(self, tokens) -> np.ndarray:
         """[n_tokens, n_vocab] float64 logits for a whole sequence from position 0."""
-        return self._hidden(list(tokens), self.new_cache()) @ self.w_out.T
+        return self._hidden(list(tokens), self.new_cache()) @ self.lm_head
 
     def forward(self, tokens, cache: KVCache) -> np.ndarray:
         """Append tokens to an existing cache; logits for every appended token."""
-        return self._hidden(list(tokens), cache) @ self.w_out.T
+        return self._hidden(list(tokens), cache) @ self.lm_head
+
+    def logits_batch(self, seqs, first) -> list[np.ndarray]:
+        """Logits of rows first[b]: of each of B independent sequences (from position 0).
+
+        The lm head is applied only to the requested rows: at 150k vocab it would
+        otherwise dominate long prompts.
+        """
+        caches = [self.new_cache() for _ in seqs]
+        hs = self._hidden_batch([list(s) for s in seqs], caches)
+        return [h[f:] @ self.lm_head for h, f in zip(hs, first)]
 
     def last_logits_batch(self, seqs) -> np.ndarray:
         """[B, n_vocab] last-position logits of B independent sequences."""
-        caches = [self.new_cache() for _ in seqs]
-        hs = self._hidden_batch([list(s) for s in seqs], caches)
-        return np.stack([h[-1] for h in hs]) @ self.w_out.T
+        return np.concatenate(self.logits_batch(seqs, [len(s) - 1 for s in seqs]))
 
     def greedy(self, tokens, n: int) -> tuple[list[int], list[float]]:
         ids, margins = self.greedy_batch([tokens], n)[0]
@@ -262,7 +328,7 @@ class ReferenceModel:
         last = np.stack([h[-1] for h in hs])
         out = [([], []) for _ in seqs]
         for step in range(n):
-            lg = last @ self.w_out.T
+            lg = last @ self.lm_head
             top2 = np.argpartition(-lg, 1, axis=1)[:, :2]
             nxt = []
             for b in range(len(seqs)):
