@@ -132,6 +132,7 @@ PYBIND11_MODULE(_core, m) {
                 for (size_t i = 0; i < fp.size(); ++i) s.fp[i] = fp[i];
                 for (size_t i = 0; i < w.size(); ++i) s.w[i] = w[i];
                 p.steps.push_back(s);
+                p.validated_pool = nullptr;
             }, py::arg("op"), py::arg("node"), py::arg("bufs"), py::arg("ip") = std::vector<int64_t>{},
             py::arg("fp") = std::vector<float>{}, py::arg("w") = std::vector<int>{})
         .def("__len__", [](const Plan& p) { return p.steps.size(); })

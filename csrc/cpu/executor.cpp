@@ -202,7 +202,13 @@ int act_slot(int32_t wtype) {
 void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads, size_t begin, size_t end) {
     end = std::min(end, plan.steps.size());
     if (begin >= end) return;
-    validate_plan(plan, pool, ws);
+    if (plan.validated_pool != &pool || plan.validated_pool_count != pool.count() ||
+        plan.validated_weight_count != ws.count()) {
+        validate_plan(plan, pool, ws);
+        plan.validated_pool = &pool;
+        plan.validated_pool_count = pool.count();
+        plan.validated_weight_count = ws.count();
+    }
     for (size_t i = begin; i < end; ++i) {
         std::string err = data_error(plan.steps[i], pool);
         if (!err.empty()) fail(plan.steps[i], err);  // inputs are filled before the run

@@ -57,6 +57,12 @@ private:
 struct Plan {
     std::vector<Step> steps;
     std::string name;
+    // Static checks (ids, sizes, shapes) depend only on the plan, the pool's buffers and
+    // the weights, none of which change once allocated; remember what was validated so a
+    // reused plan costs nothing per run.
+    mutable const Pool* validated_pool = nullptr;
+    mutable int validated_pool_count = -1;
+    mutable int validated_weight_count = -1;
 };
 
 // Checks every step against the pool and weight store (ids, sizes, shapes) so a bad

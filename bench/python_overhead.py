@@ -1,0 +1,53 @@
+"""Python overhead of a reused decode step: the time a forward spends outside
+`_core.run` (input fills, reuse check, logits read) as a fraction of the step.
+
+    python bench/python_overhead.py [MODEL] [--steps 64] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from minfer.engine import Engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--ctx", type=int, default=512)
+    a = ap.parse_args()
+    eng = Engine.load(a.model, n_ctx=a.ctx, n_threads=a.threads)
+    eng.forward(list(range(100, 116)))
+    eng.forward([7])  # builds the decode graph; later steps reuse it
+
+    # Wrap the one C++ entry point the scheduler calls per split.
+    inside = []
+    for entry in eng.runtime.cache.scheduler.entries:
+        orig = entry.run_plan
+
+        def timed(*args, _orig=orig):
+            t = time.perf_counter()
+            _orig(*args)
+            inside.append(time.perf_counter() - t)
+
+        object.__setattr__(entry, "run_plan", timed)
+    totals, outs = [], []
+    for i in range(a.steps):
+        inside.clear()
+        t = time.perf_counter()
+        eng.forward([200 + i])
+        total = time.perf_counter() - t
+        totals.append(total)
+        outs.append(total - sum(inside))
+    builds = eng.runtime.builds
+    med_total, med_out = statistics.median(totals), statistics.median(outs)
+    print(f"decode step: median {med_total * 1e3:.3f} ms, outside _core {med_out * 1e6:.1f} us "
+          f"({100 * med_out / med_total:.2f}% of the step), graph builds {builds}")
+
+
+if __name__ == "__main__":
+    main()
