@@ -98,6 +98,9 @@ def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, registry) -> 
             if node.backend != sp.backend:
                 raise BackendError(f"node {i} ({node.name}) is on backend {registry.name_of(node.backend)} inside a "
                                    f"{entry.name} split")
+            ref = alloc.node_to_buf.get(i)
+            if ref is not None and ref.backend != sp.backend:
+                raise ctx._mismatch(node, "its buffer", ref.backend)
             for op, bufs, ip, fp, w in entry.lower_node(node, graph, ctx):
                 plan.add(op, i, bufs, ip, fp, w)
                 step_nodes.append(i)

@@ -1,0 +1,118 @@
+"""Graph reuse: params-only identity, uid, the structural debug check, and that a
+reused graph computes exactly what a freshly built one does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from minfer.graph import runtime
+from minfer.graph.builder import GraphBuilder
+from minfer.graph.cache import GraphCache, verify_structural
+from minfer.graph.ir import DType
+from minfer.graph.params import CParams, GraphParams, GraphType
+from minfer.graph.weights import WeightRegistry
+
+RNG = np.random.default_rng(5)
+D, F = 16, 24
+
+
+@pytest.fixture(scope="module")
+def weights():
+    w = WeightRegistry()
+    w.add_f32("W", RNG.standard_normal((F, D)).astype(np.float32))
+    w.add_f32("nw", RNG.standard_normal(D).astype(np.float32))
+    return w
+
+
+def build(params: GraphParams, eps: float = 1e-6):
+    nt = params.n_tokens
+    b = GraphBuilder()
+    x = b.input("x", (D, nt))
+    tail = b.input("tail", (params.n_out,), DType.I32) if params.n_out < nt else None
+    h = b.rms_norm(x, "nw", eps, name="norm")
+    if tail is not None:
+        h = b.get_rows(h, tail, (D, params.n_out), name="tail_rows")
+    g = b.matmul(h, "W", 0, D, F, name="up")
+    b.output(b.mul(b.silu(g, name="silu"), g, name="act"))
+    return b.build()
+
+
+BASE = GraphParams(4, 1, GraphType.Prefill, CParams(n_ctx=64))
+
+
+def changed_params():
+    out = []
+    for f, v in (("n_tokens", 5), ("n_out", 2), ("gtype", GraphType.Decode), ("weights_version", 2)):
+        out.append(dataclasses.replace(BASE, **{f: v}))
+    for f in ("n_ctx", "flash_attn", "gpu", "fuse_qkv", "fuse_ffn", "explicit_span"):
+        cur = getattr(BASE.cparams, f)
+        new = cur * 2 if isinstance(cur, int) and not isinstance(cur, bool) else not cur
+        out.append(dataclasses.replace(BASE, cparams=dataclasses.replace(BASE.cparams, **{f: new})))
+    return out
+
+
+def test_equal_params_reuse_and_any_change_rebuilds(weights):
+    c = GraphCache(weights, backends=["cpu"], n_threads=1)
+    assert not c.try_reuse(BASE)
+    runtime.install(c, build(BASE), BASE)
+    assert c.try_reuse(GraphParams(4, 1, GraphType.Prefill, CParams(n_ctx=64)))
+    changes = changed_params()
+    assert len(changes) == 10
+    for p in changes:
+        assert not c.try_reuse(p), p
+
+
+@pytest.mark.parametrize("flag", ["fuse_qkv", "fuse_ffn"])
+def test_fusion_flags_are_part_of_the_identity(weights, flag):
+    c = GraphCache(weights, backends=["cpu"], n_threads=1)
+    on = dataclasses.replace(BASE, cparams=dataclasses.replace(BASE.cparams, **{flag: True}))
+    runtime.install(c, build(BASE), BASE)
+    assert not c.try_reuse(on)
+    runtime.install(c, build(on), on)
+    assert not c.try_reuse(BASE)
+
+
+def test_uid_is_monotonic_and_kept_on_reuse(weights):
+    c = GraphCache(weights, backends=["cpu"], n_threads=1)
+    g1 = runtime.install(c, build(BASE), BASE)
+    assert g1.uid >= 1
+    assert c.try_reuse(BASE) and c.current() is g1 and g1.uid == c.graph.uid
+    g2 = runtime.install(c, build(BASE), BASE)
+    assert g2.uid > g1.uid
+
+
+def test_reused_graph_output_is_bitwise_a_fresh_build(weights):
+    xs = [RNG.standard_normal((4, D)).astype(np.float32) for _ in range(3)]
+    c = GraphCache(weights, backends=["cpu"], n_threads=2)
+    runtime.install(c, build(BASE), BASE)
+    plans = [ls.plan for ls in c.lowered.splits]
+    for x in xs:
+        assert c.try_reuse(BASE)
+        c.alloc.fill_input(c.graph, "x", x)
+        c.alloc.fill_input(c.graph, "tail", [3])
+        c.execute()
+    reused = c.alloc.copy_to_host(c.graph.outputs[0])
+    assert [ls.plan for ls in c.lowered.splits] == plans         # re-run, not re-lowered
+    fresh = GraphCache(weights, backends=["cpu"], n_threads=2)
+    g = runtime.install(fresh, build(BASE), BASE)
+    fresh.alloc.fill_input(g, "x", xs[-1])
+    fresh.alloc.fill_input(g, "tail", [3])
+    fresh.execute()
+    assert fresh.alloc.copy_to_host(g.outputs[0]).tobytes() == reused.tobytes()
+
+
+def test_structural_check(weights):
+    a, b = build(BASE), build(BASE)
+    assert verify_structural(a, b)
+    assert not verify_structural(a, build(BASE, eps=1e-5))      # a payload changed
+    bigger = GraphBuilder()
+    x = bigger.input("x", (D, 4))
+    bigger.output(bigger.add(x, x))
+    assert not verify_structural(a, bigger.build())
+    # Both sides prepared (assigned + fused) stay equal.
+    for g in (a, b):
+        runtime.preview(g, GraphCache(weights, backends=["cpu"], n_threads=1))
+    assert a.dead and verify_structural(a, b)
