@@ -55,7 +55,7 @@ class Runtime:
         cache = self.cache
         if not (reuse and cache.try_reuse(params)):
             graph = self.model.build_graph(params)
-            graph_runtime.install(cache, graph, params)
+            graph_runtime.install(cache, graph, params, fuse=fuse)
             self.builds += 1
             if trace_enabled():
                 sys.stderr.write(trace_summary(graph, cache.splits, cache.registry) + "\n")
@@ -71,5 +71,5 @@ class Runtime:
     def dump_graph(self, path: str | Path, n_tokens: int, n_ctx: int, decode: bool, fuse: bool = True) -> None:
         nt = 1 if decode else n_tokens
         graph = self.model.build_graph(self.params(nt, 1, n_ctx))
-        graph_runtime.preview(graph, self.cache)
+        graph_runtime.preview(graph, self.cache, fuse=fuse)
         write_dot(graph, str(path), self.cache.registry)

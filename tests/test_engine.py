@@ -1,0 +1,143 @@
+"""Engine behaviour on small random-weight models: stop conditions, streaming,
+context limits, KV across the prefill -> decode rebuild, fusion identity, model
+dispatch errors, and perplexity against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference_forward import ReferenceModel  # noqa: E402
+
+from minfer.engine import Engine  # noqa: E402
+from minfer.errors import ContextError, UnsupportedModelError  # noqa: E402
+from minfer.gguf_file import GGUFFile  # noqa: E402
+from minfer.models import load_model  # noqa: E402
+from minfer.perplexity import run_perplexity  # noqa: E402
+from minfer.sampling import SamplingParams  # noqa: E402
+from minfer.testing.synth import write_model  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(synth_model_path):
+    return Engine.load(synth_model_path, n_ctx=128, n_threads=2)
+
+
+def test_stop_string_truncates_and_is_never_streamed(engine):
+    prompt = engine.tokenizer.encode("hello")
+    full = engine.generate(prompt, 24, GREEDY, stop_at_eog=False)
+    text = full.text
+    assert len(text) >= 6
+    stop = text[3:5]
+    first = text.find(stop)
+    streamed = []
+    res = engine.generate(prompt, 24, GREEDY, stop=[stop], on_text=streamed.append, stop_at_eog=False)
+    assert res.stop_reason == "stop"
+    assert res.text == text[:first]
+    assert "".join(streamed) == res.text
+
+
+def test_streamed_text_equals_result_text(engine):
+    chunks = []
+    res = engine.generate(engine.tokenizer.encode("abc"), 16, GREEDY, on_text=chunks.append, stop_at_eog=False)
+    assert "".join(chunks) == res.text == engine.tokenizer.decode(res.ids)
+
+
+def test_end_of_generation_token_stops(engine, monkeypatch):
+    prompt = engine.tokenizer.encode("hello")
+    first = engine.generate(prompt, 1, GREEDY, stop_at_eog=False).ids[0]
+    monkeypatch.setattr(type(engine.tokenizer), "eot_ids", frozenset({first}), raising=False)
+    monkeypatch.setattr(engine.tokenizer, "eot_ids", frozenset({first}), raising=False)
+    res = engine.generate(prompt, 8, GREEDY)
+    assert res.stop_reason == "eos" and res.ids == []
+
+
+def test_context_limits_are_errors(engine):
+    with pytest.raises(ContextError):
+        engine.check_fits(100, 29)
+    engine.reset()
+    engine.forward(list(range(10, 130)))
+    with pytest.raises(ContextError):
+        engine.forward(list(range(10, 20)))
+
+
+def test_kv_survives_prefill_to_decode_rebuild(synth_model_path):
+    eng = Engine.load(synth_model_path, n_ctx=64, n_threads=2)
+    ids = [5, 17, 42, 99, 3, 250, 7]
+    whole = eng.forward(ids)[0]
+    eng.reset()
+    eng.forward(ids[:-1])
+    builds = eng.runtime.builds
+    step = eng.forward(ids[-1:])[0]
+    assert eng.runtime.builds == builds + 1  # prefill -> decode is one rebuild
+    # F32 weights: same arithmetic up to summation order inside attention tiles.
+    np.testing.assert_allclose(step, whole, rtol=1e-4, atol=1e-4)
+    # and decode reuses its graph from then on
+    eng.forward([11])
+    eng.forward([12])
+    assert eng.runtime.builds == builds + 1
+
+
+def test_fused_and_unfused_swiglu_are_bitwise_identical(tmp_path):
+    path = tmp_path / "q.gguf"
+    write_model(path, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
+                types={"ffn_gate": "Q4_K", "ffn_up": "Q5_0", "ffn_down": "Q6_K", "attn_q": "Q8_0"})
+    ids = [1, 2, 3, 4, 5, 6]
+    outs = []
+    for fuse in (True, False):
+        eng = Engine.load(path, n_ctx=32, n_threads=2, fuse=fuse)
+        ops = {n.op.value for n in eng.runtime.model.build_graph(eng.runtime.params(len(ids), 1, 32)).nodes}
+        assert "Mul" in ops  # the model emits silu * mul; only the pass rewrites it
+        a = eng.forward(ids)
+        b = eng.forward([7])
+        live = {n.op.value for n in eng.runtime.cache.graph.nodes if n.id not in eng.runtime.cache.graph.dead}
+        assert ("SwiGLU" in live) == fuse
+        outs.append((a, b))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = tmp_path / "llama.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match=r"'llama'.*qwen2, qwen3"):
+        load_model(GGUFFile.open(path))
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = tmp_path / "bf16.gguf"
+    write_model(path, types={"ffn_up": "BF16"})
+    with pytest.raises(UnsupportedModelError, match=r"ffn_up.*BF16"):
+        Engine.load(path, n_ctx=32)
+
+
+def test_perplexity_matches_reference(synth_model_path):
+    eng = Engine.load(synth_model_path, n_ctx=32, n_threads=2)
+    text = "the quick brown fox jumps over the lazy dog " * 8
+    lines = []
+    res = run_perplexity(eng, text, 32, out=lines.append)
+    tokens = eng.tokenizer.encode(text)
+    ref = ReferenceModel(str(synth_model_path))
+    nll = []
+    for c in range(len(tokens) // 32):
+        chunk = tokens[c * 32:(c + 1) * 32]
+        lg = ref.logits(chunk)
+        for j in range(16, 31):
+            row = lg[j] - lg[j].max()
+            nll.append(-(row[chunk[j + 1]] - math.log(np.exp(row).sum())))
+    assert res.n_scored == len(nll)
+    assert res.ppl == pytest.approx(math.exp(np.mean(nll)), rel=1e-4)
+    assert lines[-1].startswith("Final estimate: PPL =")
