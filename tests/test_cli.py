@@ -119,3 +119,31 @@ def test_dump_graph_prefill_and_decode(capsys, tmp_path, synth_model_path):
         text = path.read_text()
         assert text.startswith("digraph") and "MatMul" in text
         assert ("tail_ids" in text) != decode  # prefill has G3 tail rows, decode has none
+
+
+def test_dump_graph_of_the_real_model_renders(capsys, tmp_path, real_model_path):
+    import os
+    import shutil
+
+    path = tmp_path / "real.dot"
+    rc, _, _ = run(capsys, "--dump-graph", str(path), str(real_model_path), "hello")
+    assert rc == 0
+    text = path.read_text()
+    # 7 matmuls per layer (q, k, v, o, gate, up, down) x 24 layers + the lm head
+    assert text.count("\\nMatMul") == 24 * 7 + 1
+    assert "SwiGLU" in text  # the graph shows what runs: after the fusion pass
+    dot = shutil.which("dot")
+    if dot is None:
+        if os.environ.get("CI"):
+            pytest.fail("graphviz 'dot' is missing on CI (.ci/run installs it)")
+        pytest.skip("graphviz 'dot' not installed here")
+    svg = tmp_path / "real.svg"
+    subprocess.run([dot, "-Tsvg", str(path), "-o", str(svg)], check=True, timeout=120)
+    assert "<svg" in svg.read_text()[:2000]
+
+
+def test_graph_trace_env_prints_splits(capsys, monkeypatch, synth_model_path):
+    monkeypatch.setenv("MINFER_GRAPH_TRACE", "1")
+    rc, _, err = run(capsys, "generate", str(synth_model_path), "hi", "-n", "2", "--temp", "0", "--ctx", "32")
+    assert rc == 0
+    assert "split" in err.lower() and "MatMul" in err

@@ -28,7 +28,11 @@ def dot_text(graph: ComputeGraph, registry: Optional[Registry] = None) -> str:
     reg = registry or default_registry()
     ends = set(graph.inputs) | set(graph.outputs)
     out = io.StringIO()
-    out.write("digraph minfer {\n  rankdir=TB;\n  node [style=filled, fontname=\"Helvetica\", fontsize=10];\n")
+    out.write("digraph minfer {\n  rankdir=TB;\n")
+    # The positions input feeds every layer: with dot's default crossing minimisation a
+    # 24-layer graph takes minutes to lay out; bounded passes take about a second.
+    out.write("  graph [mclimit=0.1, nslimit=1, nslimit1=1, searchsize=10];\n")
+    out.write("  node [style=filled, fontname=\"Helvetica\", fontsize=10];\n")
     for n in graph.nodes:
         label = f"{n.name}\n{n.op} [{reg.name_of(n.backend)}]"
         attrs = [f"label={_q(label)}", f"fillcolor={_q(backend_color(n.backend))}",
