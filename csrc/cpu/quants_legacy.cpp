@@ -170,6 +170,13 @@ void quantize_q8_0_scalar(const float* x, block_q8_0* y, int64_t nb) {
 // AVX2 path (also the building blocks of the AVX-512 path).
 #if defined(MINFER_Q_AVX2)
 
+#ifndef MINFER_NR1
+#define MINFER_NR1 2
+#endif
+#ifndef MINFER_NR4
+#define MINFER_NR4 2
+#endif
+
 inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -181,10 +188,11 @@ inline float h2f(half h) { return _cvtsh_ss(h); }
 
 // 16 bytes of packed nibbles -> 32 bytes in element order (element j < 16 is the low
 // nibble of byte j, element j + 16 its high nibble).
+// A broadcast load and one per-lane variable shift instead of shift + insert: the
+// insert competed with the bit-spreading shuffle for the same ports.
 inline __m256i nibbles32(const uint8_t* qs) {
-    const __m128i t = _mm_loadu_si128((const __m128i*)qs);
-    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qs));
+    return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
 }
 
 // 32 bits -> 32 bytes, 0xFF where the bit is set: byte k of the result is picked from
@@ -199,14 +207,20 @@ inline __m256i bits32(const uint8_t* qh) {
 
 // Per type: load() gives the 32 weight codes as bytes, signed for the symmetric types,
 // unsigned (0..31) for the types with a min.
+// kOff != 0: the AVX2 kernel takes loadu()'s unsigned codes (code + kOff) straight into
+// maddubs and subtracts kOff * sum(y) afterwards, which saves the two sign operations
+// that signed codes need.
 struct AQ4_0 {
     using B = block_q4_0;
     static constexpr bool kMin = false;
+    static constexpr int kOff = 8;
     static __m256i load(const B& b) { return _mm256_sub_epi8(nibbles32(b.qs), _mm256_set1_epi8(8)); }
+    static __m256i loadu(const B& b) { return nibbles32(b.qs); }
 };
 struct AQ4_1 {
     using B = block_q4_1;
     static constexpr bool kMin = true;
+    static constexpr int kOff = 0;
     static __m256i load(const B& b) { return nibbles32(b.qs); }
 };
 struct AQ5_0 {
@@ -217,10 +231,15 @@ struct AQ5_0 {
     static __m256i load(const B& b) {
         return _mm256_or_si256(nibbles32(b.qs), _mm256_andnot_si256(bits32(b.qh), _mm256_set1_epi8((char)0xF0)));
     }
+    static constexpr int kOff = 16;
+    static __m256i loadu(const B& b) {
+        return _mm256_or_si256(nibbles32(b.qs), _mm256_and_si256(bits32(b.qh), _mm256_set1_epi8(0x10)));
+    }
 };
 struct AQ5_1 {
     using B = block_q5_1;
     static constexpr bool kMin = true;
+    static constexpr int kOff = 0;
     static __m256i load(const B& b) {
         return _mm256_or_si256(nibbles32(b.qs), _mm256_and_si256(bits32(b.qh), _mm256_set1_epi8(0x10)));
     }
@@ -228,6 +247,7 @@ struct AQ5_1 {
 struct AQ8_0 {
     using B = block_q8_0;
     static constexpr bool kMin = false;
+    static constexpr int kOff = 0;
     static __m256i load(const B& b) { return _mm256_loadu_si256((const __m256i*)b.qs); }
 };
 
@@ -254,51 +274,111 @@ inline __m256 block_step(__m256i q, __m256i aq, float d, float m, const block_q8
     }
 }
 
-// Activation scales as f32, converted once per tile instead of once per weight row.
-inline const float* act_scales(const uint8_t* a, size_t as, int na, int64_t nb) {
-    static thread_local std::vector<float> buf;
-    if (buf.size() < (size_t)(na * nb)) buf.resize((size_t)(na * nb));
+// f16 -> f32 by table: a scalar index and a broadcast load keep the per-block weight
+// scale off the vector ports (insert + vcvtph2ps + broadcast cost four uops per block,
+// a quarter of a Q5_0 block's whole budget). Weight scales cluster in a few exponents,
+// so the touched part of the table stays in L1/L2.
+struct F16Table {
+    float v[65536];
+    F16Table() {
+        for (int i = 0; i < 65536; ++i) v[i] = _cvtsh_ss((unsigned short)i);
+    }
+};
+const F16Table g_f16;
+inline const float* f16p(half h) { return &g_f16.v[(uint16_t)h]; }
+
+// Per-tile activation side data, built once per call and shared by all weight rows:
+// f32 scales and, for offset codes, kOff * (pairwise sums of y) as i16 (what maddubs of
+// the offset against y gives).
+struct ActPrep {
+    std::vector<float> dy;
+    struct alignas(32) I16x16 { int16_t v[16]; };
+    std::vector<I16x16> off;
+};
+template <int kOff>
+inline const ActPrep& act_prep(const uint8_t* a, size_t as, int na, int64_t nb) {
+    static thread_local ActPrep p;
+    if (p.dy.size() < (size_t)(na * nb)) p.dy.resize((size_t)(na * nb));
+    if (kOff && p.off.size() < (size_t)(na * nb)) p.off.resize((size_t)(na * nb));
     for (int j = 0; j < na; ++j) {
         const block_q8_0* y = (const block_q8_0*)(a + j * as);
-        for (int64_t ib = 0; ib < nb; ++ib) buf[j * nb + ib] = h2f(y[ib].d);
+        for (int64_t ib = 0; ib < nb; ++ib) {
+            p.dy[j * nb + ib] = *f16p(y[ib].d);
+            if constexpr (kOff != 0)
+                _mm256_store_si256((__m256i*)p.off[j * nb + ib].v,
+                                   _mm256_maddubs_epi16(_mm256_set1_epi8(kOff), _mm256_loadu_si256((const __m256i*)y[ib].qs)));
+        }
     }
-    return buf.data();
+    return p;
+}
+
+// NR weight rows x NA activation rows per pass: each unpacked weight block feeds NA
+// tokens and each activation block NR rows. Every (row, token) result sees the same
+// instruction sequence whatever NR, so grouping never changes a bit.
+template <class W, int NR, int NA>
+inline void group_avx2(int64_t nb, const uint8_t* w, size_t ws, const uint8_t* a, size_t as, const ActPrep& ap,
+                       float* out, size_t os) {
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    const float* dys = ap.dy.data();
+    [[maybe_unused]] const __m256i* offs = (const __m256i*)ap.off.data();
+    const typename W::B* x[NR];
+    for (int r = 0; r < NR; ++r) x[r] = (const typename W::B*)(w + r * ws);
+    const block_q8_0* y[NA];
+    for (int j = 0; j < NA; ++j) y[j] = (const block_q8_0*)(a + j * as);
+    __m256 acc[NR][NA];
+    for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < NA; ++j) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t ib = 0; ib < nb; ++ib) {
+        __m256i q[NR], aq[NR];
+        __m256 d[NR], m[NR];
+        for (int r = 0; r < NR; ++r) {
+            d[r] = _mm256_broadcast_ss(f16p(x[r][ib].d));
+            if constexpr (W::kMin) {
+                q[r] = W::load(x[r][ib]);
+                m[r] = _mm256_broadcast_ss(f16p(x[r][ib].m));
+            } else if constexpr (W::kOff != 0) {
+                q[r] = W::loadu(x[r][ib]);
+            } else {
+                q[r] = W::load(x[r][ib]);
+                aq[r] = _mm256_sign_epi8(q[r], q[r]);
+            }
+        }
+        for (int j = 0; j < NA; ++j) {
+            const __m256i yv = _mm256_loadu_si256((const __m256i*)y[j][ib].qs);
+            const __m256 dy = _mm256_broadcast_ss(dys + j * nb + ib);
+            if constexpr (W::kMin) {
+                const __m256 sy = _mm256_cvtepi32_ps(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), yv), ones16));
+                for (int r = 0; r < NR; ++r) {
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], yv), ones16);
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_mul_ps(d[r], dy), _mm256_cvtepi32_ps(p), acc[r][j]);
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_mul_ps(m[r], dy), sy, acc[r][j]);
+                }
+            } else {
+                for (int r = 0; r < NR; ++r) {
+                    __m256i p16;
+                    if constexpr (W::kOff != 0)
+                        p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q[r], yv), offs[j * nb + ib]);
+                    else
+                        p16 = _mm256_maddubs_epi16(aq[r], _mm256_sign_epi8(yv, q[r]));
+                    const __m256i p = _mm256_madd_epi16(p16, ones16);
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_mul_ps(d[r], dy), _mm256_cvtepi32_ps(p), acc[r][j]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < NA; ++j) out[j * os + r] = hsum8(acc[r][j]);
 }
 
 template <class W, int NA>
 void rows_avx2(int64_t nb, const uint8_t* w, size_t ws, int nw, const uint8_t* a, size_t as, float* out,
                size_t os) {
-    const float* dys = act_scales(a, as, NA, nb);
-    const __m256i ones16 = _mm256_set1_epi16(1);
-    for (int r = 0; r < nw; ++r) {
-        const typename W::B* x = (const typename W::B*)(w + r * ws);
-        __m256 acc[NA];
-        for (int j = 0; j < NA; ++j) acc[j] = _mm256_setzero_ps();
-        for (int64_t ib = 0; ib < nb; ++ib) {
-            const __m256i q = W::load(x[ib]);
-            const __m256 d = _mm256_set1_ps(h2f(x[ib].d));
-            if constexpr (!W::kMin) {
-                const __m256i aq = _mm256_sign_epi8(q, q);
-                for (int j = 0; j < NA; ++j) {
-                    const __m256i yv = _mm256_loadu_si256((const __m256i*)((const block_q8_0*)(a + j * as))[ib].qs);
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(yv, q)), ones16);
-                    const __m256 sc = _mm256_mul_ps(d, _mm256_broadcast_ss(dys + j * nb + ib));
-                    acc[j] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[j]);
-                }
-            } else {
-                const __m256 m = _mm256_set1_ps(wmin<W>(x[ib]));
-                for (int j = 0; j < NA; ++j) {
-                    const __m256i yv = _mm256_loadu_si256((const __m256i*)((const block_q8_0*)(a + j * as))[ib].qs);
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, yv), ones16);
-                    const __m256i sy = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), yv), ones16);
-                    const __m256 dy = _mm256_broadcast_ss(dys + j * nb + ib);
-                    acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(d, dy), _mm256_cvtepi32_ps(p), acc[j]);
-                    acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(m, dy), _mm256_cvtepi32_ps(sy), acc[j]);
-                }
-            }
-        }
-        for (int j = 0; j < NA; ++j) out[j * os + r] = hsum8(acc[j]);
-    }
+    constexpr int NR = NA == 1 ? MINFER_NR1 : MINFER_NR4;
+    const ActPrep& ap = act_prep<W::kOff>(a, as, NA, nb);
+    int r = 0;
+    for (; r + NR <= nw; r += NR) group_avx2<W, NR, NA>(nb, w + r * ws, ws, a, as, ap, out + r, os);
+    for (; r < nw; ++r) group_avx2<W, 1, NA>(nb, w + r * ws, ws, a, as, ap, out + r, os);
 }
 
 template <bool F16> inline __m256 wload8(const uint8_t* w, int64_t i) {
