@@ -1,5 +1,6 @@
-"""Python overhead of a reused decode step: the time a forward spends outside
-`_core.run` (input fills, reuse check, logits read) as a fraction of the step.
+"""Python overhead of a reused decode step as the generation loop runs it (forward with
+the logits viewed in place, then greedy sampling): the time spent outside `_core.run`
+(reuse check, input fills, sampling) as a fraction of the step.
 
     python bench/python_overhead.py [MODEL] [--steps 64] [--threads N]
 """
@@ -11,6 +12,7 @@ import statistics
 import time
 
 from minfer.engine import Engine
+from minfer.sampling import Sampler, SamplingParams
 
 
 def main() -> None:
@@ -36,10 +38,12 @@ def main() -> None:
 
         object.__setattr__(entry, "run_plan", timed)
     totals, outs = [], []
+    sampler = Sampler(SamplingParams(temperature=0.0))
+    tok = 200
     for i in range(a.steps):
         inside.clear()
         t = time.perf_counter()
-        eng.forward([200 + i])
+        tok = sampler.sample(eng.forward([tok], copy=False)[0])
         total = time.perf_counter() - t
         totals.append(total)
         outs.append(total - sum(inside))

@@ -96,6 +96,17 @@ PYBIND11_MODULE(_core, m) {
                 py::array out(dt, std::vector<py::ssize_t>{count});
                 std::memcpy(out.mutable_data(), p.data(id) + offset, nbytes);
                 return out;
+            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0)
+        .def("view", [](py::object self, int id, const std::string& dtype, py::ssize_t count, size_t offset) {
+                // Zero-copy, read-only window: valid until the buffer is next written
+                // (the next run). Saves a copy of the logits on every decode step.
+                Pool& p = self.cast<Pool&>();
+                py::dtype dt = dtype_of(dtype);
+                check_range(p, id, offset, (size_t)count * dt.itemsize());
+                py::array out(dt, std::vector<py::ssize_t>{count}, std::vector<py::ssize_t>{(py::ssize_t)dt.itemsize()},
+                              p.data(id) + offset, self);
+                py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+                return out;
             }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0);
 
     m.def("copy_buffer", [](const Pool& src, int src_id, Pool& dst, int dst_id, size_t nbytes) {

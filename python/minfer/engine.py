@@ -129,8 +129,9 @@ class Engine:
     def reset(self) -> None:
         self.n_past = 0
 
-    def forward(self, tokens: list[int] | np.ndarray, n_out: int = 1) -> np.ndarray:
-        """Append tokens at position n_past; return logits [n_out, n_vocab] of the last n_out."""
+    def forward(self, tokens: list[int] | np.ndarray, n_out: int = 1, copy: bool = True) -> np.ndarray:
+        """Append tokens at position n_past; return logits [n_out, n_vocab] of the last n_out.
+        copy=False: a read-only view, valid until the next forward."""
         nt = len(tokens)
         if nt == 0:
             raise MinferError("forward needs at least one token")
@@ -142,7 +143,7 @@ class Engine:
         if ids.min() < 0 or ids.max() >= self.hp.n_vocab:
             raise MinferError(f"token id out of range [0, {self.hp.n_vocab})")
         logits = self.runtime.forward(ids, self.n_past, n_out=n_out, n_ctx=self.n_ctx,
-                                      reuse=self.reuse, fuse=self.fuse)
+                                      reuse=self.reuse, fuse=self.fuse, copy=copy)
         self.n_past += nt
         return logits
 
@@ -184,7 +185,7 @@ class Engine:
             emitted = max(emitted, upto)
 
         t0 = time.perf_counter()
-        logits = self.forward(prompt_ids, n_out=1)[0]
+        logits = self.forward(prompt_ids, n_out=1, copy=False)[0]
         res.prompt_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
         while True:
@@ -204,7 +205,7 @@ class Engine:
             if len(res.ids) >= n_predict:
                 res.stop_reason = "length"
                 break
-            logits = self.forward([nxt], n_out=1)[0]
+            logits = self.forward([nxt], n_out=1, copy=False)[0]
         if res.stop_reason != "stop":
             res.text += stream.flush()
             hit = _find_stop(res.text, stops)

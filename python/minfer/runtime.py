@@ -49,7 +49,9 @@ class Runtime:
         return GraphParams(n_tokens=n_tokens, n_out=n_out, gtype=gtype, cparams=CParams(n_ctx=n_ctx))
 
     def forward(self, ids: np.ndarray, n_past: int, n_out: int, n_ctx: int, reuse: bool = True,
-                fuse: bool = True) -> np.ndarray:
+                fuse: bool = True, copy: bool = True) -> np.ndarray:
+        """Logits [n_out, n_vocab]; copy=False returns a read-only view that the next
+        forward overwrites (the generation loop samples before it steps again)."""
         nt = int(ids.size)
         params = self.params(nt, n_out, n_ctx)
         cache = self.cache
@@ -66,7 +68,7 @@ class Runtime:
         if n_out < nt:
             alloc.fill_input(g, "tail_ids", np.arange(nt - n_out, nt, dtype=np.int32))
         cache.execute()
-        return alloc.copy_to_host(g.outputs[0])
+        return alloc.copy_to_host(g.outputs[0]) if copy else alloc.host_view(g.outputs[0])
 
     def dump_graph(self, path: str | Path, n_tokens: int, n_ctx: int, decode: bool, fuse: bool = True) -> None:
         nt = 1 if decode else n_tokens

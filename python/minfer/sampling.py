@@ -54,8 +54,11 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         p = self.params
-        logits = np.asarray(logits, dtype=np.float64).copy()
+        # The logits may be a read-only view of the engine's buffer: copy only when a
+        # penalty has to edit them (the common greedy path reads them in place).
+        logits = np.asarray(logits)
         if p.repeat_penalty != 1.0 and self.recent:
+            logits = logits.astype(np.float64)
             ids = np.fromiter(set(self.recent), dtype=np.int64)
             vals = logits[ids]
             # llama.cpp's rule: shrink positive logits, grow negative ones.
@@ -67,7 +70,7 @@ class Sampler:
         if 0 < p.top_k < logits.size:
             cand = np.argpartition(-logits, p.top_k - 1)[: p.top_k]
         order = cand[np.argsort(-logits[cand], kind="stable")]
-        vals = logits[order]
+        vals = logits[order].astype(np.float64)
         probs = _softmax(vals)
         if p.top_p < 1.0:
             cum = np.cumsum(probs)

@@ -328,6 +328,14 @@ class GraphAllocator:
         out = self.pools[ref.backend].read(ref.id, node.out_dtype.numpy, node.n_elements)
         return out.reshape(node.n_rows, node.out_shape[0])
 
+    def host_view(self, node_id: int) -> np.ndarray:
+        """Like copy_to_host, but a read-only view of the pool buffer (CPU pools only):
+        valid until the next execute. The decode loop samples from it without a copy."""
+        node = self._graph.nodes[node_id]
+        ref = self.buffer(node_id)
+        out = self.pools[ref.backend].view(ref.id, node.out_dtype.numpy, node.n_elements)
+        return out.reshape(node.n_rows, node.out_shape[0])
+
     def copy_kv_to_host(self, layer: int) -> tuple:
         """(K, V) of a layer, each [n_ctx, kv_dim]."""
         r = self.kv_pair(layer)
