@@ -208,8 +208,8 @@ inline __m256i bits32(const uint8_t* qh) {
 // Per type: load() gives the 32 weight codes as bytes, signed for the symmetric types,
 // unsigned (0..31) for the types with a min.
 // kOff != 0: the AVX2 kernel takes loadu()'s unsigned codes (code + kOff) straight into
-// maddubs and subtracts kOff * sum(y) afterwards, which saves the two sign operations
-// that signed codes need.
+// maddubs and subtracts kOff * (pairwise sums of y) afterwards, which replaces the two
+// sign operations that signed codes need with one op shared by a group of rows.
 struct AQ4_0 {
     using B = block_q4_0;
     static constexpr bool kMin = false;
@@ -287,50 +287,31 @@ struct F16Table {
 const F16Table g_f16;
 inline const float* f16p(half h) { return &g_f16.v[(uint16_t)h]; }
 
-// Per-tile activation side data, built once per call and shared by all weight rows:
-// f32 scales and, for offset codes, kOff * (pairwise sums of y) as i16 (what maddubs of
-// the offset against y gives).
-struct ActPrep {
-    std::vector<float> dy;
-    struct alignas(32) I16x16 { int16_t v[16]; };
-    std::vector<I16x16> off;
-};
-template <int kOff>
-inline const ActPrep& act_prep(const uint8_t* a, size_t as, int na, int64_t nb) {
-    static thread_local ActPrep p;
-    if (p.dy.size() < (size_t)(na * nb)) p.dy.resize((size_t)(na * nb));
-    if (kOff && p.off.size() < (size_t)(na * nb)) p.off.resize((size_t)(na * nb));
-    for (int j = 0; j < na; ++j) {
-        const block_q8_0* y = (const block_q8_0*)(a + j * as);
-        for (int64_t ib = 0; ib < nb; ++ib) {
-            p.dy[j * nb + ib] = *f16p(y[ib].d);
-            if constexpr (kOff != 0)
-                _mm256_store_si256((__m256i*)p.off[j * nb + ib].v,
-                                   _mm256_maddubs_epi16(_mm256_set1_epi8(kOff), _mm256_loadu_si256((const __m256i*)y[ib].qs)));
-        }
-    }
-    return p;
-}
+// Fully unrolled before scalar replacement, so the accumulator arrays live in registers
+// (otherwise GCC keeps a stack copy and stores every accumulator every block).
+#define MINFER_UNROLL _Pragma("GCC unroll 8")
 
 // NR weight rows x NA activation rows per pass: each unpacked weight block feeds NA
 // tokens and each activation block NR rows. Every (row, token) result sees the same
 // instruction sequence whatever NR, so grouping never changes a bit.
 template <class W, int NR, int NA>
-inline void group_avx2(int64_t nb, const uint8_t* w, size_t ws, const uint8_t* a, size_t as, const ActPrep& ap,
-                       float* out, size_t os) {
+inline void group_avx2(int64_t nb, const uint8_t* w, size_t ws, const uint8_t* a, size_t as, float* out, size_t os) {
     const __m256i ones16 = _mm256_set1_epi16(1);
-    const float* dys = ap.dy.data();
-    [[maybe_unused]] const __m256i* offs = (const __m256i*)ap.off.data();
     const typename W::B* x[NR];
+    MINFER_UNROLL
     for (int r = 0; r < NR; ++r) x[r] = (const typename W::B*)(w + r * ws);
     const block_q8_0* y[NA];
+    MINFER_UNROLL
     for (int j = 0; j < NA; ++j) y[j] = (const block_q8_0*)(a + j * as);
     __m256 acc[NR][NA];
+    MINFER_UNROLL
     for (int r = 0; r < NR; ++r)
+        MINFER_UNROLL
         for (int j = 0; j < NA; ++j) acc[r][j] = _mm256_setzero_ps();
     for (int64_t ib = 0; ib < nb; ++ib) {
         __m256i q[NR], aq[NR];
         __m256 d[NR], m[NR];
+        MINFER_UNROLL
         for (int r = 0; r < NR; ++r) {
             d[r] = _mm256_broadcast_ss(f16p(x[r][ib].d));
             if constexpr (W::kMin) {
@@ -343,22 +324,29 @@ inline void group_avx2(int64_t nb, const uint8_t* w, size_t ws, const uint8_t* a
                 aq[r] = _mm256_sign_epi8(q[r], q[r]);
             }
         }
+        MINFER_UNROLL
         for (int j = 0; j < NA; ++j) {
             const __m256i yv = _mm256_loadu_si256((const __m256i*)y[j][ib].qs);
-            const __m256 dy = _mm256_broadcast_ss(dys + j * nb + ib);
+            const __m256 dy = _mm256_broadcast_ss(f16p(y[j][ib].d));
+            // kOff * pairwise sums of y, shared by the NR rows (computing it here beat a
+            // per-tile precomputed table: the table's build cost more than it saved).
+            [[maybe_unused]] __m256i off;
+            if constexpr (W::kOff != 0) off = _mm256_maddubs_epi16(_mm256_set1_epi8(W::kOff), yv);
             if constexpr (W::kMin) {
                 const __m256 sy = _mm256_cvtepi32_ps(
                     _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), yv), ones16));
+                MINFER_UNROLL
                 for (int r = 0; r < NR; ++r) {
                     const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], yv), ones16);
                     acc[r][j] = _mm256_fmadd_ps(_mm256_mul_ps(d[r], dy), _mm256_cvtepi32_ps(p), acc[r][j]);
                     acc[r][j] = _mm256_fmadd_ps(_mm256_mul_ps(m[r], dy), sy, acc[r][j]);
                 }
             } else {
+                MINFER_UNROLL
                 for (int r = 0; r < NR; ++r) {
                     __m256i p16;
                     if constexpr (W::kOff != 0)
-                        p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q[r], yv), offs[j * nb + ib]);
+                        p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q[r], yv), off);
                     else
                         p16 = _mm256_maddubs_epi16(aq[r], _mm256_sign_epi8(yv, q[r]));
                     const __m256i p = _mm256_madd_epi16(p16, ones16);
@@ -367,7 +355,9 @@ inline void group_avx2(int64_t nb, const uint8_t* w, size_t ws, const uint8_t* a
             }
         }
     }
+    MINFER_UNROLL
     for (int r = 0; r < NR; ++r)
+        MINFER_UNROLL
         for (int j = 0; j < NA; ++j) out[j * os + r] = hsum8(acc[r][j]);
 }
 
@@ -375,10 +365,9 @@ template <class W, int NA>
 void rows_avx2(int64_t nb, const uint8_t* w, size_t ws, int nw, const uint8_t* a, size_t as, float* out,
                size_t os) {
     constexpr int NR = NA == 1 ? MINFER_NR1 : MINFER_NR4;
-    const ActPrep& ap = act_prep<W::kOff>(a, as, NA, nb);
     int r = 0;
-    for (; r + NR <= nw; r += NR) group_avx2<W, NR, NA>(nb, w + r * ws, ws, a, as, ap, out + r, os);
-    for (; r < nw; ++r) group_avx2<W, 1, NA>(nb, w + r * ws, ws, a, as, ap, out + r, os);
+    for (; r + NR <= nw; r += NR) group_avx2<W, NR, NA>(nb, w + r * ws, ws, a, as, out + r, os);
+    for (; r < nw; ++r) group_avx2<W, 1, NA>(nb, w + r * ws, ws, a, as, out + r, os);
 }
 
 template <bool F16> inline __m256 wload8(const uint8_t* w, int64_t i) {
