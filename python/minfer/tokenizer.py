@@ -187,7 +187,6 @@ class Tokenizer:
             else:
                 vocab.setdefault(tok, i)
             self._bytes.append(raw)
-        self._vocab = vocab
         self._text_to_id = {tok: i for i, tok in reversed(list(enumerate(tokens)))}
 
         pairs = []
@@ -201,6 +200,7 @@ class Tokenizer:
             vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
             end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
         )
+        del vocab, pairs  # the BPE model holds its own copy; keep resident memory down
         hf = HFTokenizer(model)
         hf.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
