@@ -170,12 +170,6 @@ void quantize_q8_0_scalar(const float* x, block_q8_0* y, int64_t nb) {
 // AVX2 path (also the building blocks of the AVX-512 path).
 #if defined(MINFER_Q_AVX2)
 
-#ifndef MINFER_NR1
-#define MINFER_NR1 2
-#endif
-#ifndef MINFER_NR4
-#define MINFER_NR4 2
-#endif
 
 inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -311,6 +305,9 @@ inline void group_avx2(int64_t nb, const uint8_t* w, size_t ws, const uint8_t* a
     for (int64_t ib = 0; ib < nb; ++ib) {
         __m256i q[NR], aq[NR];
         __m256 d[NR], m[NR];
+        // Decode streams the weights from DRAM: a software prefetch 1 KiB ahead adds to
+        // what the hardware prefetcher keeps in flight (Q8_0 cold, 1 thread: +15%).
+        if constexpr (NA == 1) _mm_prefetch((const char*)&x[NR - 1][ib] + 1024, _MM_HINT_T0);
         MINFER_UNROLL
         for (int r = 0; r < NR; ++r) {
             d[r] = _mm256_broadcast_ss(f16p(x[r][ib].d));
@@ -364,7 +361,10 @@ inline void group_avx2(int64_t nb, const uint8_t* w, size_t ws, const uint8_t* a
 template <class W, int NA>
 void rows_avx2(int64_t nb, const uint8_t* w, size_t ws, int nw, const uint8_t* a, size_t as, float* out,
                size_t os) {
-    constexpr int NR = NA == 1 ? MINFER_NR1 : MINFER_NR4;
+    // Decode (NA = 1) walks one row at a time: two interleaved row streams were faster
+    // in cache but 15-25% slower from DRAM. Prefill shares each activation load between
+    // two rows.
+    constexpr int NR = NA == 1 ? 1 : 2;
     int r = 0;
     for (; r + NR <= nw; r += NR) group_avx2<W, NR, NA>(nb, w + r * ws, ws, a, as, out + r, os);
     for (; r < nw; ++r) group_avx2<W, 1, NA>(nb, w + r * ws, ws, a, as, out + r, os);
