@@ -141,3 +141,28 @@ def test_perplexity_matches_reference(synth_model_path):
     assert res.n_scored == len(nll)
     assert res.ppl == pytest.approx(math.exp(np.mean(nll)), rel=1e-4)
     assert lines[-1].startswith("Final estimate: PPL =")
+
+
+def test_barrier_elision_is_bitwise_neutral(monkeypatch, tmp_path):
+    # The executor skips the barrier between steps that share no data (q/k/v matmuls,
+    # the two RoPEs); MINFER_ALL_BARRIERS=1 restores one after every step. A missed
+    # hazard would show up as a race: different bits, or different bits run to run.
+    path = tmp_path / "mix.gguf"
+    write_model(path, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_layer=3,
+                types={"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0", "ffn_gate": "Q4_K",
+                       "ffn_up": "Q4_K", "ffn_down": "Q6_K", "attn_output": "Q4_0"})
+    ids = list(range(3, 40))
+
+    def run_once():
+        eng = Engine.load(path, n_ctx=64, n_threads=2)
+        out = [eng.forward(ids, n_out=len(ids))]
+        for t in (5, 9, 11, 2):
+            out.append(eng.forward([t]))
+        return out
+
+    elided = [run_once() for _ in range(3)]
+    monkeypatch.setenv("MINFER_ALL_BARRIERS", "1")
+    full = run_once()
+    for e in elided:
+        for a, b in zip(e, full):
+            assert np.array_equal(a, b)

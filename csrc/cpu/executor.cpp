@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -247,6 +248,74 @@ struct Scratch {
     std::vector<float> attn;        // nth * per-thread attention scratch
 };
 
+int act_slot(int32_t wtype);
+
+// Hazard analysis for the barriers between steps. Every thread walks the same steps,
+// and a step only reads what its sources hold and writes its outputs, so threads need
+// to meet only where a step reads a buffer written since the last meeting, or writes a
+// buffer read or written since then (the in-place ops included). The quantized
+// activation scratch slots count as buffers (ids -1 and -2), written by a matmul whose
+// input is not already quantized there: the memo is simulated exactly as run_plan
+// keeps it. Consecutive q/k/v (and gate/up) matmuls and the two RoPEs then run back to
+// back, which removes about a third of a decode step's barriers.
+std::vector<uint8_t> plan_barriers(const Plan& plan, const WeightStore& ws) {
+    const size_t n = plan.steps.size();
+    std::vector<uint8_t> after(n, 1);
+    std::vector<int> pend_r, pend_w;
+    auto touches = [](const std::vector<int>& v, int id) { return std::find(v.begin(), v.end(), id) != v.end(); };
+    int memo_src[2] = {-1, -1};
+    int64_t memo_nt[2] = {0, 0};
+    for (size_t i = 0; i < n; ++i) {
+        const Step& s = plan.steps[i];
+        std::vector<int> r, w;
+        int quant_slot = -1;
+        switch (s.op) {
+            case OP_ADD: case OP_MUL: case OP_SWIGLU: r = {s.buf[1], s.buf[2]}; w = {s.buf[0]}; break;
+            case OP_SILU: case OP_RMS_NORM: case OP_QK_NORM: case OP_GET_ROWS_W: r = {s.buf[1]}; w = {s.buf[0]}; break;
+            case OP_GET_ROWS: case OP_ROPE: r = {s.buf[1], s.buf[2]}; w = {s.buf[0]}; break;
+            case OP_KV_STORE: r = {s.buf[1], s.buf[2], s.buf[3]}; w = {s.buf[0], s.buf[4]}; break;
+            case OP_ATTN: r = {s.buf[1], s.buf[2], s.buf[3], s.buf[4], s.buf[5]}; w = {s.buf[0]}; break;
+            case OP_MATMUL: {
+                const int slot = act_slot(ws.get(s.w[0]).type);
+                w = {s.buf[0]};
+                if (slot < 0) {
+                    r = {s.buf[1]};
+                } else {
+                    r = {-1 - slot};
+                    if (memo_src[slot] != s.buf[1] || memo_nt[slot] != s.ip[2]) quant_slot = slot;
+                }
+                break;
+            }
+            default: r.clear(); w.clear(); break;
+        }
+        bool meet = false;
+        if (i > 0) {
+            // The quantization phase reads the input and writes the scratch slot.
+            std::vector<int> qr = r, qw = w;
+            if (quant_slot >= 0) { qr.push_back(s.buf[1]); qw.push_back(-1 - quant_slot); }
+            for (int id : qr) meet = meet || touches(pend_w, id);
+            for (int id : qw) meet = meet || touches(pend_w, id) || touches(pend_r, id);
+            after[i - 1] = meet;
+        }
+        if (meet) { pend_r.clear(); pend_w.clear(); }
+        if (quant_slot >= 0) {
+            // run_plan meets right after quantizing, so only the compute phase is pending.
+            pend_r.clear(); pend_w.clear();
+            memo_src[quant_slot] = s.buf[1];
+            memo_nt[quant_slot] = s.ip[2];
+        }
+        pend_r.insert(pend_r.end(), r.begin(), r.end());
+        pend_w.insert(pend_w.end(), w.begin(), w.end());
+        if (s.op != OP_MATMUL) {
+            memo_src[0] = memo_src[1] = -1;
+        } else {
+            for (int k = 0; k < 2; ++k)
+                if (memo_src[k] == s.buf[0]) memo_src[k] = -1;
+        }
+    }
+    return after;
+}
+
 int act_slot(int32_t wtype) {
     int32_t a = act_type_for(wtype);
     return a == T_Q8_K ? 1 : (a == T_Q8_0 ? 0 : -1);
@@ -263,6 +332,8 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
         plan.validated_pool = &pool;
         plan.validated_pool_count = pool.count();
         plan.validated_weight_count = ws.count();
+        plan.barrier_after = std::getenv("MINFER_ALL_BARRIERS") ? std::vector<uint8_t>(plan.steps.size(), 1)
+                                                                 : plan_barriers(plan, ws);
     }
     for (size_t i = begin; i < end; ++i) {
         std::string err = data_error(plan.steps[i], pool);
@@ -390,7 +461,7 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
                 for (int k = 0; k < 2; ++k)
                     if (memo_src[k] == s.buf[0]) memo_src[k] = -1;
             }
-            barrier.wait();
+            if (plan.barrier_after[i]) barrier.wait();
         }
     }
 }

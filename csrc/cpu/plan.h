@@ -63,6 +63,9 @@ struct Plan {
     mutable const Pool* validated_pool = nullptr;
     mutable int validated_pool_count = -1;
     mutable int validated_weight_count = -1;
+    // barrier_after[i]: threads must meet after step i because a later step (before the
+    // next meeting) reads or overwrites what step i touches. Derived with the validation.
+    mutable std::vector<uint8_t> barrier_after;
 };
 
 // Checks every step against the pool and weight store (ids, sizes, shapes) so a bad
