@@ -9,7 +9,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define MINFER_Q_AVX2 1
