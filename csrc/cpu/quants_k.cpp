@@ -271,6 +271,9 @@ inline __m256i hbit5(__m256i hb) {
     else return _mm256_and_si256(_mm256_srli_epi16(hb, S - 4), m);
 }
 
+// Small fixed loops unrolled early, so per-token accumulator arrays stay in registers.
+#define KQ_UNROLL _Pragma("GCC unroll 8")
+
 // Decode streams weights from DRAM: prefetching each block's lines 1 KiB ahead adds to
 // what the hardware prefetcher keeps in flight.
 template <size_t BYTES>
@@ -296,8 +299,15 @@ void dot_k4_avx2(int64_t nb, const Block* x, const block_q8_K* const* y, float* 
         const __m128i mins = _mm256_extracti128_si256(sm16, 1);
         [[maybe_unused]] const __m256i scl = _mm256_permute2x128_si256(sm16, sm16, 0x00);
 
-        Pair p[4];
+        // Integer sums per token. The AVX2 build uses each 64-weight pair for every token
+        // as soon as it is unpacked (four pairs of four registers each would not fit in
+        // 16 ymm registers next to the accumulators, and the spills cost ~20% at NA = 4);
+        // the summation order per token is the same either way.
+        IAcc s[NA];
+        KQ_UNROLL
+        for (int a = 0; a < NA; ++a) s[a] = iacc_zero();
 #if defined(KQ_AVX512)
+        Pair p[4];
         {
             const __m512i m4z = _mm512_set1_epi8(0x0F), m10z = _mm512_set1_epi8(0x10);
             const __m512i smz = _mm512_castsi256_si512(sm16);
@@ -325,21 +335,25 @@ void dot_k4_avx2(int64_t nb, const Block* x, const block_q8_K* const* y, float* 
                 lo = _mm256_or_si256(lo, hbit5<SLO>(hb));                                      \
                 hi = _mm256_or_si256(hi, hbit5<SHI>(hb));                                      \
             }                                                                                  \
-            p[J] = make_pair(lo, hi, splat_word(scl, SLO), splat_word(scl, SHI));              \
+            const Pair pj = make_pair(lo, hi, splat_word(scl, SLO), splat_word(scl, SHI));     \
+            KQ_UNROLL                                                                          \
+            for (int a = 0; a < NA; ++a) s[a] = pair_dot(s[a], pj, y[a][i].qs + 64 * J);       \
         }
         KQ_CHUNK(0, 0, 1) KQ_CHUNK(1, 2, 3) KQ_CHUNK(2, 4, 5) KQ_CHUNK(3, 6, 7)
 #undef KQ_CHUNK
 #endif
         const float dw = h2f(b.d), dmw = h2f(b.dmin);
 
+        KQ_UNROLL
         for (int a = 0; a < NA; ++a) {
             const block_q8_K& yb = y[a][i];
             const __m256i bs = _mm256_loadu_si256((const __m256i*)yb.bsums);
             const __m128i bs8 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             accm[a] = _mm_fmadd_ps(_mm_set1_ps(dmw * yb.d), _mm_cvtepi32_ps(_mm_madd_epi16(mins, bs8)), accm[a]);
-            IAcc s = iacc_zero();
-            for (int j = 0; j < 4; ++j) s = pair_dot(s, p[j], yb.qs + 64 * j);
-            acc[a] = _mm256_fmadd_ps(_mm256_set1_ps(dw * yb.d), _mm256_cvtepi32_ps(iacc_fold(s)), acc[a]);
+#if defined(KQ_AVX512)
+            for (int j = 0; j < 4; ++j) s[a] = pair_dot(s[a], p[j], yb.qs + 64 * j);
+#endif
+            acc[a] = _mm256_fmadd_ps(_mm256_set1_ps(dw * yb.d), _mm256_cvtepi32_ps(iacc_fold(s[a])), acc[a]);
         }
     }
     for (int a = 0; a < NA; ++a) res[a] = hsum_ps(acc[a]) - hsum_ps(accm[a]);
@@ -357,8 +371,11 @@ void dot_q6K_avx2(int64_t nb, const block_q6_K* x, const block_q8_K* const* y, f
         // Weights stay unsigned (0..63) for maddubs; the -32 offset is applied once per
         // block through the activation sub-block sums: sum(sc*(q-32)*a) = sum(sc*q*a) - 32*sum(sc*bsum).
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)b.scales));
-        Pair p[4];
+        IAcc s[NA];  // as in dot_k4_avx2: AVX2 consumes each pair right after unpacking it
+        KQ_UNROLL
+        for (int a = 0; a < NA; ++a) s[a] = iacc_zero();
 #if defined(KQ_AVX512)
+        Pair p[4];
         const __m512i m4z = _mm512_set1_epi8(0x0F), m30z = _mm512_set1_epi8(0x30);
         const __m512i scz = _mm512_castsi256_si512(sc16);
         for (int h = 0; h < 2; ++h) {
@@ -372,6 +389,7 @@ void dot_q6K_avx2(int64_t nb, const block_q6_K* x, const block_q8_K* const* y, f
             p[2 * h + 1] = {w23, _mm512_permutexvar_epi16(ztab(kZ.q6_idx[2 * h + 1]), scz)};
         }
 #else
+        KQ_UNROLL
         for (int h = 0; h < 2; ++h) {
             const __m256i ql0 = _mm256_loadu_si256((const __m256i*)(b.ql + 64 * h));
             const __m256i ql1 = _mm256_loadu_si256((const __m256i*)(b.ql + 64 * h + 32));
@@ -383,18 +401,24 @@ void dot_q6K_avx2(int64_t nb, const block_q6_K* x, const block_q8_K* const* y, f
                                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
             const __m256i sch = h == 0 ? _mm256_permute2x128_si256(sc16, sc16, 0x00)
                                        : _mm256_permute2x128_si256(sc16, sc16, 0x11);
-            p[2 * h] = make_pair(q0, q1, splat_word2(sch, 0, 1), splat_word2(sch, 2, 3));
-            p[2 * h + 1] = make_pair(q2, q3, splat_word2(sch, 4, 5), splat_word2(sch, 6, 7));
+            const Pair pa = make_pair(q0, q1, splat_word2(sch, 0, 1), splat_word2(sch, 2, 3));
+            KQ_UNROLL
+            for (int a = 0; a < NA; ++a) s[a] = pair_dot(s[a], pa, y[a][i].qs + 128 * h);
+            const Pair pb = make_pair(q2, q3, splat_word2(sch, 4, 5), splat_word2(sch, 6, 7));
+            KQ_UNROLL
+            for (int a = 0; a < NA; ++a) s[a] = pair_dot(s[a], pb, y[a][i].qs + 128 * h + 64);
         }
 #endif
         const float dw = h2f(b.d);
 
+        KQ_UNROLL
         for (int a = 0; a < NA; ++a) {
             const block_q8_K& yb = y[a][i];
-            IAcc s = iacc_zero();
-            for (int j = 0; j < 4; ++j) s = pair_dot(s, p[j], yb.qs + 64 * j);
+#if defined(KQ_AVX512)
+            for (int j = 0; j < 4; ++j) s[a] = pair_dot(s[a], p[j], yb.qs + 64 * j);
+#endif
             const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)yb.bsums));
-            const __m256i si = _mm256_sub_epi32(iacc_fold(s), _mm256_slli_epi32(corr, 5));
+            const __m256i si = _mm256_sub_epi32(iacc_fold(s[a]), _mm256_slli_epi32(corr, 5));
             acc[a] = _mm256_fmadd_ps(_mm256_set1_ps(dw * yb.d), _mm256_cvtepi32_ps(si), acc[a]);
         }
     }
