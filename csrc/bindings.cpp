@@ -167,6 +167,15 @@ PYBIND11_MODULE(_core, m) {
     for (int op = OP_ADD; op <= OP_ATTN; ++op) ops[py::str(op_name(op))] = op;
     m.attr("OPS") = ops;
 
+    m.def("argmax", [](const Pool& pool, int id, int64_t n, int n_threads) {
+            // Greedy decoding's argmax over the logits, split across threads the way the
+            // matmul split its rows, so each thread scans the half its own core wrote
+            // (reading it all from one core costs ~200 us of cache-line transfers).
+            check_range(pool, id, 0, (size_t)n * 4);
+            const float* x = (const float*)pool.data(id);
+            py::gil_scoped_release nogil;
+            return argmax_f32(x, n, n_threads);
+        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("n_threads"));
     m.def("dequantize_row", [](int type, py::array_t<uint8_t, py::array::c_style> src, int64_t n) {
             size_t rb = type_row_bytes(type, n);
             if (rb == 0 || (size_t)src.size() < rb) throw std::invalid_argument("dequantize_row: bad type/size");

@@ -166,3 +166,11 @@ def test_barrier_elision_is_bitwise_neutral(monkeypatch, tmp_path):
     for e in elided:
         for a, b in zip(e, full):
             assert np.array_equal(a, b)
+
+
+def test_greedy_argmax_in_core_matches_numpy(engine):
+    engine.reset()
+    engine.forward([3, 4, 5])
+    for t in (6, 7, 8, 9):
+        logits = engine.forward([t])[0]
+        assert engine.runtime.argmax_last() == int(np.argmax(logits))

@@ -184,12 +184,20 @@ class Engine:
                 on_text(res.text[emitted:upto])
             emitted = max(emitted, upto)
 
+        # Greedy without penalties needs only the argmax, which C++ takes in place.
+        greedy = sampling.temperature <= 0.0 and sampling.repeat_penalty == 1.0
+
+        def step(ids: list[int]) -> int:
+            if greedy:
+                self.forward(ids, n_out=1, copy=False)
+                return self.runtime.argmax_last()
+            return sampler.sample(self.forward(ids, n_out=1, copy=False)[0])
+
         t0 = time.perf_counter()
-        logits = self.forward(prompt_ids, n_out=1, copy=False)[0]
+        nxt = step(prompt_ids)
         res.prompt_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
         while True:
-            nxt = sampler.sample(logits)
             sampler.accept(nxt)
             if nxt in eog:
                 res.stop_reason = "eos"
@@ -205,7 +213,7 @@ class Engine:
             if len(res.ids) >= n_predict:
                 res.stop_reason = "length"
                 break
-            logits = self.forward([nxt], n_out=1, copy=False)[0]
+            nxt = step([nxt])
         if res.stop_reason != "stop":
             res.text += stream.flush()
             hit = _find_stop(res.text, stops)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minfer import _core
 from minfer.graph import runtime as graph_runtime
 from minfer.graph.cache import GraphCache
 from minfer.graph.export import write_dot
@@ -36,6 +37,9 @@ class Runtime:
         register_weights(model, gguf, self.weights)
         self.cache = GraphCache(self.weights, backends=backends, n_threads=n_threads)
         self.builds = 0  # graph builds so far (reuse is observable in tests)
+        self._key = None
+        self._graph = None
+        self._argmax_args = None
         self._tail_cache: dict[tuple[int, int], np.ndarray] = {}
 
     @property
@@ -53,14 +57,22 @@ class Runtime:
         """Logits [n_out, n_vocab]; copy=False returns a read-only view that the next
         forward overwrites (the generation loop samples before it steps again)."""
         nt = int(ids.size)
-        params = self.params(nt, n_out, n_ctx)
         cache = self.cache
-        if not (reuse and cache.try_reuse(params)):
-            graph = self.model.build_graph(params)
-            graph_runtime.install(cache, graph, params, fuse=fuse)
-            self.builds += 1
-            if trace_enabled():
-                sys.stderr.write(trace_summary(graph, cache.splits, cache.registry) + "\n")
+        key = (nt, n_out, n_ctx, fuse)
+        # Params are a pure function of this key: a decode step that matches the graph
+        # installed last skips building them (the cheapest possible reuse check).
+        if not (reuse and key == self._key and cache.graph is self._graph):
+            params = self.params(nt, n_out, n_ctx)
+            if not (reuse and cache.try_reuse(params)):
+                graph = self.model.build_graph(params)
+                graph_runtime.install(cache, graph, params, fuse=fuse)
+                self.builds += 1
+                if trace_enabled():
+                    sys.stderr.write(trace_summary(graph, cache.splits, cache.registry) + "\n")
+            self._key, self._graph = key, cache.graph
+            out = cache.graph.nodes[cache.graph.outputs[0]]
+            ref = cache.alloc.buffer(out.id)
+            self._argmax_args = (cache.alloc.pools[ref.backend], ref.id, out.out_shape[0], out.n_rows)
         g = cache.graph
         alloc = cache.alloc
         alloc.fill_input(g, "token_ids", ids)
@@ -69,6 +81,13 @@ class Runtime:
             alloc.fill_input(g, "tail_ids", np.arange(nt - n_out, nt, dtype=np.int32))
         cache.execute()
         return alloc.copy_to_host(g.outputs[0]) if copy else alloc.host_view(g.outputs[0])
+
+    def argmax_last(self) -> int:
+        """Greedy pick from the last logits row, scanned in C++ by the threads that wrote it."""
+        pool, buf, n, rows = self._argmax_args
+        if rows != 1 or not hasattr(pool, "view"):
+            return int(np.argmax(self.cache.alloc.copy_to_host(self._graph.outputs[0])[-1]))
+        return int(_core.argmax(pool, buf, n, self.cache.n_threads))
 
     def dump_graph(self, path: str | Path, n_tokens: int, n_ctx: int, decode: bool, fuse: bool = True) -> None:
         nt = 1 if decode else n_tokens
