@@ -44,13 +44,7 @@ Tiling tiling(const AttnArgs& a) {
 
 inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
 
-inline bool use_simd() {
-#ifdef MINFER_VEC_AVX2
-    return kernel_path() == KernelPath::Simd;
-#else
-    return false;
-#endif
-}
+using vm::use_simd;
 
 // out[j] = dot(q[j], k) for four query rows.
 inline void dot4(const float* const q[4], const float* k, int64_t hd, bool simd, float out[4]) {

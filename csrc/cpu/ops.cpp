@@ -13,14 +13,7 @@ namespace minfer::cpu {
 
 namespace {
 
-// Honors set_kernel_path so tests can pin the portable path on a SIMD build.
-inline bool use_simd() {
-#ifdef MINFER_VEC_AVX2
-    return kernel_path() == KernelPath::Simd;
-#else
-    return false;
-#endif
-}
+using vm::use_simd;
 
 #ifdef MINFER_VEC_AVX2
 // Applies a binary op f(a, b) over [i0, i1); the last partial vector goes through a

@@ -8,12 +8,23 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu/quants.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MINFER_VEC_AVX2 1
 #endif
 
 namespace minfer::cpu::vm {
+
+// The SIMD path unless set_kernel_path pinned the portable one (tests pin both).
+inline bool use_simd() {
+#ifdef MINFER_VEC_AVX2
+    return kernel_path() == KernelPath::Simd;
+#else
+    return false;
+#endif
+}
 
 // Contiguous [a, b) share of n items for thread ith; shares are multiples of align
 // so SIMD loops see whole vectors except in the very last share.

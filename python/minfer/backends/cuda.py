@@ -1,23 +1,6 @@
-"""The CUDA backend's registry entry. Its kernels are not compiled into this build,
-so it is registered (fixed id, priority, name) but never usable: naming it is a
-clear refusal, and no node is ever assigned to it."""
+"""The CUDA backend's registry entry (id 2, priority 200). Its kernels are not compiled
+into this build, so naming it is a clear refusal."""
 
-from __future__ import annotations
+from minfer.graph.registry import CUDA_ID, uncompiled_entry
 
-from minfer.graph.registry import CUDA_ID, BackendEntry
-
-
-def _never(*_args, **_kw) -> bool:
-    return False
-
-
-def _no_pool():
-    from minfer.errors import BackendError
-    raise BackendError("backend 'cuda' is not compiled into this build")
-
-
-ENTRY = BackendEntry(
-    name="cuda", id=CUDA_ID, priority=200, compiled=False, usable=False,
-    unusable_reason="not compiled into this build",
-    supports_op=_never, supports_fused=_never, supports_attn_span=_never, make_pool=_no_pool,
-)
+ENTRY = uncompiled_entry("cuda", CUDA_ID, 200)

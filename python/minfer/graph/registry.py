@@ -43,6 +43,21 @@ class BackendEntry:
         return (-self.priority, self.id)
 
 
+def uncompiled_entry(name: str, bid: int, priority: int) -> BackendEntry:
+    """A backend known to the registry (fixed id and priority) whose code is not in this
+    build: naming it is a clear refusal, and no node is ever assigned to it."""
+
+    def never(*_args, **_kw) -> bool:
+        return False
+
+    def no_pool():
+        raise BackendError(f"backend {name!r} is not compiled into this build")
+
+    return BackendEntry(name=name, id=bid, priority=priority, compiled=False, usable=False,
+                        unusable_reason="not compiled into this build", supports_op=never,
+                        supports_fused=never, supports_attn_span=never, make_pool=no_pool)
+
+
 class Registry:
     def __init__(self) -> None:
         self._by_id: dict = {}
