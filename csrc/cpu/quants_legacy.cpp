@@ -448,68 +448,11 @@ void quantize_q8_0_avx2(const float* x, block_q8_0* y, int64_t nb) {
 #endif  // MINFER_Q_AVX2
 
 // ---------------------------------------------------------------------------------
-// AVX-512: two blocks per 512-bit register, same per-block codes as AVX2. The dev box
-// cannot run it; tests/kernels/kernel_check passed on a Sapphire Rapids Xeon, built with
-// -march=native with and without -mno-avx512vnni.
-#if defined(MINFER_Q_AVX512)
-// GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (their "__Y = __Y"
-// placeholder idiom); the warning is about the headers, not this code.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
-inline __m512i dot_u8s8(__m512i u, __m512i s) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
-#else
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
-#endif
-}
-inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-inline __m512 scale2(float lo, float hi) { return _mm512_mask_mov_ps(_mm512_set1_ps(lo), (__mmask16)0xFF00, _mm512_set1_ps(hi)); }
-
-template <class W, int NA>
-void rows_avx512(int64_t nb, const uint8_t* w, size_t ws, int nw, const uint8_t* a, size_t as, float* out,
-                 size_t os) {
-    for (int r = 0; r < nw; ++r) {
-        const typename W::B* x = (const typename W::B*)(w + r * ws);
-        __m512 acc[NA];
-        __m256 tail[NA];
-        for (int j = 0; j < NA; ++j) { acc[j] = _mm512_setzero_ps(); tail[j] = _mm256_setzero_ps(); }
-        int64_t ib = 0;
-        for (; ib + 2 <= nb; ib += 2) {
-            const __m512i q = join(W::load(x[ib]), W::load(x[ib + 1]));
-            const float d0 = h2f(x[ib].d), d1 = h2f(x[ib + 1].d);
-            const float m0 = wmin<W>(x[ib]), m1 = wmin<W>(x[ib + 1]);
-            const __m512i aq = W::kMin ? q : _mm512_abs_epi8(q);
-            const __mmask64 neg = _mm512_movepi8_mask(q);
-            for (int j = 0; j < NA; ++j) {
-                const block_q8_0* y = (const block_q8_0*)(a + j * as) + ib;
-                const __m512i yv = join(_mm256_loadu_si256((const __m256i*)y[0].qs),
-                                        _mm256_loadu_si256((const __m256i*)y[1].qs));
-                const float dy0 = h2f(y[0].d), dy1 = h2f(y[1].d);
-                if constexpr (!W::kMin) {
-                    const __m512i sy = _mm512_mask_sub_epi8(yv, neg, _mm512_setzero_si512(), yv);
-                    acc[j] = _mm512_fmadd_ps(scale2(d0 * dy0, d1 * dy1), _mm512_cvtepi32_ps(dot_u8s8(aq, sy)), acc[j]);
-                } else {
-                    const __m512i s = dot_u8s8(_mm512_set1_epi8(1), yv);
-                    acc[j] = _mm512_fmadd_ps(scale2(d0 * dy0, d1 * dy1), _mm512_cvtepi32_ps(dot_u8s8(q, yv)), acc[j]);
-                    acc[j] = _mm512_fmadd_ps(scale2(m0 * dy0, m1 * dy1), _mm512_cvtepi32_ps(s), acc[j]);
-                }
-            }
-        }
-        if (ib < nb) {
-            const __m256i q = W::load(x[ib]);
-            const __m256i aq = W::kMin ? q : _mm256_sign_epi8(q, q);
-            const float d = h2f(x[ib].d), m = wmin<W>(x[ib]);
-            for (int j = 0; j < NA; ++j)
-                tail[j] = block_step<W>(q, aq, d, m, ((const block_q8_0*)(a + j * as))[ib], tail[j]);
-        }
-        for (int j = 0; j < NA; ++j) out[j * os + r] = _mm512_reduce_add_ps(acc[j]) + hsum8(tail[j]);
-    }
-}
-
-#pragma GCC diagnostic pop
-#endif  // MINFER_Q_AVX512
+// No separate AVX-512 rows for this family: on a Sapphire Rapids Xeon (2 threads, weights
+// from DRAM, bench/quant_dot.py --cold) the AVX2 rows beat the former 512-bit ones for
+// decode (Q5_0 16.1 vs 10.0 GB/s, Q8_0 20.9 vs 14.3) and tied for 4-token prefill
+// (Q5_0 70 vs 73, Q8_0 74-93 vs 74-76 GOP/s): the unpacking, not the vector width, is the
+// limit. An AVX-512 build runs the AVX2 rows here and the 512-bit K-quant kernels.
 
 // ---------------------------------------------------------------------------------
 // NEON path: codes as two int8x16 halves; every type's codes fit int8 (the offset
@@ -657,9 +600,7 @@ void rows_float_neon(int64_t n, const uint8_t* w, size_t ws, int nw, const uint8
 // Tile drivers: activation rows go in groups of up to four so one unpacked weight
 // block feeds four accumulators.
 
-#if defined(MINFER_Q_AVX512)
-#define MINFER_QROWS rows_avx512
-#elif defined(MINFER_Q_AVX2)
+#if defined(MINFER_Q_AVX2)
 #define MINFER_QROWS rows_avx2
 #elif defined(MINFER_Q_NEON)
 #define MINFER_QROWS rows_neon
