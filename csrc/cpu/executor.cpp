@@ -22,6 +22,7 @@
 #include "cpu/ops.h"
 #include "cpu/plan.h"
 #include "cpu/quants.h"
+#include "cpu/vec_math.h"
 
 namespace minfer::cpu {
 
@@ -259,10 +260,11 @@ struct Scratch {
 int act_slot(int32_t wtype);
 
 // The rows of an output a thread computes: contiguous, multiples of 4 (whole tiles).
+// argmax_f32 relies on using the same split as the matmul.
 std::pair<int64_t, int64_t> row_range(int64_t rows, int ith, int nth) {
-    const int64_t per = ((rows + nth - 1) / nth + 3) / 4 * 4;
-    const int64_t r0 = std::min(rows, per * ith);
-    return {r0, std::min(rows, r0 + per)};
+    int64_t r0, r1;
+    vm::share(rows, ith, nth, 4, r0, r1);
+    return {r0, r1};
 }
 
 // Hazard analysis for the barriers between steps. Every thread walks the same steps,

@@ -166,7 +166,7 @@ void quantize_q8_0_scalar(const float* x, block_q8_0* y, int64_t nb) {
 }
 
 // ---------------------------------------------------------------------------------
-// AVX2 path (also the building blocks of the AVX-512 path).
+// AVX2 path (AVX-512 builds run it too for this family; see below).
 #if defined(MINFER_Q_AVX2)
 
 

@@ -48,7 +48,6 @@ def run_perplexity(engine, text: str, n_ctx: int, max_chunks: int = 0,
     nlls: list[np.ndarray] = []
     chunk_ppls: list[float] = []
     out(f"perplexity: {len(tokens)} tokens, {n_chunks} chunks of {n_ctx}, scoring the second half of each")
-    line = []
     for c in range(n_chunks):
         chunk = list(tokens[c * n_ctx:(c + 1) * n_ctx])
         if tok.add_bos and tok.bos_id is not None:
@@ -61,8 +60,7 @@ def run_perplexity(engine, text: str, n_ctx: int, max_chunks: int = 0,
         nlls.append(nll)
         chunk_ppls.append(float(math.exp(nll.mean())))
         running = float(math.exp(np.concatenate(nlls).mean()))
-        line.append(f"[{c + 1}]{running:.4f}")
-        out(",".join(line[-1:]))
+        out(f"[{c + 1}]{running:.4f}")
     all_nll = np.concatenate(nlls)
     mean = float(all_nll.mean())
     ppl = math.exp(mean)
