@@ -37,14 +37,14 @@ try:
 except ImportError:  # run from a source checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from minfer.bench import (  # noqa: E402
+from minfer.tools.bench import (  # noqa: E402
     BenchArgumentError, parse_int_list, peak_rss_bytes, random_tokens, time_pp, time_tg,
 )
 from minfer.errors import MinferError  # noqa: E402
 
 
 class LlamaPeer:
-    """One llama.cpp model + context, timed like minfer.bench.time_pp / time_tg."""
+    """One llama.cpp model + context, timed like minfer.tools.bench.time_pp / time_tg."""
 
     def __init__(self, path: Path, n_ctx: int, n_batch: int, n_threads: int, flash_attn: bool):
         import llama_cpp as L
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.repetitions < 1:
         ap.error("-r must be >= 1")
     if a.model is None:
-        from minfer.model_cache import default_model_path
+        from minfer.io.model_cache import default_model_path
         path = Path(default_model_path(pull=True, progress=True))
     else:
         path = Path(a.model)

@@ -2,7 +2,7 @@
 
 Usage:  python bench/stream.py [--threads N] [--mib SIZE] [--repeats R]
 
-The measurement lives in minfer.membw (bench/ is not shipped in the wheel, and
+The measurement lives in minfer.tools.membw (bench/ is not shipped in the wheel, and
 `minfer bench` needs it); this script only runs it and prints the numbers.
 """
 
@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 try:
-    from minfer.membw import measure, measure_bandwidth
+    from minfer.tools.membw import measure, measure_bandwidth
 except ImportError:  # run from a source checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    from minfer.membw import measure, measure_bandwidth
+    from minfer.tools.membw import measure, measure_bandwidth
 
 __all__ = ["measure_bandwidth", "main"]
 

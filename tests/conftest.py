@@ -11,7 +11,7 @@ import pytest
 def real_model_path() -> Path:
     """The real default model, fetched once per machine through minfer's own cache
     (honours $MINFER_CACHE). A failed fetch is an error, not a skip."""
-    from minfer.model_cache import default_model_path
+    from minfer.io.model_cache import default_model_path
 
     return default_model_path(pull=True, progress=False)
 

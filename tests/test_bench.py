@@ -12,7 +12,7 @@ import statistics
 import numpy as np
 import pytest
 
-from minfer.bench import (
+from minfer.tools.bench import (
     FIELDS, BenchArgumentError, BenchResult, format_results, parse_int_list, run_bench,
 )
 from minfer.errors import MinferError
@@ -244,7 +244,7 @@ def test_run_bench_rejects_bad_arguments(tmp_path):
 
 
 def test_membw_probe_is_positive_and_counts_bytes_like_stream():
-    from minfer import membw
+    from minfer.tools import membw
     rep = membw.measure(n_threads=2, array_bytes=8 << 20, repeats=1)
     for v in (rep.copy_bytes_per_s, rep.triad_bytes_per_s, rep.read_bytes_per_s):
         assert math.isfinite(v) and v > 1e8  # any real machine moves > 100 MB/s

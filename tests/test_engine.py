@@ -17,9 +17,9 @@ from reference_forward import ReferenceModel  # noqa: E402
 
 from minfer.engine import Engine  # noqa: E402
 from minfer.errors import ContextError, UnsupportedModelError  # noqa: E402
-from minfer.gguf_file import GGUFFile  # noqa: E402
+from minfer.io.gguf_file import GGUFFile  # noqa: E402
 from minfer.models import load_model  # noqa: E402
-from minfer.perplexity import run_perplexity  # noqa: E402
+from minfer.tools.perplexity import run_perplexity  # noqa: E402
 from minfer.sampling import SamplingParams  # noqa: E402
 from minfer.testing.synth import write_model  # noqa: E402
 

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 from rich.console import Console
 
 from minfer.errors import GGUFError
-from minfer.gguf_file import GGUFFile, TensorInfo
+from minfer.io.gguf_file import GGUFFile, TensorInfo
 
 BIG = list(range(1000, 1100))  # 100 > NUMPY_ARRAY_MIN_LEN: comes back as numpy
 
@@ -392,7 +392,7 @@ def test_invalid_utf8_key(sample):
 
 
 def _render(path, **kw) -> str:
-    from minfer.inspect_model import print_info
+    from minfer.tools.inspect import print_info
 
     buf = io.StringIO()
     print_info(path, console=Console(file=buf, width=200, color_system=None), **kw)

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as QT, GGUFValueType as VT
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minfer.errors import GGUFError
-from minfer.gguf_file import GGUFFile
+from minfer.io.gguf_file import GGUFFile
 
 FUZZ = settings(
     max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import minfer.model_cache as mc
+import minfer.io.model_cache as mc
 from minfer.errors import ModelFetchError
 
 

@@ -238,7 +238,7 @@ def test_kernel_path_switch():
 @pytest.fixture(scope="module")
 def real_tensor_slices(real_model_path):
     """45 rows of the first 2-D tensor of each quantized type in the default model."""
-    from minfer.gguf_file import GGUFFile
+    from minfer.io.gguf_file import GGUFFile
 
     out = {}
     with GGUFFile.open(real_model_path) as f:

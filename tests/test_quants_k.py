@@ -126,7 +126,7 @@ def test_row_length_not_multiple_of_256_is_rejected(qtype):
 
 def test_real_model_ffn_down_k_tensors(real_model_path):
     """The model's own Q4_K and Q6_K ffn_down weights (4864 wide)."""
-    from minfer.gguf_file import GGUFFile
+    from minfer.io.gguf_file import GGUFFile
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 4864)).astype(np.float32)

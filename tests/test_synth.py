@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from minfer.gguf_file import GGUFFile
+from minfer.io.gguf_file import GGUFFile
 from minfer.testing import QWEN2_Q4_K_M_TYPES, ROLES, write_model
 from minfer.testing.synth import CHATML_TEMPLATE, SPECIAL_TOKENS, bytes_to_unicode
 

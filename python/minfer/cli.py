@@ -47,7 +47,7 @@ def _root(
 
 
 def _resolve_model(model: str | None) -> Path:
-    from minfer.model_cache import default_model_path
+    from minfer.io.model_cache import default_model_path
 
     if model is None:
         return default_model_path(pull=True, progress=True)
@@ -77,7 +77,7 @@ def _backends(backend: str | None) -> list[str] | None:
 @app.command()
 def pull(force: Annotated[bool, typer.Option("--force", help="Fetch again even if cached.")] = False) -> None:
     """Fetch, verify (sha256) and cache the default model."""
-    from minfer.model_cache import pull as do_pull
+    from minfer.io.model_cache import pull as do_pull
 
     path = do_pull(progress=True, force=force)
     typer.echo(str(path))
@@ -89,7 +89,7 @@ def info(
     all_tensors: Annotated[bool, typer.Option("--all", help="List every tensor, not a summary.")] = False,
 ) -> None:
     """Architecture, hyper-parameters, tokenizer and tensors of a GGUF model."""
-    from minfer.inspect_model import print_info
+    from minfer.tools.inspect import print_info
 
     print_info(_resolve_model(model), all_tensors=all_tensors)
 
@@ -186,7 +186,7 @@ def perplexity(
 ) -> None:
     """Perplexity over FILE the way llama.cpp's perplexity tool computes it."""
     from minfer.engine import Engine
-    from minfer.perplexity import run_perplexity
+    from minfer.tools.perplexity import run_perplexity
 
     engine = Engine.load(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend))
     run_perplexity(engine, file.read_text(encoding="utf-8"), ctx, max_chunks=max_chunks,
@@ -208,7 +208,7 @@ def bench(
         raise click_exc.UsageError(f"-o must be md, json or csv, not {output!r}")
     if reps < 1:
         raise click_exc.UsageError("-r must be >= 1")
-    from minfer.bench import format_results, parse_int_list, run_bench
+    from minfer.tools.bench import format_results, parse_int_list, run_bench
     from minfer.engine import default_threads
 
     try:

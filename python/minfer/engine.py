@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from minfer.errors import ContextError, MinferError
-from minfer.gguf_file import GGUFFile
+from minfer.io.gguf_file import GGUFFile
 from minfer.models import load_model
 from minfer.sampling import Sampler, SamplingParams
 
@@ -81,7 +81,7 @@ class Engine:
     def load(cls, path: str | Path | None = None, n_ctx: int | None = None, n_threads: int | None = None,
              backends: list[str] | None = None, reuse: bool = True, fuse: bool = True) -> "Engine":
         if path is None:
-            from minfer.model_cache import default_model_path
+            from minfer.io.model_cache import default_model_path
 
             path = default_model_path(pull=True, progress=True)
         gguf = GGUFFile.open(path)

@@ -392,7 +392,7 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The tokenizer.* and general.* metadata of a GGUF file as a plain dict."""
     p = os.fspath(path)
     try:
-        from minfer.gguf_file import GGUFFile
+        from minfer.io.gguf_file import GGUFFile
     except ImportError:
         GGUFFile = None  # noqa: N806
     if GGUFFile is not None:

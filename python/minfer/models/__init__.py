@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from minfer.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
-    from minfer.gguf_file import GGUFFile
+    from minfer.io.gguf_file import GGUFFile
     from minfer.models.base import ModelDef
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from minfer.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
-    from minfer.gguf_file import GGUFFile, TensorInfo
+    from minfer.io.gguf_file import GGUFFile, TensorInfo
     from minfer.graph.ir import ComputeGraph
     from minfer.graph.params import GraphParams
 

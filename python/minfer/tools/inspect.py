@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from minfer.gguf_file import GGUFFile, TensorInfo
+from minfer.io.gguf_file import GGUFFile, TensorInfo
 
 # Shown first and in this order; any other `<arch>.*` keys follow alphabetically.
 HPARAM_KEYS = (

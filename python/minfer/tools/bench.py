@@ -10,7 +10,7 @@ order, which is not the same as tokens / mean time).
 
 Our extras on top of llama-bench's fields: peak RSS, and for tg the fraction of the
 machine's memory bandwidth the decode uses (weight bytes per token x tok/s divided by
-what the STREAM-style probe in `minfer.membw` measured at the start of the run).
+what the STREAM-style probe in `minfer.tools.membw` measured at the start of the run).
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def measure_bandwidth_isolated() -> float:
     pkg_parent = str(Path(minfer.__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([pkg_parent, *filter(None, [env.get("PYTHONPATH")])])
-    code = "from minfer.membw import measure_bandwidth; print(repr(measure_bandwidth()))"
+    code = "from minfer.tools.membw import measure_bandwidth; print(repr(measure_bandwidth()))"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=env, timeout=300, check=True).stdout

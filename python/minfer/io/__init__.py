@@ -1,0 +1,1 @@
+"""Files on disk: GGUF parsing and validation over mmap, the default-model cache."""

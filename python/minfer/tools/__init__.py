@@ -1,0 +1,1 @@
+"""Tools that drive the engine: bench, perplexity, memory-bandwidth probe, model inspection."""
