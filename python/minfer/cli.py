@@ -5,6 +5,7 @@ bad arguments exit 2 with one line."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,7 +126,8 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string is generated (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of streaming.")] = False,
     dump_graph: Annotated[Optional[Path], typer.Option("--dump-graph", help="Write the graph as Graphviz DOT and exit.")] = None,
-    decode: Annotated[bool, typer.Option("--decode", help="With --dump-graph: dump the decode graph instead of prefill.")] = False,
+    dump_graph_json: Annotated[Optional[Path], typer.Option("--dump-graph-json", help="Write the graph as minfer-graph JSON and exit.")] = None,
+    decode: Annotated[bool, typer.Option("--decode", help="With --dump-graph(-json): dump the decode graph instead of prefill.")] = False,
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; timings go to stderr."""
     model, prompt = _split_model_and_text(args, "PROMPT")
@@ -144,6 +146,13 @@ def generate(
     if dump_graph is not None:
         engine.dump_graph(dump_graph, n_tokens=1 if decode else max(len(prompt_ids), 1), decode=decode)
         typer.echo(f"wrote {'decode' if decode else 'prefill'} graph to {dump_graph}", err=True)
+    if dump_graph_json is not None:
+        from minfer.graph.export import write_graph_json
+
+        doc = engine.graph_json(n_tokens=1 if decode else max(len(prompt_ids), 1), decode=decode)
+        write_graph_json(doc, str(dump_graph_json))
+        typer.echo(f"wrote {doc['kind']} graph JSON ({len(doc['nodes'])} nodes) to {dump_graph_json}", err=True)
+    if dump_graph is not None or dump_graph_json is not None:
         return
     engine.check_fits(len(prompt_ids), n_predict)
     load_ms = (time.perf_counter() - t0) * 1000
@@ -152,7 +161,17 @@ def generate(
         sys.stdout.write(text)
         sys.stdout.flush()
     on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    trace_path = os.environ.get("MINFER_TRACE", "")
+    if trace_path:
+        from minfer.tools.trace import Tracer
+
+        engine.runtime.tracer = Tracer(engine.model_name, prompt=text)
     result = engine.generate(prompt_ids, n_predict, sp, stop=stop or [], on_text=on_text)
+    if trace_path:
+        tracer = engine.runtime.tracer
+        tracer.finish(result.ids, tok.decode)
+        tracer.write(trace_path)
+        typer.echo(f"wrote trace ({len(tracer.steps())} steps) to {trace_path}", err=True)
     stats = {
         "load_ms": round(load_ms, 2),
         "prompt_tokens": len(prompt_ids),

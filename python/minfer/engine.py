@@ -97,6 +97,10 @@ class Engine:
         return self._tokenizer
 
     @property
+    def model_name(self) -> str:
+        return Path(self.gguf.path).name
+
+    @property
     def backend_names(self) -> list[str]:
         return self.runtime.backend_names
 
@@ -149,6 +153,13 @@ class Engine:
 
     def dump_graph(self, path: str | Path, n_tokens: int, decode: bool) -> None:
         self.runtime.dump_graph(path, n_tokens=n_tokens, n_ctx=self.n_ctx, decode=decode, fuse=self.fuse)
+
+    def graph_json(self, n_tokens: int, decode: bool) -> dict:
+        """The minfer-graph JSON document of the prefill (n_tokens) or decode graph."""
+        from minfer.graph.export import graph_json
+
+        g = self.runtime.preview_graph(n_tokens, self.n_ctx, decode, fuse=self.fuse)
+        return graph_json(g, self.model_name, "decode" if decode else "prefill", self.runtime.cache.registry.name_of)
 
     # -- generation --------------------------------------------------------------------
     def generate_ids(self, prompt_ids: list[int], n: int, temperature: float = 0.0, seed: int | None = None) -> list[int]:

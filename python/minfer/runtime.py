@@ -41,6 +41,7 @@ class Runtime:
         self._graph = None
         self._argmax_args = None
         self._tail_cache: dict[tuple[int, int], np.ndarray] = {}
+        self.tracer = None  # a minfer.tools.trace.Tracer (or profiler) replaces execute() when set
 
     @property
     def backend_names(self) -> list[str]:
@@ -79,7 +80,10 @@ class Runtime:
         alloc.fill_input(g, "positions", np.arange(n_past, n_past + nt, dtype=np.int32))
         if n_out < nt:
             alloc.fill_input(g, "tail_ids", np.arange(nt - n_out, nt, dtype=np.int32))
-        cache.execute()
+        if self.tracer is None:
+            cache.execute()
+        else:
+            self.tracer.execute(cache)   # MINFER_TRACE / viz: step by step, reading each node
         return alloc.copy_to_host(g.outputs[0]) if copy else alloc.host_view(g.outputs[0])
 
     def argmax_last(self) -> int:
@@ -89,8 +93,14 @@ class Runtime:
             return int(np.argmax(self.cache.alloc.copy_to_host(self._graph.outputs[0])[-1]))
         return int(_core.argmax(pool, buf, n, self.cache.n_threads))
 
-    def dump_graph(self, path: str | Path, n_tokens: int, n_ctx: int, decode: bool, fuse: bool = True) -> None:
+    def preview_graph(self, n_tokens: int, n_ctx: int, decode: bool, fuse: bool = True):
+        """The graph a forward of this shape would run, assigned and fused, not installed.
+        Built through self.params and graph_runtime.preview, the very calls forward uses,
+        so an export shows the live fusion and backend assignment (tests pin it)."""
         nt = 1 if decode else n_tokens
         graph = self.model.build_graph(self.params(nt, 1, n_ctx))
         graph_runtime.preview(graph, self.cache, fuse=fuse)
-        write_dot(graph, str(path), self.cache.registry)
+        return graph
+
+    def dump_graph(self, path: str | Path, n_tokens: int, n_ctx: int, decode: bool, fuse: bool = True) -> None:
+        write_dot(self.preview_graph(n_tokens, n_ctx, decode, fuse), str(path), self.cache.registry)

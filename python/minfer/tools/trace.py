@@ -1,0 +1,165 @@
+"""Per-node data capture (MINFER_TRACE=PATH, the viz page's live runs).
+
+A Tracer attached to an engine makes each forward run its plans step by step through
+the scheduler's on_step hook and records, after every executed node, its output stats
+(min, max, mean, std over the finite values, NaN/Inf counts) and a strided sample of
+its values. Reading is backend-aware: a host pool is read in place between steps (a
+view, no copy, nothing flushed); a device pool has no per-step host view, and tracing
+it is refused with a clear error until its backend provides split-boundary capture.
+KV-bound nodes (the layer's K/V regions) are skipped: a full region per layer would
+dominate the trace, so the page shows them as "no data". Nodes a step does not execute
+(fused away) have no entry either.
+
+Capture only reads buffers between plan steps; the values computed are the same bits
+(tests/test_trace.py compares traced and untraced logits bitwise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Optional
+
+import numpy as np
+
+from minfer.errors import MinferError
+from minfer.graph.export import graph_json
+from minfer.graph.ir import KV_BOUND, DType
+
+TRACE_FORMAT = "minfer-trace"
+TRACE_VERSION = 1
+ENV_TRACE = "MINFER_TRACE"
+ENV_VALUES = "MINFER_TRACE_VALUES"
+DEFAULT_VALUES = 64
+LOGITS_TOP = 5
+
+
+def _num(x: float):
+    return float(x) if math.isfinite(x) else None
+
+
+def node_record(node_id: int, dtype: str, arr: np.ndarray, max_values: int) -> dict:
+    """Stats and a strided sample of one node's output (flattened, token-major)."""
+    flat = arr.reshape(-1)
+    n = int(flat.size)
+    x = flat.astype(np.float64)
+    finite = np.isfinite(x)
+    n_nan = int(np.isnan(x).sum())
+    n_inf = int(n - n_nan - finite.sum())
+    xf = x if n_nan + n_inf == 0 else x[finite]
+    if xf.size:
+        stats = {"min": float(xf.min()), "max": float(xf.max()), "mean": float(xf.mean()), "std": float(xf.std()),
+                 "nan": n_nan, "inf": n_inf}
+    else:
+        stats = {"min": None, "max": None, "mean": None, "std": None, "nan": n_nan, "inf": n_inf}
+    stride = max(1, -(-n // max_values)) if max_values > 0 else max(n, 1)
+    sample = x[::stride][:max_values] if max_values > 0 else x[:0]
+    return {"id": node_id, "dtype": dtype, "stats": stats, "values": [_num(v) for v in sample.tolist()],
+            "stride": stride, "n": n}
+
+
+class Tracer:
+    """Attach with engine.runtime.tracer = Tracer(...); every forward becomes one step."""
+
+    def __init__(self, model: str, prompt: str = "", max_values: Optional[int] = None,
+                 name_of: Optional[Callable[[int], str]] = None,
+                 on_step_done: Optional[Callable[[dict, dict], None]] = None) -> None:
+        if max_values is None:
+            raw = os.environ.get(ENV_VALUES, "")
+            try:
+                max_values = int(raw) if raw else DEFAULT_VALUES
+            except ValueError:
+                raise MinferError(f"{ENV_VALUES} must be an integer, got {raw!r}") from None
+        if max_values < 0:
+            raise MinferError(f"{ENV_VALUES} must be >= 0, got {max_values}")
+        self.model = model
+        self.prompt = prompt
+        self.max_values = max_values
+        self.name_of = name_of
+        self.on_step_done = on_step_done   # (phase, step) after each forward: the viz stream
+        self.phases: list = []
+        self._uid = None
+
+    # -- the runtime hook: called instead of cache.execute() -------------------------
+    def execute(self, cache) -> None:
+        graph, alloc = cache.graph, cache.alloc
+        for ls in cache.lowered.splits:
+            if not hasattr(ls.pool, "view"):
+                raise MinferError(f"{ENV_TRACE}: per-node capture on backend {ls.entry.name!r} is not supported "
+                                  f"(only host-memory backends can be traced today); run with --backend cpu")
+        kind = cache.params.gtype.value if cache.params is not None else "prefill"
+        if not self.phases or self._uid != graph.uid or self.phases[-1]["kind"] != kind:
+            name_of = self.name_of or cache.registry.name_of
+            self.phases.append({"kind": kind, "graph": graph_json(graph, self.model, kind, name_of), "steps": []})
+            self._uid = graph.uid
+        records: dict = {}
+        # Inputs are host-filled before the run and never written by it.
+        for nid in graph.inputs:
+            records[nid] = self._read(alloc, graph.nodes[nid])
+
+        def on_step(node, ls) -> None:
+            # A node lowered to several steps is read again after each; the last read wins.
+            if node.op not in KV_BOUND:
+                records[node.id] = self._read(alloc, node)
+
+        cache.execute(on_step=on_step)
+        out = graph.outputs[0]
+        logits = alloc.host_view(out)[-1]
+        top = np.argsort(-logits, kind="stable")[:LOGITS_TOP]
+        step = {"token": None, "text": None,
+                "logits_top": [{"id": int(i), "logit": _num(float(logits[i]))} for i in top],
+                "nodes": [records[i] for i in sorted(records)]}
+        phase = self.phases[-1]
+        phase["steps"].append(step)
+        if self.on_step_done is not None:
+            self.on_step_done(phase, step)
+
+    def _read(self, alloc, node) -> dict:
+        if node.out_dtype not in (DType.F32, DType.I32):
+            return {"id": node.id, "dtype": node.out_dtype.value, "stats": None, "values": [], "stride": 1, "n": 0}
+        return node_record(node.id, node.out_dtype.value, alloc.host_view(node.id), self.max_values)
+
+    # -- after generation ------------------------------------------------------------
+    def steps(self) -> list:
+        return [s for p in self.phases for s in p["steps"]]
+
+    def finish(self, ids: list, decode: Optional[Callable[[list], str]] = None) -> None:
+        """Fill each step's sampled token (step k produced ids[k]); a step whose token
+        ended generation (end of text) keeps token None."""
+        for k, step in enumerate(self.steps()):
+            if k < len(ids):
+                step["token"] = int(ids[k])
+                step["text"] = decode([int(ids[k])]) if decode else None
+
+    def document(self) -> dict:
+        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, "model": self.model, "prompt": self.prompt,
+                "phases": self.phases}
+
+    def write(self, path: str) -> None:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(self.document(), f, separators=(",", ":"))
+                f.write("\n")
+        except OSError as e:
+            raise MinferError(f"cannot write trace {path}: {e.strerror or e}") from None
+
+
+def load_trace(path: str) -> dict:
+    """A minfer-trace document, checked enough that a wrong file is one clear error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise MinferError(f"cannot read trace {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MinferError(f"{path} is not JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != TRACE_FORMAT:
+        raise MinferError(f"{path} is not a {TRACE_FORMAT} file")
+    if doc.get("version") != TRACE_VERSION:
+        raise MinferError(f"{path}: unsupported {TRACE_FORMAT} version {doc.get('version')!r} (this minfer reads "
+                          f"{TRACE_VERSION})")
+    if not isinstance(doc.get("phases"), list):
+        raise MinferError(f"{path}: no phases list")
+    return doc

@@ -1,0 +1,99 @@
+"""MINFER_TRACE: per-node capture is faithful (traced logits == untraced, bitwise; the
+recorded stats are the values' stats) and complete (every executed non-KV node)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from minfer.cli import main
+from minfer.engine import Engine
+from minfer.errors import MinferError
+from minfer.graph.ir import KV_BOUND
+from minfer.tools.trace import Tracer, load_trace, node_record
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+def _run(engine, steps: int) -> list:
+    """Prefill PROMPT, then greedy decode `steps` tokens; every logits row, copied."""
+    engine.reset()
+    rows = [engine.forward(PROMPT)[-1].copy()]
+    for _ in range(steps):
+        rows.append(engine.forward([int(np.argmax(rows[-1]))])[-1].copy())
+    return rows
+
+
+@pytest.fixture(scope="module")
+def traced(synth_model_path):
+    plain = Engine.load(synth_model_path, n_ctx=64, n_threads=2)
+    want = _run(plain, 3)
+    eng = Engine.load(synth_model_path, n_ctx=64, n_threads=2)
+    tracer = Tracer(eng.model_name, prompt="p", max_values=16)
+    eng.runtime.tracer = tracer
+    got = _run(eng, 3)
+    return want, got, tracer, eng
+
+
+def test_traced_logits_equal_untraced_bitwise(traced):
+    want, got, _, _ = traced
+    assert len(want) == len(got) == 4
+    for a, b in zip(want, got):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_trace_records_every_executed_node(traced):
+    want, _, tracer, eng = traced
+    doc = json.loads(json.dumps(tracer.document()))
+    assert doc["format"] == "minfer-trace" and doc["version"] == 1
+    assert [(p["kind"], len(p["steps"])) for p in doc["phases"]] == [("prefill", 1), ("decode", 3)]
+    for phase, first_row in zip(doc["phases"], (want[0], want[1])):
+        nodes = phase["graph"]["nodes"]
+        executed = {n["id"] for n in nodes if not n["dead"] and n["op"] not in {str(o) for o in KV_BOUND}}
+        step = phase["steps"][0]
+        assert {r["id"] for r in step["nodes"]} == executed
+        # The logits node's recorded stats are the stats of the logits the run returned.
+        out = phase["graph"]["outputs"][0]
+        rec = next(r for r in step["nodes"] if r["id"] == out)
+        x = first_row.astype(np.float64)
+        assert rec["n"] == x.size and rec["stride"] == -(-x.size // 16) and len(rec["values"]) == 16
+        assert rec["stats"]["max"] == x.max() and rec["stats"]["min"] == x.min()
+        assert rec["stats"]["mean"] == pytest.approx(x.mean(), rel=1e-12)
+        assert rec["values"] == x[::rec["stride"]][:16].tolist()
+        assert step["logits_top"][0]["id"] == int(np.argmax(first_row))
+
+
+def test_node_record_counts_non_finite():
+    r = node_record(7, "f32", np.array([1.0, np.nan, np.inf, -3.0, -np.inf], dtype=np.float32), 8)
+    assert r["stats"] == {"min": -3.0, "max": 1.0, "mean": -1.0, "std": 2.0, "nan": 1, "inf": 2}
+    assert r["values"] == [1.0, None, None, -3.0, None] and r["stride"] == 1 and r["n"] == 5
+    empty = node_record(1, "f32", np.array([np.nan], dtype=np.float32), 4)
+    assert empty["stats"]["min"] is None and empty["stats"]["nan"] == 1
+
+
+def test_minfer_trace_env_on_generate(synth_model_path, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "t.json"
+    monkeypatch.setenv("MINFER_TRACE", str(path))
+    rc = main(["generate", str(synth_model_path), "the cat", "-n", "3", "--temp", "0", "--json"])
+    assert rc == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out)
+    doc = load_trace(str(path))
+    steps = [s for p in doc["phases"] for s in p["steps"]]
+    assert doc["prompt"] == "the cat" and doc["model"] == synth_model_path.name
+    assert [s["token"] for s in steps] == out["ids"] and all(isinstance(s["text"], str) for s in steps)
+    monkeypatch.setenv("MINFER_TRACE", str(tmp_path / "missing" / "t.json"))
+    rc = main(["generate", str(synth_model_path), "the cat", "-n", "1", "--temp", "0", "--json"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "cannot write trace" in err and "Traceback" not in err
+
+
+def test_load_trace_refuses_other_files(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text('{"format": "minfer-graph", "version": 1}')
+    with pytest.raises(MinferError, match="not a minfer-trace"):
+        load_trace(str(p))
+    p.write_text("{not json")
+    with pytest.raises(MinferError, match="not JSON"):
+        load_trace(str(p))
