@@ -240,6 +240,52 @@ def bench(
     typer.echo(format_results(results, output))
 
 
+trace_app = typer.Typer(help="Work with MINFER_TRACE files.", no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
+
+
+@trace_app.command("diff")
+def trace_diff(
+    a: Annotated[Path, typer.Argument(help="First trace (MINFER_TRACE output).", show_default=False)],
+    b: Annotated[Path, typer.Argument(help="Second trace.", show_default=False)],
+    tol: Annotated[float, typer.Option("--tol", help="Largest |a-b| (values or stats) that still counts as equal.")] = 0.0,
+) -> None:
+    """First node where two traces differ beyond --tol, then a per-layer summary."""
+    from minfer.tools.trace import load_trace
+    from minfer.tools.trace_diff import diff_traces, format_report
+
+    if not tol >= 0:
+        raise click_exc.UsageError(f"--tol must be >= 0, got {tol}")
+    rep = diff_traces(load_trace(str(a)), load_trace(str(b)), tol)
+    typer.echo(format_report(rep, a.name, b.name))
+
+
+@app.command()
+def profile(
+    args: Annotated[list[str], typer.Argument(help="[MODEL] PROMPT", show_default=False)],
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Decode steps to time after the prefill.")] = 16,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size in tokens.")] = 4096,
+    threads: ThreadsOpt = None,
+    backend: BackendOpt = None,
+    top: Annotated[int, typer.Option("--top", help="Nodes listed per phase (0 = all).")] = 25,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the minfer-profile JSON (for minfer viz --profile).")] = False,
+) -> None:
+    """Per-node and per-op time of prefill and decode, sorted by time, with matmul GB/s."""
+    model, prompt = _split_model_and_text(args, "PROMPT")
+    if n_predict < 1:
+        raise click_exc.UsageError("-n must be >= 1")
+    if top < 0:
+        raise click_exc.UsageError("--top must be >= 0")
+    from minfer.engine import Engine
+    from minfer.tools.profile import format_profile, run_profile
+
+    engine = Engine.load(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend))
+    ids = engine.tokenizer.encode(prompt)
+    engine.check_fits(len(ids), n_predict)
+    doc = run_profile(engine, ids, n_predict, prompt)
+    typer.echo(json.dumps(doc) if as_json else format_profile(doc, top))
+
+
 def _rewrite_top_level_dump_graph(argv: list[str]) -> list[str]:
     # `minfer --dump-graph g.dot [MODEL] PROMPT` is the documented spelling; it is
     # `generate --dump-graph ...` underneath.

@@ -1,0 +1,113 @@
+"""`minfer trace diff` on runs that differ by construction, and `minfer profile`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+
+from minfer.cli import main
+from minfer.engine import Engine
+from minfer.tools.profile import run_profile
+from minfer.tools.trace import load_trace
+from minfer.tools.trace_diff import diff_traces, format_report
+
+
+def _trace(capsys, monkeypatch, model, path, *extra):
+    monkeypatch.setenv("MINFER_TRACE", str(path))
+    rc = main(["generate", str(model), "the cat sat on", "-n", "3", "--temp", "0", "--json", *extra])
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    monkeypatch.delenv("MINFER_TRACE")
+    return load_trace(str(path))
+
+
+@pytest.fixture(scope="module")
+def perturbed_model(synth_model_path, tmp_path_factory):
+    """The synth model with one weight of blk.1.ffn_up changed: layer 0 and every node
+    of layer 1 before ffn_up compute the same bits, ffn_up is the first to differ."""
+    path = tmp_path_factory.mktemp("perturbed") / "qwen2-tiny-perturbed.gguf"
+    shutil.copy(synth_model_path, path)
+    r = gguf.GGUFReader(path, "r+")
+    t = next(t for t in r.tensors if t.name == "blk.1.ffn_up.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType.F32
+    t.data.reshape(-1)[:64] += np.float32(0.5)
+    r.data.flush()
+    del r
+    return path
+
+
+def test_diff_finds_the_perturbed_node(synth_model_path, perturbed_model, tmp_path, capsys, monkeypatch):
+    a = _trace(capsys, monkeypatch, synth_model_path, tmp_path / "a.json")
+    b = _trace(capsys, monkeypatch, perturbed_model, tmp_path / "b.json")
+    rep = diff_traces(a, b, tol=0.0)
+    d = rep.first
+    assert d is not None and (d.phase, d.step, d.name, d.op, d.layer) == ("prefill", 0, "blk.1.ffn_up", "MatMul", 1)
+    assert d.gap > 0 and d.stats_a != d.stats_b
+    assert rep.layers[0].diverged == 0 and rep.layers[0].compared > 0 and rep.layers[0].max_gap == 0.0
+    assert rep.layers[1].diverged > 0 and rep.layers[1].first == "prefill step 0: blk.1.ffn_up"
+    # A tolerance above every gap reports no divergence.
+    big = max(r.max_gap for r in rep.layers.values())
+    assert diff_traces(a, b, tol=big).first is None
+    rc = main(["trace", "diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "first divergence: prefill step 0, node blk.1.ffn_up (MatMul, layer 1)" in out
+    assert format_report(rep, "a.json", "b.json") in out
+
+
+def test_fused_and_unfused_traces_match_by_name(synth_model_path, tmp_path):
+    docs = []
+    for fuse in (True, False):
+        from minfer.tools.trace import Tracer
+
+        eng = Engine.load(synth_model_path, n_ctx=64, n_threads=1, fuse=fuse)
+        tr = Tracer(eng.model_name, max_values=32)
+        eng.runtime.tracer = tr
+        eng.forward([5, 6, 7])
+        eng.forward([8])
+        docs.append(tr.document())
+    rep = diff_traces(docs[0], docs[1])
+    # SwiGLU equals silu*mul bitwise; the folded silu exists on the unfused side only.
+    assert rep.first is None and rep.compared > 0
+    assert rep.only_a == [] and all(x.endswith("ffn_silu") for x in rep.only_b) and rep.only_b
+
+
+def test_diff_bad_input(tmp_path, capsys):
+    p = tmp_path / "x.json"
+    p.write_text("[]")
+    assert main(["trace", "diff", str(p), str(p)]) == 1
+    assert "not a minfer-trace" in capsys.readouterr().err
+    assert main(["trace", "diff", str(p), str(p), "--tol", "-1"]) == 2
+
+
+def test_profile(synth_model_path, capsys):
+    eng = Engine.load(synth_model_path, n_ctx=64, n_threads=1)
+    doc = run_profile(eng, [5, 6, 7, 8], 3)
+    assert eng.runtime.tracer is None
+    assert [(p["kind"], p["steps"]) for p in doc["phases"]] == [("prefill", 1), ("decode", 2)]
+    for p in doc["phases"]:
+        nodes = {n["id"]: n for n in p["graph"]["nodes"]}
+        stepped = {n["id"] for n in p["graph"]["nodes"]
+                   if not n["dead"] and n["op"] not in ("Input", "KvcacheLoad")}
+        assert {r["id"] for r in p["nodes"]} == stepped
+        assert sum(r["share"] for r in p["nodes"]) == pytest.approx(1.0)
+        assert sum(r["ms"] for r in p["nodes"]) == pytest.approx(p["ms_per_step"])
+        assert [r["ms"] for r in p["nodes"]] == sorted((r["ms"] for r in p["nodes"]), reverse=True)
+        for r in p["nodes"]:
+            if r["op"] == "MatMul":
+                w = eng.model.tensors[nodes[r["id"]]["meta"]["weight_name"]].nbytes
+                assert r["gbps"] == pytest.approx(w / (r["ms"] * 1e6))
+            else:
+                assert r["gbps"] is None
+        assert {o["op"] for o in p["ops"]} == {r["op"] for r in p["nodes"]}
+    rc = main(["profile", str(synth_model_path), "the cat", "-n", "2", "--json"])
+    assert rc == 0
+    cli_doc = json.loads(capsys.readouterr().out)
+    assert cli_doc["format"] == "minfer-profile" and len(cli_doc["phases"]) == 2
+    rc = main(["profile", str(synth_model_path), "the cat", "-n", "2", "--top", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "prefill: 1 step(s)" in out and "MatMul" in out and "GB/s" in out
+    assert main(["profile", str(synth_model_path), "x", "-n", "0"]) == 2
