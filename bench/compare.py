@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("llama-cpp-python is not installed: pip install llama-cpp-python", file=sys.stderr)
         return 2
-    from minfer.engine import Engine, default_threads
+    from minfer.backends import default_threads
+    from minfer.session import Session
 
     try:
         pps = [p for p in parse_int_list(a.n_prompt) if p > 0]
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {path}", file=sys.stderr)
     print(f"threads: {threads}, reps: {a.repetitions}", file=sys.stderr)
 
-    eng = Engine.load(path, n_ctx=n_ctx, n_threads=threads)
+    eng = Session.open(path, n_ctx=n_ctx, n_threads=threads)
     rss_minfer = peak_rss_bytes()
     fa_modes = {"on": [True], "off": [False], "both": [True, False]}[a.fa]
     peers = {fa: LlamaPeer(path, n_ctx, n_batch, threads, fa) for fa in fa_modes}

@@ -11,7 +11,7 @@ import argparse
 import statistics
 import time
 
-from minfer.engine import Engine
+from minfer.session import Session
 
 
 def main() -> None:
@@ -21,13 +21,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ctx", type=int, default=512)
     a = ap.parse_args()
-    eng = Engine.load(a.model, n_ctx=a.ctx, n_threads=a.threads)
+    if a.model is None:
+        from minfer.io.model_cache import default_model_path
+        a.model = default_model_path(pull=True, progress=True)
+    eng = Session.open(a.model, n_ctx=a.ctx, n_threads=a.threads)
     eng.forward(list(range(100, 116)))
     eng.forward([7])  # builds the decode graph; later steps reuse it
 
     # Wrap the one C++ entry point the scheduler calls per split.
     inside = []
-    for entry in eng.runtime.cache.scheduler.entries:
+    for entry in eng.context.cache.scheduler.entries:
         orig = entry.run_plan
 
         def timed(*args, _orig=orig):
@@ -38,7 +41,7 @@ def main() -> None:
         object.__setattr__(entry, "run_plan", timed)
     # The greedy pick is C++ too (_core.argmax): count it inside.
     import minfer._core as core
-    import minfer.runtime as rt_mod
+    import minfer.session as rt_mod
 
     class _TimedCore:
         def __getattr__(self, name):
@@ -58,11 +61,11 @@ def main() -> None:
         inside.clear()
         t = time.perf_counter()
         eng.forward([tok], copy=False)
-        tok = eng.runtime.argmax_last()  # what Engine.generate does for greedy decoding
+        tok = eng.argmax_last()  # what Session.stream does for greedy decoding
         total = time.perf_counter() - t
         totals.append(total)
         outs.append(total - sum(inside))
-    builds = eng.runtime.builds
+    builds = eng.builds
     med_total, med_out = statistics.median(totals), statistics.median(outs)
     print(f"decode step: median {med_total * 1e3:.3f} ms, outside _core {med_out * 1e6:.1f} us "
           f"({100 * med_out / med_total:.2f}% of the step), graph builds {builds}")

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from reference_forward import ReferenceModel  # noqa: E402
 
-from minfer.engine import Engine  # noqa: E402
+from minfer.session import Session  # noqa: E402
 from minfer.tokenizer import Tokenizer  # noqa: E402
 
 CHAT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -99,8 +99,8 @@ def ref(real_model_path) -> ReferenceModel:
 
 
 @pytest.fixture(scope="module")
-def eng(real_model_path) -> Engine:
-    return Engine.load(real_model_path, n_ctx=512)
+def eng(real_model_path) -> Session:
+    return Session.open(real_model_path, n_ctx=512)
 
 
 @pytest.fixture(scope="module")
@@ -200,9 +200,9 @@ def test_greedy_continuations_match_reference(eng, ref, prompt_ids):
 
 
 def test_graph_reuse_is_bitwise_identical_to_rebuild(real_model_path, eng, prompt_ids):
-    fresh = Engine.load(real_model_path, n_ctx=512, reuse=False)
+    fresh = Session.open(real_model_path, n_ctx=512, reuse=False)
 
-    def decode(e: Engine) -> list[np.ndarray]:
+    def decode(e: Session) -> list[np.ndarray]:
         e.reset()
         out = [e.forward(prompt_ids[0], n_out=1)]
         for _ in range(16):

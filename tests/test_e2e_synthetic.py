@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from reference_forward import ReferenceModel  # noqa: E402
 
-from minfer.engine import Engine  # noqa: E402
+from minfer.session import Session  # noqa: E402
 from minfer.testing.synth import write_model  # noqa: E402
 
 # Every quant type appears in one of the two qwen2 mixes, on a different role in each,
@@ -83,7 +83,7 @@ def model(request, tmp_path_factory):
     write_model(path, **MODELS[name])
     ref = ReferenceModel(str(path))
     refq = ReferenceModel(str(path), act_quant=True)
-    eng = Engine.load(path, n_ctx=128)
+    eng = Session.open(path, n_ctx=128)
     return name, ref, refq, eng
 
 

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from reference_forward import ReferenceModel  # noqa: E402
 
-from minfer.engine import Engine  # noqa: E402
+from minfer.session import Session  # noqa: E402
 from minfer.errors import ContextError, UnsupportedModelError  # noqa: E402
 from minfer.io.gguf_file import GGUFFile  # noqa: E402
 from minfer.models import load_model  # noqa: E402
@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def engine(synth_model_path):
-    return Engine.load(synth_model_path, n_ctx=128, n_threads=2)
+    return Session.open(synth_model_path, n_ctx=128, n_threads=2)
 
 
 def test_stop_string_truncates_and_is_never_streamed(engine):
@@ -70,20 +70,20 @@ def test_context_limits_are_errors(engine):
 
 
 def test_kv_survives_prefill_to_decode_rebuild(synth_model_path):
-    eng = Engine.load(synth_model_path, n_ctx=64, n_threads=2)
+    eng = Session.open(synth_model_path, n_ctx=64, n_threads=2)
     ids = [5, 17, 42, 99, 3, 250, 7]
     whole = eng.forward(ids)[0]
     eng.reset()
     eng.forward(ids[:-1])
-    builds = eng.runtime.builds
+    builds = eng.builds
     step = eng.forward(ids[-1:])[0]
-    assert eng.runtime.builds == builds + 1  # prefill -> decode is one rebuild
+    assert eng.builds == builds + 1  # prefill -> decode is one rebuild
     # F32 weights: same arithmetic up to summation order inside attention tiles.
     np.testing.assert_allclose(step, whole, rtol=1e-4, atol=1e-4)
     # and decode reuses its graph from then on
     eng.forward([11])
     eng.forward([12])
-    assert eng.runtime.builds == builds + 1
+    assert eng.builds == builds + 1
 
 
 def test_fused_and_unfused_swiglu_are_bitwise_identical(tmp_path):
@@ -93,12 +93,12 @@ def test_fused_and_unfused_swiglu_are_bitwise_identical(tmp_path):
     ids = [1, 2, 3, 4, 5, 6]
     outs = []
     for fuse in (True, False):
-        eng = Engine.load(path, n_ctx=32, n_threads=2, fuse=fuse)
-        ops = {n.op.value for n in eng.runtime.model.build_graph(eng.runtime.params(len(ids), 1, 32)).nodes}
+        eng = Session.open(path, n_ctx=32, n_threads=2, fuse=fuse)
+        ops = {n.op.value for n in eng.model.defn.build_graph(eng.context.params(len(ids), 1)).nodes}
         assert "Mul" in ops  # the model emits silu * mul; only the pass rewrites it
         a = eng.forward(ids)
         b = eng.forward([7])
-        live = {n.op.value for n in eng.runtime.cache.graph.nodes if n.id not in eng.runtime.cache.graph.dead}
+        live = {n.op.value for n in eng.context.cache.graph.nodes if n.id not in eng.context.cache.graph.dead}
         assert ("SwiGLU" in live) == fuse
         outs.append((a, b))
     assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
@@ -121,11 +121,11 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     path = tmp_path / "bf16.gguf"
     write_model(path, types={"ffn_up": "BF16"})
     with pytest.raises(UnsupportedModelError, match=r"ffn_up.*BF16"):
-        Engine.load(path, n_ctx=32)
+        Session.open(path, n_ctx=32)
 
 
 def test_perplexity_matches_reference(synth_model_path):
-    eng = Engine.load(synth_model_path, n_ctx=32, n_threads=2)
+    eng = Session.open(synth_model_path, n_ctx=32, n_threads=2)
     text = "the quick brown fox jumps over the lazy dog " * 8
     lines = []
     res = run_perplexity(eng, text, 32, out=lines.append)
@@ -154,7 +154,7 @@ def test_barrier_elision_is_bitwise_neutral(monkeypatch, tmp_path):
     ids = list(range(3, 40))
 
     def run_once():
-        eng = Engine.load(path, n_ctx=64, n_threads=2)
+        eng = Session.open(path, n_ctx=64, n_threads=2)
         out = [eng.forward(ids, n_out=len(ids))]
         for t in (5, 9, 11, 2):
             out.append(eng.forward([t]))
@@ -173,4 +173,4 @@ def test_greedy_argmax_in_core_matches_numpy(engine):
     engine.forward([3, 4, 5])
     for t in (6, 7, 8, 9):
         logits = engine.forward([t])[0]
-        assert engine.runtime.argmax_last() == int(np.argmax(logits))
+        assert engine.argmax_last() == int(np.argmax(logits))

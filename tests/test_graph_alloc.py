@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from minfer.errors import MinferError
-from minfer.graph import runtime
 from minfer.graph.alloc import liveness, plan_buffers
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.cache import GraphCache
@@ -71,7 +70,7 @@ def test_liveness_uses_build_order_not_topological_order():
     slot_topo, _ = plan_buffers(g, topo)
     assert overlapping_sharers(g, slot_topo)
     # ... and the allocator's plan has no such pair, and computes the right value.
-    runtime.install(c, g, p(1))
+    c.install(g, p(1))
     slot_build = {n: (r.backend, r.id) for n, r in c.alloc.node_to_buf.items()}
     assert not overlapping_sharers(g, slot_build)
     X = RNG.standard_normal(16).astype(np.float32)
@@ -94,7 +93,7 @@ def test_inputs_never_share_a_buffer():
     b.output(o)
     g = b.build()
     c = cache_for()
-    runtime.install(c, g, p(1))
+    c.install(g, p(1))
     bufs = c.alloc.node_to_buf
     for inp in (x1, x2):
         others = [n for n in bufs if n != inp]
@@ -117,7 +116,7 @@ def test_in_place_alias_only_for_a_sole_consumer():
     b.output(o)
     g = b.build()
     c = cache_for()
-    runtime.install(c, g, p(2))
+    c.install(g, p(2))
     bufs = c.alloc.node_to_buf
     assert bufs[s1] != bufs[a]
     assert bufs[s2] == bufs[c2]
@@ -138,7 +137,7 @@ def test_input_and_output_are_never_aliased():
     b.output(x)
     g = b.build()
     c = cache_for()
-    runtime.install(c, g, p(1))
+    c.install(g, p(1))
     assert c.alloc.node_to_buf[s] != c.alloc.node_to_buf[x]
     c.alloc.fill_input(g, "x", np.arange(8))
     c.execute()
@@ -196,7 +195,7 @@ def test_kv_regions_survive_a_prefill_to_decode_rebuild(attn_weights):
     X = RNG.standard_normal((4, D)).astype(np.float32)
     c = cache_for(w)
     g1, _ = attn_graph(3)
-    runtime.install(c, g1, p(3))
+    c.install(g1, p(3))
     c.alloc.fill_input(g1, "x", X[:3])
     c.alloc.fill_input(g1, "positions", [0, 1, 2])
     c.execute()
@@ -207,7 +206,7 @@ def test_kv_regions_survive_a_prefill_to_decode_rebuild(attn_weights):
     p_dec = p(1)
     assert not c.try_reuse(p_dec)
     g2, a2 = attn_graph(1)
-    runtime.install(c, g2, p_dec)
+    c.install(g2, p_dec)
     assert (c.alloc.kv[0].k, c.alloc.kv[0].v) == region
     k_mid, v_mid = c.alloc.copy_kv_to_host(0)
     assert k_mid.tobytes() == k_pre.tobytes() and v_mid.tobytes() == v_pre.tobytes()
@@ -227,7 +226,7 @@ def test_kv_with_a_different_context_is_refused(attn_weights):
     w, _ = attn_weights
     c = cache_for(w)
     g1, _ = attn_graph(2)
-    runtime.install(c, g1, p(2))
+    c.install(g1, p(2))
     global NCTX
     saved, NCTX = NCTX, 32
     try:
@@ -235,10 +234,10 @@ def test_kv_with_a_different_context_is_refused(attn_weights):
     finally:
         NCTX = saved
     with pytest.raises(GraphError, match="reset_kv"):
-        runtime.install(c, g2, p(1, 32))
+        c.install(g2, p(1, 32))
     c.reset_kv()
     assert not c.alloc.kv
-    runtime.install(c, g2, p(1, 32))
+    c.install(g2, p(1, 32))
     assert c.alloc.kv[0].n_ctx == 32
 
 
@@ -251,7 +250,7 @@ def test_fill_input_checks():
     b.output(b.get_rows(x, ids, (4, 2)))
     g = b.build()
     c = cache_for()
-    runtime.install(c, g, p(2))
+    c.install(g, p(2))
     with pytest.raises(MinferError, match="exactly 8"):
         c.alloc.fill_input(g, "x", np.zeros(7))
     with pytest.raises(MinferError, match="integer"):

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from minfer.backends import cpu
-from minfer.graph import runtime
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.cache import GraphCache
 from minfer.graph.fusion import FusionPass
@@ -25,7 +24,7 @@ def params(nt: int = 1) -> GraphParams:
 
 def run(graph, weights, feeds: dict, backends=("cpu",), registry=None):
     cache = GraphCache(weights, backends=list(backends), registry=registry, n_threads=2)
-    runtime.install(cache, graph, params())
+    cache.install(graph, params())
     for name, arr in feeds.items():
         cache.alloc.fill_input(graph, name, arr)
     cache.execute()
@@ -165,7 +164,7 @@ def test_fusion_rewrites_silu_on_either_side(ffn_weights, gate_first):
     assert act.op is Op.SwiGLU
     assert act.src == [g.node_by_name("gate").id, g.node_by_name("up").id]   # gate first, whatever the mul order
     assert silu_node.id in g.dead
-    runtime.install(cache, g, params())
+    cache.install(g, params())
     assert silu_node.id not in cache.alloc.node_to_buf                       # fused away: no buffer
     assert all(silu_node.id not in ls.step_nodes for ls in cache.lowered.splits)
     cache.alloc.fill_input(g, "x", X)

@@ -9,7 +9,7 @@ import typing
 import pytest
 
 from minfer.cli import main
-from minfer.engine import Engine
+from minfer.session import Session
 from minfer.graph import ir
 from minfer.graph.export import FUSED_OPS, graph_json, meta_json, op_detail
 from minfer.graph.ir import (AttnMeta, CNode, ComputeGraph, DType, EmbedMeta, FusedFfnMeta, FusedQkvMeta,
@@ -61,16 +61,16 @@ def test_every_op_and_meta_variant_is_exported():
 
 @pytest.fixture(scope="module")
 def engines(synth_model_path):
-    return (Engine.load(synth_model_path, n_ctx=64, n_threads=1),
-            Engine.load(synth_model_path, n_ctx=64, n_threads=1, fuse=False))
+    return (Session.open(synth_model_path, n_ctx=64, n_threads=1),
+            Session.open(synth_model_path, n_ctx=64, n_threads=1, fuse=False))
 
 
 def _live(engine, ids):
     """Run a forward and export the graph the cache actually installed for it."""
     engine.forward(ids)
-    g = engine.runtime.cache.graph
+    g = engine.context.cache.graph
     return graph_json(g, engine.model_name, "decode" if len(ids) == 1 else "prefill",
-                      engine.runtime.cache.registry.name_of)
+                      engine.context.cache.registry.name_of)
 
 
 @pytest.mark.parametrize("fused", [True, False])

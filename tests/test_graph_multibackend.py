@@ -11,7 +11,6 @@ import pytest
 
 from minfer.backends import cpu
 from minfer.errors import BackendError
-from minfer.graph import runtime
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.cache import GraphCache
 from minfer.graph.ir import AttnMeta, DType, GraphError, Op
@@ -70,7 +69,7 @@ def installed(reg, weights, backends):
     w = weights[0]
     c = GraphCache(w, backends=backends, registry=reg, n_threads=2)
     g, o = graph()
-    runtime.install(c, g, PARAMS)
+    c.install(g, PARAMS)
     return c, g, o
 
 
@@ -153,7 +152,7 @@ def test_no_backend_for_a_node_is_an_error_naming_it(reg, weights):
     c = GraphCache(w, backends=["cpu2"], registry=reg, n_threads=2)
     g, _ = graph()
     with pytest.raises(BackendError, match=r"node 2 \(s\).*Silu"):
-        runtime.install(c, g, PARAMS)
+        c.install(g, PARAMS)
 
 
 def test_node_on_another_backend_than_its_kv_is_an_error_naming_both(reg):
@@ -171,7 +170,7 @@ def test_node_on_another_backend_than_its_kv_is_an_error_naming_both(reg):
         g.node_by_name(name).backend = CPU_ID
     c = GraphCache(WeightRegistry(), backends=["cpu", "cpu2"], registry=reg, n_threads=2)
     with pytest.raises(BackendError, match=r"node 4 \(kv_load\) runs in a cpu split but its buffer lives on backend cpu2"):
-        runtime.install(c, g, PARAMS)
+        c.install(g, PARAMS)
 
 
 def test_assignment_is_deterministic_by_priority_then_id():

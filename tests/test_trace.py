@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from minfer.cli import main
-from minfer.engine import Engine
+from minfer.session import Session
 from minfer.errors import MinferError
 from minfer.graph.ir import KV_BOUND
 from minfer.tools.trace import Tracer, load_trace, node_record
@@ -28,11 +28,11 @@ def _run(engine, steps: int) -> list:
 
 @pytest.fixture(scope="module")
 def traced(synth_model_path):
-    plain = Engine.load(synth_model_path, n_ctx=64, n_threads=2)
+    plain = Session.open(synth_model_path, n_ctx=64, n_threads=2)
     want = _run(plain, 3)
-    eng = Engine.load(synth_model_path, n_ctx=64, n_threads=2)
+    eng = Session.open(synth_model_path, n_ctx=64, n_threads=2)
     tracer = Tracer(eng.model_name, prompt="p", max_values=16)
-    eng.runtime.tracer = tracer
+    eng.context.tracer = tracer
     got = _run(eng, 3)
     return want, got, tracer, eng
 

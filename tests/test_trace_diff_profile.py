@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from minfer.cli import main
-from minfer.engine import Engine
+from minfer.session import Session
 from minfer.tools.profile import run_profile
 from minfer.tools.trace import load_trace
 from minfer.tools.trace_diff import diff_traces, format_report
@@ -63,9 +63,9 @@ def test_fused_and_unfused_traces_match_by_name(synth_model_path, tmp_path):
     for fuse in (True, False):
         from minfer.tools.trace import Tracer
 
-        eng = Engine.load(synth_model_path, n_ctx=64, n_threads=1, fuse=fuse)
+        eng = Session.open(synth_model_path, n_ctx=64, n_threads=1, fuse=fuse)
         tr = Tracer(eng.model_name, max_values=32)
-        eng.runtime.tracer = tr
+        eng.context.tracer = tr
         eng.forward([5, 6, 7])
         eng.forward([8])
         docs.append(tr.document())
@@ -84,9 +84,9 @@ def test_diff_bad_input(tmp_path, capsys):
 
 
 def test_profile(synth_model_path, capsys):
-    eng = Engine.load(synth_model_path, n_ctx=64, n_threads=1)
+    eng = Session.open(synth_model_path, n_ctx=64, n_threads=1)
     doc = run_profile(eng, [5, 6, 7, 8], 3)
-    assert eng.runtime.tracer is None
+    assert eng.context.tracer is None
     assert [(p["kind"], p["steps"]) for p in doc["phases"]] == [("prefill", 1), ("decode", 2)]
     for p in doc["phases"]:
         nodes = {n["id"]: n for n in p["graph"]["nodes"]}
@@ -98,7 +98,7 @@ def test_profile(synth_model_path, capsys):
         assert [r["ms"] for r in p["nodes"]] == sorted((r["ms"] for r in p["nodes"]), reverse=True)
         for r in p["nodes"]:
             if r["op"] == "MatMul":
-                w = eng.model.tensors[nodes[r["id"]]["meta"]["weight_name"]].nbytes
+                w = eng.model.defn.tensors[nodes[r["id"]]["meta"]["weight_name"]].nbytes
                 assert r["gbps"] == pytest.approx(w / (r["ms"] * 1e6))
             else:
                 assert r["gbps"] is None

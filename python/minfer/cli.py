@@ -131,7 +131,6 @@ def generate(
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; timings go to stderr."""
     model, prompt = _split_model_and_text(args, "PROMPT")
-    from minfer.engine import Engine
     from minfer.sampling import SamplingParams
 
     if n_predict < 0:
@@ -139,59 +138,141 @@ def generate(
     sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
     sp.validate()
     t0 = time.perf_counter()
-    engine = Engine.load(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend))
-    tok = engine.tokenizer
+    session = _open_session(model, ctx, threads, backend)
+    tok = session.tokenizer
     text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True) if chat else prompt
     prompt_ids = tok.encode(text)
     if dump_graph is not None:
-        engine.dump_graph(dump_graph, n_tokens=1 if decode else max(len(prompt_ids), 1), decode=decode)
+        session.dump_graph(dump_graph, n_tokens=1 if decode else max(len(prompt_ids), 1), decode=decode)
         typer.echo(f"wrote {'decode' if decode else 'prefill'} graph to {dump_graph}", err=True)
     if dump_graph_json is not None:
         from minfer.graph.export import write_graph_json
 
-        doc = engine.graph_json(n_tokens=1 if decode else max(len(prompt_ids), 1), decode=decode)
+        doc = session.graph_json(n_tokens=1 if decode else max(len(prompt_ids), 1), decode=decode)
         write_graph_json(doc, str(dump_graph_json))
         typer.echo(f"wrote {doc['kind']} graph JSON ({len(doc['nodes'])} nodes) to {dump_graph_json}", err=True)
     if dump_graph is not None or dump_graph_json is not None:
         return
-    engine.check_fits(len(prompt_ids), n_predict)
+    session.check_fits(len(prompt_ids), n_predict)
     load_ms = (time.perf_counter() - t0) * 1000
 
     if echo and not as_json:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        _out(text)
     trace_path = os.environ.get("MINFER_TRACE", "")
     if trace_path:
         from minfer.tools.trace import Tracer
 
-        engine.runtime.tracer = Tracer(engine.model_name, prompt=text)
-    result = engine.generate(prompt_ids, n_predict, sp, stop=stop or [], on_text=on_text)
+        session.context.tracer = Tracer(session.model_name, prompt=text)
+    ids: list[int] = []
+    parts: list[str] = []
+    for ev in session.stream(prompt_ids, n_predict, sp, stop=stop or []):
+        if ev.text:
+            parts.append(ev.text)
+            if not as_json:
+                _out(ev.text)
+        if ev.done:
+            reason, tm = ev.stop_reason, ev.timings
+        else:
+            ids.append(ev.id)
     if trace_path:
-        tracer = engine.runtime.tracer
-        tracer.finish(result.ids, tok.decode)
+        tracer = session.context.tracer
+        tracer.finish(ids, tok.decode)
         tracer.write(trace_path)
         typer.echo(f"wrote trace ({len(tracer.steps())} steps) to {trace_path}", err=True)
-    stats = {
-        "load_ms": round(load_ms, 2),
-        "prompt_tokens": len(prompt_ids),
-        "prompt_ms": round(result.prompt_ms, 2),
-        "prompt_tps": round(result.prompt_tps, 2),
-        "generated_tokens": len(result.ids),
-        "gen_ms": round(result.gen_ms, 2),
-        "gen_tps": round(result.gen_tps, 2),
-    }
+    stats = {"load_ms": round(load_ms, 2), **tm.as_dict()}
     if as_json:
-        typer.echo(json.dumps({"text": result.text, "ids": result.ids, "prompt_ids": prompt_ids,
-                               "stop_reason": result.stop_reason, "timings": stats}, ensure_ascii=False))
+        typer.echo(json.dumps({"text": "".join(parts), "ids": ids, "prompt_ids": prompt_ids,
+                               "stop_reason": reason, "timings": stats}, ensure_ascii=False))
     else:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        _out("\n")
         typer.echo(
             f"load {stats['load_ms']:.0f} ms | prompt {stats['prompt_tokens']} tok, {stats['prompt_tps']:.1f} tok/s | "
-            f"generated {stats['generated_tokens']} tok, {stats['gen_tps']:.1f} tok/s | stop: {result.stop_reason}",
+            f"generated {stats['generated_tokens']} tok, {stats['gen_tps']:.1f} tok/s | stop: {reason}",
             err=True,
         )
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _open_session(model: str | None, ctx: int, threads: int | None, backend: str | None):
+    from minfer.session import Session
+
+    return Session.open(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend))
+
+
+@app.command()
+def chat(
+    model: ModelArg = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Most tokens per reply.")] = 512,
+    temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold (1 = off).")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).")] = 0.05,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recently seen tokens (1 = off).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed (same seed, same output).")] = None,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size in tokens (the whole conversation).")] = 4096,
+    threads: ThreadsOpt = None,
+    backend: BackendOpt = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="A system message to start the conversation.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per turn instead of streamed text.")] = False,
+) -> None:
+    """Chat with the model, one turn per line; the KV is kept between turns, so each
+    turn processes only its new tokens. `/reset` starts over. When stdin is not a
+    terminal, each line of stdin is one user turn."""
+    from minfer.sampling import SamplingParams
+
+    if n_predict < 1:
+        raise click_exc.UsageError("-n must be >= 1")
+    sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+    sp.validate()
+    session = _open_session(model, ctx, threads, backend)
+    tok = session.tokenizer
+    start = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if line.strip() == "/reset":
+            messages = list(start)
+            session.reset()
+            if tty:
+                sys.stderr.write("(conversation reset)\n")
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt_ids = tok.encode(tok.render_chat(messages, add_generation_prompt=True))
+        ids: list[int] = []
+        parts: list[str] = []
+        for ev in session.stream(prompt_ids, n_predict, sp):
+            if ev.text:
+                parts.append(ev.text)
+                if not as_json:
+                    _out(ev.text)
+            if ev.done:
+                reason, tm = ev.stop_reason, ev.timings
+            else:
+                ids.append(ev.id)
+        reply = "".join(parts)
+        messages.append({"role": "assistant", "content": reply})
+        if as_json:
+            typer.echo(json.dumps({"text": reply, "ids": ids, "prompt_tokens": tm.prompt_tokens,
+                                   "cached_tokens": tm.cached_tokens, "stop_reason": reason,
+                                   "timings": tm.as_dict()}, ensure_ascii=False))
+        else:
+            _out("\n")
+            if tty:
+                sys.stderr.write(f"[{tm.prompt_tokens - tm.cached_tokens} new prompt tok, {tm.cached_tokens} cached, "
+                                 f"{tm.generated_tokens} tok at {tm.gen_tps:.1f} tok/s]\n")
 
 
 @app.command()
@@ -204,11 +285,10 @@ def perplexity(
     max_chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (0 = all).")] = 0,
 ) -> None:
     """Perplexity over FILE the way llama.cpp's perplexity tool computes it."""
-    from minfer.engine import Engine
     from minfer.tools.perplexity import run_perplexity
 
-    engine = Engine.load(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend))
-    run_perplexity(engine, file.read_text(encoding="utf-8"), ctx, max_chunks=max_chunks,
+    session = _open_session(model, ctx, threads, backend)
+    run_perplexity(session, file.read_text(encoding="utf-8"), ctx, max_chunks=max_chunks,
                    out=lambda s: typer.echo(s))
 
 
@@ -228,7 +308,7 @@ def bench(
     if reps < 1:
         raise click_exc.UsageError("-r must be >= 1")
     from minfer.tools.bench import format_results, parse_int_list, run_bench
-    from minfer.engine import default_threads
+    from minfer.backends import default_threads
 
     try:
         pp, tg = parse_int_list(n_prompt), parse_int_list(n_gen)
@@ -276,13 +356,12 @@ def profile(
         raise click_exc.UsageError("-n must be >= 1")
     if top < 0:
         raise click_exc.UsageError("--top must be >= 0")
-    from minfer.engine import Engine
     from minfer.tools.profile import format_profile, run_profile
 
-    engine = Engine.load(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend))
-    ids = engine.tokenizer.encode(prompt)
-    engine.check_fits(len(ids), n_predict)
-    doc = run_profile(engine, ids, n_predict, prompt)
+    session = _open_session(model, ctx, threads, backend)
+    ids = session.tokenizer.encode(prompt)
+    session.check_fits(len(ids), n_predict)
+    doc = run_profile(session, ids, n_predict, prompt)
     typer.echo(json.dumps(doc) if as_json else format_profile(doc, top))
 
 

@@ -12,7 +12,9 @@ import threading
 from typing import Callable, Optional
 
 from minfer.graph.alloc import GraphAllocator
+from minfer.graph.fusion import FusionPass
 from minfer.graph.ir import ComputeGraph, GraphError
+from minfer.graph.lowering import lower_graph
 from minfer.graph.params import GraphParams
 from minfer.graph.registry import Registry, default_registry
 from minfer.graph.scheduler import BackendScheduler
@@ -45,6 +47,26 @@ class GraphCache:
         self.lowered = None
         self.splits: list = []
 
+    # -- build time: assign -> fuse -> allocate -> split -> lower, once per build --------
+    def preview(self, graph: ComputeGraph, fuse: bool = True) -> int:
+        """Assignment and fusion only: what the exporters show. Returns the rewrite count.
+        fuse=False skips the peephole pass (the unfused side of the identity tests)."""
+        self.scheduler.assign_backends(graph)
+        return FusionPass().run(graph, self.scheduler.by_id) if fuse else 0
+
+    def install(self, graph: ComputeGraph, params: GraphParams) -> ComputeGraph:
+        """Make `graph` (built from `params`) the current graph. The old graph's buffers
+        go back to the pools (the KV stays); a failure leaves the cache empty rather
+        than half-built. Fusion follows params.cparams.fuse_swiglu, so the switch is
+        part of the reuse identity."""
+        self.invalidate()
+        self.preview(graph, fuse=params.cparams.fuse_swiglu if params is not None else True)
+        self.alloc.alloc_graph(graph)
+        splits = self.scheduler.split_graph(graph)
+        lowered = lower_graph(graph, splits, self.alloc, self.weights, self.registry)
+        self.replace_graph(graph, params, lowered, splits)
+        return graph
+
     def try_reuse(self, params: GraphParams) -> bool:
         if self.graph is not None and self.lowered is not None and self.params == params:
             return True
@@ -68,7 +90,7 @@ class GraphCache:
 
     def execute(self, on_step: Optional[Callable] = None) -> None:
         if self.graph is None or self.lowered is None:
-            raise GraphError("no graph is installed (build one and call runtime.install first)")
+            raise GraphError("no graph is installed (build one and call cache.install first)")
         self.scheduler.execute(self.graph, self.alloc, self.lowered, self.weights, self.n_threads, on_step)
 
     def reset_kv(self) -> None:

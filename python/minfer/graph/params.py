@@ -22,7 +22,8 @@ class CParams:
     gpu: bool = False            # a GPU backend participates: assignment is topology
     fuse_qkv: bool = False       # decode QKV fusion; part of the identity so env A/Bs rebuild
     fuse_ffn: bool = False       # decode FFN fusion; same reason
-    explicit_span: bool = False  # attention reads an explicit per-token span input
+    explicit_span: bool = False  # attention reads an explicit per-token span input (several sequences)
+    fuse_swiglu: bool = True     # the peephole pass folds silu*mul into SwiGLU where the backend can
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,14 @@ class Qwen2Model(ModelDef):
         hp = self.hp
         nt, n_out, n_ctx = params.n_tokens, params.n_out, params.cparams.n_ctx
         b = GraphBuilder()
+        span_on = params.cparams.explicit_span
         tokens = b.input("token_ids", (nt,), DType.I32)
+        # positions: a token's index in its sequence (RoPE, and the causal bound of one
+        # sequence); cells: its KV row in the arena. Apart, so one graph can hold several
+        # sequences; then kv_span gives each token the [lo, hi) cells it may attend to.
         pos = b.input("positions", (nt,), DType.I32)
+        cells = b.input("cells", (nt,), DType.I32)
+        span = b.input("kv_span", (2 * nt,), DType.I32) if span_on else None
         # Declared at the head, not beside its consumer: an input mid-graph would cut a
         # GPU run into extra splits (R3-A1).
         tail = b.input("tail_ids", (n_out,), DType.I32) if n_out < nt else None
@@ -77,11 +83,11 @@ class Qwen2Model(ModelDef):
                 k = b.qk_norm(k, p + "attn_k_norm.weight", hp.head_dim, hp.n_head_kv, hp.eps, name=p + "k_norm")
             q = b.rope(q, pos, rope(hp.n_head), name=p + "q_rope")
             k = b.rope(k, pos, rope(hp.n_head_kv), name=p + "k_rope")
-            # A single sequence from cell 0: the KV row of a token is its position.
-            b.kvcache_store(il, k, v, pos, hp.kv_dim, n_ctx, name=p + "kv_store")
+            b.kvcache_store(il, k, v, cells, hp.kv_dim, n_ctx, name=p + "kv_store")
             kv = b.kvcache_load(il, hp.kv_dim, n_ctx, name=p + "kv_load")
             a = b.attn(q, kv, pos, AttnMeta(layer=il, n_head=hp.n_head, n_head_kv=hp.n_head_kv, hd=hp.head_dim,
-                                            scale=scale, n_ctx=n_ctx), name=p + "attn")
+                                            scale=scale, n_ctx=n_ctx, explicit_span=span_on), span=span,
+                       name=p + "attn")
             wo = self._mm(b, a, p + "attn_output.weight")
             if tail is not None and il == hp.n_layer - 1:
                 # G3: from here on only the rows that need logits are computed.

@@ -343,8 +343,8 @@ def _model_type(info: dict) -> str:
 
 
 def _default_engine_loader(path, *, n_ctx, n_threads, backends):
-    from minfer.engine import Engine
-    return Engine.load(path, n_ctx=n_ctx, n_threads=n_threads, backends=backends)
+    from minfer.session import Session
+    return Session.open(path, n_ctx=n_ctx, n_threads=n_threads, backends=backends)
 
 
 def _now_rfc3339() -> str:
@@ -369,15 +369,15 @@ def run_bench(
     """Runs every pp test in n_prompt and tg test in n_gen for each thread count.
 
     Zeros in n_prompt / n_gen are skipped. threads=None uses the engine's default.
-    backends is passed to Engine.load as is (None = automatic choice).
+    backends is passed to Session.open as is (None = automatic choice).
     mem_bandwidth: None measures it once here (bytes/s), a number uses that, False
     skips it (mem_bw_frac is then absent). engine_loader(path, n_ctx=, n_threads=,
-    backends=) replaces Engine.load, for tests and for embedding in other harnesses."""
+    backends=) replaces Session.open, for tests and for embedding in other harnesses."""
     model_path = Path(model_path)
     pps = [p for p in parse_int_list(list(n_prompt)) if p > 0]
     tgs = [n for n in parse_int_list(list(n_gen)) if n > 0]
     if threads is None:
-        from minfer.engine import default_threads
+        from minfer.backends import default_threads
         threads = [default_threads()]
     ths = parse_int_list(list(threads))
     if any(t < 1 for t in ths):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minfer.backends import default_threads
+
 # Big enough that the working set is far outside any L3 we are likely to meet
 # (32 MiB here); small enough that the probe stays well under a second per pass.
 _MIN_ARRAY_BYTES = 64 << 20
@@ -60,11 +62,6 @@ def _l3_bytes() -> int:
     return best or (64 << 20)
 
 
-def _default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _run_parallel(fn, n_threads: int) -> float:
@@ -97,7 +94,7 @@ def _run_parallel(fn, n_threads: int) -> float:
 def measure(n_threads: int | None = None, array_bytes: int | None = None,
             repeats: int = 5) -> BandwidthReport:
     """Best-of-`repeats` copy and triad bandwidth in bytes/s."""
-    n_threads = max(1, int(n_threads or _default_threads()))
+    n_threads = max(1, int(n_threads or default_threads()))
     if array_bytes is None:
         array_bytes = max(_MIN_ARRAY_BYTES, 4 * _l3_bytes())
     n = max(array_bytes // 8, n_threads * _CHUNK_ELEMS)

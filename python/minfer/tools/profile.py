@@ -100,7 +100,7 @@ class Profiler:
 
 def run_profile(engine, prompt_ids: list, n_predict: int, prompt: str = "") -> dict:
     """Greedy generation of n_predict tokens under the profiler; the document."""
-    tensors = engine.model.tensors
+    tensors = engine.model.defn.tensors
 
     def weight_bytes(name: str) -> int:
         t = tensors.get(name)
@@ -111,13 +111,13 @@ def run_profile(engine, prompt_ids: list, n_predict: int, prompt: str = "") -> d
     engine.reset()
     engine.forward(prompt_ids)
     prof = Profiler(engine.model_name, weight_bytes)
-    engine.runtime.tracer = prof
+    engine.context.tracer = prof
     try:
         from minfer.sampling import SamplingParams
 
         engine.generate(prompt_ids, n_predict, SamplingParams(temperature=0.0), stop_at_eog=False)
     finally:
-        engine.runtime.tracer = None
+        engine.context.tracer = None
     return prof.document(prompt)
 
 

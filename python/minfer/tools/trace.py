@@ -61,7 +61,7 @@ def node_record(node_id: int, dtype: str, arr: np.ndarray, max_values: int) -> d
 
 
 class Tracer:
-    """Attach with engine.runtime.tracer = Tracer(...); every forward becomes one step."""
+    """Attach with session.context.tracer = Tracer(...); every forward becomes one step."""
 
     def __init__(self, model: str, prompt: str = "", max_values: Optional[int] = None,
                  name_of: Optional[Callable[[int], str]] = None,

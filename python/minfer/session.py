@@ -1,0 +1,482 @@
+"""Sessions: one conversation's graph cache, KV and positions over a shared Model.
+
+A `Context` owns one graph cache whose KV arena holds `n_seq` sequences of `n_ctx`
+cells each; sequence s owns cells [s*n_ctx, (s+1)*n_ctx). Several sequences run in
+one graph (one row per token, each with its own position and cell); with more than
+one sequence the attention reads an explicit [lo, hi) cell span per token, since a
+position alone cannot say where a sequence's cells start.
+
+A `Session` is one sequence of a context. On its own (`Session(model)`) it gets a
+private one-sequence context, the shape `minfer generate` and `minfer chat` use. It
+keeps the tokens its KV holds, so a later call processes only what follows the
+longest common prefix (multi-turn reuse). `stream()` is the generation loop; it
+yields a TokenEvent per token and can be stopped between steps.
+
+The per-step path is the reuse kernel of §11.1 of the design of record: look the
+GraphParams up (memoised per shape), reuse or build the graph, fill the inputs, run
+the plans, read the logits.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from minfer import _core
+from minfer.errors import ContextError, MinferError
+from minfer.graph.cache import GraphCache
+from minfer.graph.params import CParams, GraphParams, GraphType
+from minfer.graph.trace import trace_enabled, trace_summary
+from minfer.sampling import Sampler, SamplingParams
+
+
+class Context:
+    """One graph cache + KV arena shared by up to n_seq sequences run together."""
+
+    def __init__(self, model, n_ctx: int | None = None, n_seq: int = 1, fuse: bool = True, reuse: bool = True):
+        if n_ctx is None or n_ctx == 0:
+            n_ctx = model.hp.n_ctx_train
+        if n_ctx < 0:
+            raise MinferError(f"context size must be positive, got {n_ctx}")
+        if n_seq < 1:
+            raise MinferError(f"a context needs at least one sequence, got {n_seq}")
+        self.model = model
+        self.n_ctx = int(n_ctx)        # cells per sequence
+        self.n_seq = int(n_seq)
+        self.reuse = reuse
+        self.cache = GraphCache(model.weights, backends=model.backends, n_threads=model.n_threads)
+        # Everything that shapes the graph besides the batch shape; a new value is a new
+        # object, so the memo below can never hand out params built from an old one.
+        self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse)
+        self._params: dict = {}        # (n_tokens, n_out) -> GraphParams for self.cparams
+        self._installed = None         # the params of the graph whose plans are current
+        self._out = None               # (pool, buffer id, n_vocab, rows) of the logits
+        self.builds = 0                # graph builds so far (reuse is observable in tests)
+        self.lock = threading.Lock()   # one forward at a time per context
+        self.tracer = None             # a tools.trace.Tracer (or Profiler) replaces execute() when set
+
+    @property
+    def backend_names(self) -> list[str]:
+        return [self.cache.registry.name_of(e.id).upper() for e in self.cache.scheduler.entries]
+
+    def params(self, n_tokens: int, n_out: int) -> GraphParams:
+        p = self._params.get((n_tokens, n_out))
+        if p is None or p.cparams is not self.cparams:
+            gtype = GraphType.Decode if n_tokens == 1 else GraphType.Prefill
+            p = GraphParams(n_tokens=n_tokens, n_out=n_out, gtype=gtype, cparams=self.cparams)
+            self._params[(n_tokens, n_out)] = p
+        return p
+
+    def ensure_graph(self, params: GraphParams) -> None:
+        """Make the graph for `params` the installed one (reused when params match)."""
+        cache = self.cache
+        if self.reuse and params is self._installed and cache.graph is not None:
+            return
+        if not (self.reuse and cache.try_reuse(params)):
+            graph = cache.install(self.model.defn.build_graph(params), params)
+            self.builds += 1
+            if trace_enabled():
+                sys.stderr.write(trace_summary(graph, cache.splits, cache.registry) + "\n")
+        self._installed = params
+        g = cache.graph
+        out = g.nodes[g.outputs[0]]
+        ref = cache.alloc.buffer(out.id)
+        self._out = (cache.alloc.pools[ref.backend], ref.id, out.out_shape[0], out.n_rows)
+
+    def run(self, tokens: np.ndarray, positions: np.ndarray, cells: np.ndarray, span: np.ndarray | None,
+            tail: np.ndarray | None, n_out: int, copy: bool = True) -> np.ndarray:
+        """One forward over a batch of token rows; logits [n_out, n_vocab] of the rows
+        `tail` names (the last n_out rows when tail is None)."""
+        nt = int(tokens.size)
+        self.model.check_tokens(tokens)
+        params = self.params(nt, n_out)
+        self.ensure_graph(params)
+        cache = self.cache
+        g, alloc = cache.graph, cache.alloc
+        alloc.fill_input(g, "token_ids", tokens)
+        alloc.fill_input(g, "positions", positions)
+        alloc.fill_input(g, "cells", cells)
+        if self.cparams.explicit_span:
+            alloc.fill_input(g, "kv_span", span)
+        if n_out < nt:
+            alloc.fill_input(g, "tail_ids", tail if tail is not None else np.arange(nt - n_out, nt, dtype=np.int32))
+        if self.tracer is None:
+            cache.execute()
+        else:
+            self.tracer.execute(cache)  # MINFER_TRACE / profile / viz: step by step, reading each node
+        return alloc.copy_to_host(g.outputs[0]) if copy else alloc.host_view(g.outputs[0])
+
+    def argmax_last(self) -> int:
+        """Greedy pick from the last logits row, scanned in C++ by the threads that wrote it."""
+        pool, buf, n, rows = self._out
+        if rows != 1 or not hasattr(pool, "view"):
+            return int(np.argmax(self.cache.alloc.copy_to_host(self.cache.graph.outputs[0])[-1]))
+        return int(_core.argmax(pool, buf, n, self.cache.n_threads))
+
+    def decode_batch(self, items: list[tuple["Session", list[int]]], copy: bool = True) -> np.ndarray:
+        """Append each item's tokens to its session's sequence in one forward; returns
+        one logits row per item (its last token's). Sessions must belong to this context."""
+        toks, pos, cells, span, tail = [], [], [], [], []
+        for s, ids in items:
+            if s.context is not self:
+                raise MinferError("decode_batch: a session of another context")
+            if not ids:
+                raise MinferError("decode_batch: an item with no tokens")
+            s._check_room(len(ids))
+            base = s.seq * self.n_ctx
+            p0 = len(s.tokens)
+            for j in range(len(ids)):
+                pos.append(p0 + j)
+                cells.append(base + p0 + j)
+                span += [base, base + p0 + j + 1]
+            toks += ids
+            tail.append(len(toks) - 1)
+        arr = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
+        with self.lock:
+            logits = self.run(arr(toks), arr(pos), arr(cells), arr(span), arr(tail), n_out=len(items), copy=copy)
+        for s, ids in items:
+            s.tokens.extend(int(t) for t in ids)
+        return logits
+
+    def session(self, seq: int) -> "Session":
+        return Session(self.model, context=self, seq=seq)
+
+    def preview_graph(self, n_tokens: int):
+        """The graph a forward of this shape would run, assigned and fused, not installed:
+        built through self.params and cache.preview, the very calls a forward uses, so an
+        export shows the live fusion and backend assignment (tests pin it)."""
+        params = self.params(n_tokens, 1)
+        graph = self.model.defn.build_graph(params)
+        self.cache.preview(graph, fuse=params.cparams.fuse_swiglu)
+        return graph
+
+    def dump_graph(self, path: str | Path, n_tokens: int) -> None:
+        from minfer.graph.export import write_dot
+
+        write_dot(self.preview_graph(n_tokens), str(path), self.cache.registry)
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0      # tokens of the prompt as given
+    cached_tokens: int = 0      # of those, reused from the session's KV (not processed)
+    prompt_ms: float = 0.0      # processing the uncached prompt tokens (to the first pick)
+    generated_tokens: int = 0
+    gen_ms: float = 0.0         # from the first pick to the end
+
+    @property
+    def prompt_tps(self) -> float:
+        n = self.prompt_tokens - self.cached_tokens
+        return n / (self.prompt_ms / 1000) if self.prompt_ms > 0 else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        # The first generated token comes out of the prefill; the rest are decode steps.
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / (self.gen_ms / 1000) if self.gen_ms > 0 and steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "prompt_ms": round(self.prompt_ms, 2), "prompt_tps": round(self.prompt_tps, 2),
+            "generated_tokens": self.generated_tokens, "gen_ms": round(self.gen_ms, 2),
+            "gen_tps": round(self.gen_tps, 2),
+        }
+
+
+@dataclass
+class TokenEvent:
+    """One step of a stream. `text` is the text released by this event: stop strings
+    never appear, and text that could still grow into one is held back. The last event
+    has done=True, id None, the final text flush, the stop reason and the timings."""
+
+    id: int | None
+    text: str
+    logprob: float | None = None
+    done: bool = False
+    stop_reason: str | None = None
+    timings: Timings | None = None
+
+
+@dataclass
+class GenerationResult:
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = "length"
+    timings: Timings = field(default_factory=Timings)
+
+    # Kept for callers that read the flat fields.
+    @property
+    def n_prompt(self) -> int:
+        return self.timings.prompt_tokens
+
+    @property
+    def prompt_ms(self) -> float:
+        return self.timings.prompt_ms
+
+    @property
+    def gen_ms(self) -> float:
+        return self.timings.gen_ms
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.timings.prompt_tps
+
+    @property
+    def gen_tps(self) -> float:
+        return self.timings.gen_tps
+
+
+class Session:
+    def __init__(self, model, n_ctx: int | None = None, *, fuse: bool = True, reuse: bool = True,
+                 context: Context | None = None, seq: int = 0):
+        if context is None:
+            context = Context(model, n_ctx=n_ctx, n_seq=1, fuse=fuse, reuse=reuse)
+        elif not 0 <= seq < context.n_seq:
+            raise MinferError(f"sequence {seq} is outside the context's {context.n_seq} sequences")
+        self.model = model
+        self.context = context
+        self.seq = seq
+        self.tokens: list[int] = []     # what the KV of this sequence holds, in order
+        self._cancel = threading.Event()
+
+    @classmethod
+    def open(cls, path: str | Path, n_ctx: int | None = None, n_threads: int | None = None,
+             backends: list[str] | None = None, **kw) -> "Session":
+        from minfer.model import Model
+
+        return cls(Model.open(path, backends=backends, n_threads=n_threads), n_ctx=n_ctx, **kw)
+
+    # -- facts ---------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self.context.n_ctx
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    @property
+    def hp(self):
+        return self.model.hp
+
+    @property
+    def builds(self) -> int:
+        return self.context.builds
+
+    @property
+    def backend_names(self) -> list[str]:
+        return self.context.backend_names
+
+    @property
+    def model_info(self) -> dict:
+        return self.model.info
+
+    @property
+    def model_name(self) -> str:
+        return self.model.path.name
+
+    def check_fits(self, n_prompt: int, n_predict: int) -> None:
+        self.model.check_fits(n_prompt, n_predict, self.n_ctx)
+
+    # -- KV ------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget the conversation (the KV rows are simply overwritten later)."""
+        self.tokens.clear()
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens of the KV: cells beyond are overwritten later."""
+        del self.tokens[max(0, n):]
+
+    def common_prefix(self, ids: list[int]) -> int:
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def _check_room(self, nt: int) -> None:
+        if self.n_past + nt > self.n_ctx:
+            raise ContextError(f"{self.n_past} + {nt} tokens exceed the context of {self.n_ctx}")
+
+    # -- forward -------------------------------------------------------------------
+    def forward(self, tokens, n_out: int = 1, copy: bool = True) -> np.ndarray:
+        """Append tokens to this sequence; logits [n_out, n_vocab] of the last n_out.
+        copy=False: a read-only view, valid until the next forward of the context."""
+        nt = len(tokens)
+        if nt == 0:
+            raise MinferError("forward needs at least one token")
+        if not 1 <= n_out <= nt:
+            raise MinferError(f"n_out must be in [1, {nt}], got {n_out}")
+        self._check_room(nt)
+        ctx = self.context
+        ids = np.asarray(tokens, dtype=np.int32)
+        p0 = self.n_past
+        pos = np.arange(p0, p0 + nt, dtype=np.int32)
+        base = self.seq * ctx.n_ctx
+        cells = pos + base if base else pos
+        span = None
+        if ctx.cparams.explicit_span:
+            span = np.empty((nt, 2), dtype=np.int32)
+            span[:, 0] = base
+            span[:, 1] = cells + 1
+        with ctx.lock:
+            logits = ctx.run(ids, pos, cells, span, None, n_out=n_out, copy=copy)
+        self.tokens.extend(ids.tolist())
+        return logits
+
+    def argmax_last(self) -> int:
+        return self.context.argmax_last()
+
+    def prefill(self, prompt_ids: list[int], copy: bool = False) -> tuple[np.ndarray, int]:
+        """Process what follows the longest prefix the KV already holds; returns the
+        last logits row and how many prompt tokens were reused. At least one token is
+        processed so there are logits to pick from."""
+        if not prompt_ids:
+            raise ContextError("the prompt is empty after tokenization")
+        keep = min(self.common_prefix(prompt_ids), len(prompt_ids) - 1)
+        self.truncate(keep)
+        return self.forward(prompt_ids[keep:], n_out=1, copy=copy), keep
+
+    def cancel(self) -> None:
+        """Ask a running stream to stop before its next step (thread-safe)."""
+        self._cancel.set()
+
+    # -- generation ----------------------------------------------------------------
+    def stream(self, prompt_ids: list[int], n_predict: int, sampling: SamplingParams | None = None,
+               stop: list[str] | None = None, stop_at_eog: bool = True, logprobs: bool = False,
+               reuse_prefix: bool = True) -> Iterator[TokenEvent]:
+        """Generate up to n_predict tokens after prompt_ids. Closing the generator (or
+        cancel()) stops it between steps; the KV then holds what was processed."""
+        from minfer.tokenizer import StreamDecoder
+
+        sampling = sampling or SamplingParams(temperature=0.0)
+        sampler = Sampler(sampling)
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not reuse_prefix:
+            self.reset()
+        # The KV ends up holding the prompt and the generated tokens: check before work.
+        self.check_fits(len(prompt_ids), n_predict)
+        self._cancel.clear()
+        for t in prompt_ids:
+            sampler.accept(t)
+        tm = Timings(prompt_tokens=len(prompt_ids))
+        if n_predict == 0:
+            yield TokenEvent(None, "", done=True, stop_reason="length", timings=tm)
+            return
+        tok = self.tokenizer
+        eog = tok.eot_ids if stop_at_eog else frozenset()
+        decoder = StreamDecoder(tok)
+        stops = [s for s in (stop or []) if s]
+        hold = max((len(s) for s in stops), default=1) - 1
+        text = ""
+        emitted = 0
+        # Greedy without penalties needs only the argmax, which C++ takes in place.
+        greedy = sampling.temperature <= 0.0 and sampling.repeat_penalty == 1.0 and not logprobs
+
+        def pick(logits) -> tuple[int, float | None]:
+            if greedy:
+                return self.context.argmax_last(), None
+            row = logits[-1]
+            t = int(np.argmax(row)) if sampling.temperature <= 0.0 and sampling.repeat_penalty == 1.0 \
+                else sampler.sample(row)
+            return t, (_logprob(row, t) if logprobs else None)
+
+        t0 = time.perf_counter()
+        logits, tm.cached_tokens = self.prefill(prompt_ids)
+        nxt, lp = pick(logits)
+        tm.prompt_ms = (time.perf_counter() - t0) * 1000
+        t1 = time.perf_counter()
+        reason = "length"
+        ids: list[int] = []
+        try:
+            while True:
+                sampler.accept(nxt)
+                if nxt in eog:
+                    reason = "eos"
+                    break
+                ids.append(nxt)
+                text += decoder.push(nxt)
+                hit = _find_stop(text, stops)
+                if hit is not None:
+                    text = text[:hit]
+                    reason = "stop"
+                    break
+                upto = max(emitted, len(text) - hold)
+                yield TokenEvent(nxt, text[emitted:upto], lp)
+                emitted = upto
+                if len(ids) >= n_predict:
+                    break
+                if self._cancel.is_set():
+                    reason = "cancelled"
+                    break
+                nxt, lp = pick(self.forward([nxt], n_out=1, copy=False))
+            if reason != "stop":
+                text += decoder.flush()
+                hit = _find_stop(text, stops)
+                if hit is not None:
+                    text, reason = text[:hit], "stop"
+        finally:
+            tm.generated_tokens = len(ids)
+            tm.gen_ms = (time.perf_counter() - t1) * 1000
+            self.last_timings = tm
+        yield TokenEvent(None, text[emitted:], done=True, stop_reason=reason, timings=tm)
+
+    def generate(self, prompt_ids: list[int], n_predict: int, sampling: SamplingParams | None = None,
+                 stop: list[str] | None = None, on_text=None, stop_at_eog: bool = True,
+                 reuse_prefix: bool = False) -> GenerationResult:
+        """The whole stream as one result; on_text gets each released text piece."""
+        res = GenerationResult()
+        parts = []
+        for ev in self.stream(prompt_ids, n_predict, sampling, stop=stop, stop_at_eog=stop_at_eog,
+                              reuse_prefix=reuse_prefix):
+            if ev.text:
+                parts.append(ev.text)
+                if on_text:
+                    on_text(ev.text)
+            if ev.done:
+                res.stop_reason, res.timings = ev.stop_reason, ev.timings
+            else:
+                res.ids.append(ev.id)
+        res.text = "".join(parts)
+        return res
+
+    def generate_ids(self, prompt_ids: list[int], n: int, temperature: float = 0.0, seed: int | None = None) -> list[int]:
+        sp = SamplingParams(temperature=temperature, seed=seed)
+        return self.generate(prompt_ids, n, sp, stop=[], stop_at_eog=False).ids
+
+    def dump_graph(self, path: str | Path, n_tokens: int, decode: bool) -> None:
+        self.context.dump_graph(path, 1 if decode else n_tokens)
+
+    def graph_json(self, n_tokens: int, decode: bool) -> dict:
+        """The minfer-graph JSON document of the prefill (n_tokens) or decode graph."""
+        from minfer.graph.export import graph_json
+
+        g = self.context.preview_graph(1 if decode else n_tokens)
+        return graph_json(g, self.model_name, "decode" if decode else "prefill", self.context.cache.registry.name_of)
+
+
+def _logprob(row: np.ndarray, t: int) -> float:
+    x = row.astype(np.float64)
+    m = x.max()
+    return float(x[t] - m - np.log(np.exp(x - m).sum()))
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
