@@ -365,6 +365,25 @@ def profile(
     typer.echo(json.dumps(doc) if as_json else format_profile(doc, top))
 
 
+@app.command()
+def viz(
+    model: ModelArg = None,
+    port: Annotated[int, typer.Option("--port", help="Loopback port to serve on.")] = 8081,
+    trace: Annotated[Optional[Path], typer.Option("--trace", help="Open this MINFER_TRACE file in the page.")] = None,
+    profile_file: Annotated[Optional[Path], typer.Option("--profile", help="Colour nodes by this minfer-profile JSON.")] = None,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size for live runs.")] = 512,
+    threads: ThreadsOpt = None,
+    backend: BackendOpt = None,
+) -> None:
+    """Serve the graph page (loopback only): graph, live per-node data, traces and profiles."""
+    if not 0 < port < 65536:
+        raise click_exc.UsageError(f"--port must be in 1..65535, got {port}")
+    from minfer.tools.viz.server import serve
+
+    serve(_resolve_model(model), port=port, trace=trace, profile=profile_file, n_ctx=ctx, n_threads=threads,
+          backends=_backends(backend))
+
+
 def _rewrite_top_level_dump_graph(argv: list[str]) -> list[str]:
     # `minfer --dump-graph g.dot [MODEL] PROMPT` is the documented spelling; it is
     # `generate --dump-graph ...` underneath.

@@ -1,0 +1,1 @@
+"""The `minfer viz` server and its page (page.html, package data)."""
