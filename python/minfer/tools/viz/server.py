@@ -71,8 +71,8 @@ class Broadcast:
 
 
 class VizState:
-    def __init__(self, engine, trace: Optional[dict], profile: Optional[dict]) -> None:
-        self.engine = engine
+    def __init__(self, session, trace: Optional[dict], profile: Optional[dict]) -> None:
+        self.session = session
         self.trace = trace
         self.profile = profile
         self.events = Broadcast()
@@ -86,7 +86,7 @@ class VizState:
         with self.graph_lock:
             doc = self.graphs.get(key)
             if doc is None:
-                doc = self.engine.graph_json(key[1], decode=kind == "decode")
+                doc = self.session.graph_json(key[1], decode=kind == "decode")
                 self.graphs[key] = doc
         return doc
 
@@ -107,7 +107,7 @@ class VizState:
         from minfer.sampling import SamplingParams
         from minfer.tools.trace import Tracer
 
-        eng = self.engine
+        sess = self.session
         pub = self.events.publish
         counts = {"phase": 0}
 
@@ -119,15 +119,15 @@ class VizState:
             pub("step", {"kind": phase["kind"], "index": len(phase["steps"]) - 1, "nodes": step["nodes"],
                          "logits_top": step["logits_top"]})
 
-        tracer = Tracer(eng.model_name, prompt=prompt, on_step_done=on_step)
+        tracer = Tracer(sess.model_name, prompt=prompt, on_step_done=on_step)
         try:
-            ids = eng.tokenizer.encode(prompt)
-            eng.check_fits(len(ids), n)
+            ids = sess.tokenizer.encode(prompt)
+            sess.check_fits(len(ids), n)
             pub("run", {"prompt": prompt, "n": n, "prompt_tokens": len(ids)})
-            eng.runtime.tracer = tracer
-            res = eng.generate(ids, n, SamplingParams(temperature=0.0), stop_at_eog=False,
+            sess.context.tracer = tracer
+            res = sess.generate(ids, n, SamplingParams(temperature=0.0), stop_at_eog=False,
                                on_text=lambda s: pub("text", {"text": s}))
-            tracer.finish(res.ids, eng.tokenizer.decode)
+            tracer.finish(res.ids, sess.tokenizer.decode)
             for phase in tracer.phases:
                 phase.pop("_sent", None)
             self.live = tracer.document()
@@ -137,7 +137,7 @@ class VizState:
         except Exception as e:  # noqa: BLE001 - a run failure must reach the page, not kill the server
             pub("run_error", {"error": f"{type(e).__name__}: {e}"})
         finally:
-            eng.runtime.tracer = None
+            sess.context.tracer = None
             self.run_lock.release()
 
 
@@ -159,8 +159,8 @@ def create_app(state: VizState):
             n = int(raw)
         except ValueError:
             return None, err(400, f"n must be an integer, got {raw!r}")
-        if not 1 <= n <= state.engine.n_ctx:
-            return None, err(400, f"n must be in 1..{state.engine.n_ctx}, got {n}")
+        if not 1 <= n <= state.session.n_ctx:
+            return None, err(400, f"n must be in 1..{state.session.n_ctx}, got {n}")
         return (kind, n), None
 
     async def index(request: Request):
@@ -203,7 +203,7 @@ def create_app(state: VizState):
         return JSONResponse(state.profile)
 
     async def info(request: Request):
-        e = state.engine
+        e = state.session
         return JSONResponse({"model": e.model_name, "backends": e.backend_names, "n_ctx": e.n_ctx,
                              "trace": state.trace is not None, "profile": state.profile is not None,
                              "running": state.run_lock.locked(), "max_predict": MAX_PREDICT})
@@ -278,17 +278,17 @@ def serve(model_path: Path, port: int = 8081, trace: Optional[Path] = None, prof
           n_ctx: int = 512, n_threads: Optional[int] = None, backends: Optional[list] = None) -> None:
     import uvicorn
 
-    from minfer.engine import Engine
+    from minfer.session import Session
     from minfer.tools.profile import load_profile
     from minfer.tools.trace import load_trace
 
     trace_doc = load_trace(str(trace)) if trace is not None else None
     profile_doc = load_profile(str(profile)) if profile is not None else None
     _check_port(port)
-    engine = Engine.load(model_path, n_ctx=n_ctx, n_threads=n_threads, backends=backends)
-    state = VizState(engine, trace_doc, profile_doc)
+    session = Session.open(model_path, n_ctx=n_ctx, n_threads=n_threads, backends=backends)
+    state = VizState(session, trace_doc, profile_doc)
     state.graph("prefill", DEFAULT_PREFILL_TOKENS)      # fail before serving if the graph cannot build
-    sys.stderr.write(f"minfer viz: serving {engine.model_name} at http://127.0.0.1:{port}/\n")
+    sys.stderr.write(f"minfer viz: serving {session.model_name} at http://127.0.0.1:{port}/\n")
     sys.stderr.flush()
     config = uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning",
                             timeout_graceful_shutdown=1, lifespan="on")
