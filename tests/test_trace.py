@@ -97,3 +97,59 @@ def test_load_trace_refuses_other_files(tmp_path):
     p.write_text("{not json")
     with pytest.raises(MinferError, match="not JSON"):
         load_trace(str(p))
+
+
+def test_trace_across_backend_splits():
+    """Two host backends (a CPU-backed second backend that lacks Silu) cut the graph into
+    splits with staged inputs; capture reads every node in each split, and the output
+    is the same bits as an untraced run."""
+    from minfer.backends import cpu
+    from minfer.graph.builder import GraphBuilder
+    from minfer.graph.cache import GraphCache
+    from minfer.graph.ir import Op
+    from minfer.graph.params import CParams, GraphParams, GraphType
+    from minfer.graph.registry import default_registry
+    from minfer.graph.weights import WeightRegistry
+
+    reg = default_registry().copy()
+    reg.register(cpu.make_entry("cpu2", id=3, priority=150, supports_op_fn=lambda n: n.op is not Op.Silu
+                                and cpu.supports_op(n), supports_fused_fn=lambda f: False))
+    rng = np.random.default_rng(3)
+    w = WeightRegistry()
+    w.add_f32("W", rng.standard_normal((8, 16)).astype(np.float32))
+    X = rng.standard_normal((2, 16)).astype(np.float32)
+    outs = []
+    for traced in (False, True):
+        b = GraphBuilder()
+        x = b.input("x", (16, 2))
+        a = b.add(x, x, name="a")
+        s = b.silu(a, name="s")
+        m = b.mul(s, a, name="m")
+        b.output(b.matmul(m, "W", 0, 16, 8, name="o"))
+        g = b.build()
+        c = GraphCache(w, backends=["cpu", "cpu2"], registry=reg, n_threads=1)
+        c.install(g, GraphParams(2, 2, GraphType.Prefill, CParams(16)))
+        assert len(c.splits) == 3
+        c.alloc.fill_input(g, "x", X)
+        if traced:
+            tr = Tracer("m", max_values=64)
+            tr.execute(c)
+            recs = {r["id"]: r for r in tr.phases[0]["steps"][0]["nodes"]}
+            assert set(recs) == {n.id for n in g.nodes}
+            A = 2.0 * X.astype(np.float64)
+            assert recs[g.node_by_name("a").id]["values"] == A.reshape(-1).tolist()
+            assert [n["backend"] for n in tr.phases[0]["graph"]["nodes"]] == ["cpu2", "cpu2", "cpu", "cpu2", "cpu2"]
+        else:
+            c.execute()
+        outs.append(c.alloc.copy_to_host(g.outputs[0]).tobytes())
+    assert outs[0] == outs[1]
+
+
+def test_trace_refuses_a_device_pool():
+    """A pool with no host view (a GPU's) is refused up front, never read per node."""
+    from types import SimpleNamespace
+
+    split = SimpleNamespace(pool=object(), entry=SimpleNamespace(name="cuda"))
+    cache = SimpleNamespace(lowered=SimpleNamespace(splits=[split]), graph=None, alloc=None)
+    with pytest.raises(MinferError, match="'cuda'.*--backend cpu"):
+        Tracer("m").execute(cache)

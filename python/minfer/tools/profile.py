@@ -32,6 +32,7 @@ class Profiler:
         self.model = model
         self.weight_bytes = weight_bytes
         self.phases: list = []     # [{kind, graph, steps, ns: {id: ns}, calls: {id: n}}]
+        self.n_threads = None
         self._uid = None
 
     def execute(self, cache) -> None:
@@ -85,7 +86,7 @@ class Profiler:
             phases.append({"kind": p["kind"], "graph": p["graph"], "steps": p["steps"],
                            "ms_per_step": total / 1e6 / steps, "nodes": rows, "ops": op_rows})
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": self.model, "prompt": prompt,
-                "phases": phases}
+                "n_threads": self.n_threads, "phases": phases}
 
     def _bytes(self, node: dict) -> int:
         meta = node.get("meta") or {}
@@ -111,6 +112,7 @@ def run_profile(engine, prompt_ids: list, n_predict: int, prompt: str = "") -> d
     engine.reset()
     engine.forward(prompt_ids)
     prof = Profiler(engine.model_name, weight_bytes)
+    prof.n_threads = engine.context.cache.n_threads
     engine.context.tracer = prof
     try:
         from minfer.sampling import SamplingParams
@@ -127,6 +129,10 @@ def _fmt(x: Optional[float], spec: str) -> str:
 
 def format_profile(doc: dict, top: int = 25) -> str:
     lines = [f"model {doc['model']}  (host clock around each plan step; ms are per forward step)"]
+    if (doc.get("n_threads") or 1) > 1:
+        # Each step is its own plan call, so the workers wake once per node: on a busy
+        # machine that wake-up, not the kernel, can dominate (-t 1 avoids it).
+        lines.append(f"{doc['n_threads']} threads: every plan step wakes the workers; on a loaded machine compare with -t 1")
     for p in doc["phases"]:
         lines.append("")
         lines.append(f"{p['kind']}: {p['steps']} step(s), {p['ms_per_step']:.3f} ms per step")
