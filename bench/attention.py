@@ -58,7 +58,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=_core.default_threads())
     args = ap.parse_args()
-    print(f"simd path: {_core.cpu_features()['simd_path']}, kernel path: {_core.kernel_path()}")
+    print(f"simd path: {_core.testing.cpu_features()['simd_path']}, kernel path: {_core.testing.kernel_path()}")
     for nth in sorted({1, args.threads}):
         bench_case("decode, 512 cached", 1, 512, n_threads=nth)
         bench_case("decode, 4096 cached", 1, 4096, n_threads=nth)

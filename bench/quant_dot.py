@@ -57,7 +57,7 @@ def bench(qtype, in_dim, out_dim, nt, threads, path, cold=False, cpu_time=False,
         y = pool.alloc(out_dim * nt * 4)
         h = ws.add(f"w{i}", raw.reshape(-1).copy(), int(qtype), in_dim, out_dim)
         plan.add(_core.OPS["matmul"], i, [y, x], [in_dim, out_dim, nt], [], [h, -1])
-    _core.set_kernel_path(path)
+    _core.testing.set_kernel_path(path)
     if threads == 1:
         clock, div = time.thread_time, 1
     elif cpu_time:
@@ -74,7 +74,7 @@ def bench(qtype, in_dim, out_dim, nt, threads, path, cold=False, cpu_time=False,
                 _core.run(plan, pool, ws, threads)
             best = min(best, (clock() - t0) / div / reps / copies)
     finally:
-        _core.set_kernel_path("simd")
+        _core.testing.set_kernel_path("simd")
     return best, raw.nbytes
 
 
@@ -89,7 +89,7 @@ def main():
     ap.add_argument("--min-time", type=float, default=0.5)
     ap.add_argument("--scalar", action="store_true", help="also time the scalar path")
     args = ap.parse_args()
-    print(f"simd path: {_core.cpu_features()['simd_path']}, threads {args.threads}, "
+    print(f"simd path: {_core.testing.cpu_features()['simd_path']}, threads {args.threads}, "
           f"{'cold (DRAM)' if args.cold else 'warm (cache)'}, core {os.environ.get('MINFER_CORE_DIR', '-')}")
     print(f"{'type':6} {'shape':>10} {'nt':>3} {'path':>6} {'ms':>8} {'GB/s':>7} {'GOP/s':>7}")
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]

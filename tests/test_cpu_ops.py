@@ -19,9 +19,9 @@ F32 = gguf.GGMLQuantizationType.F32
 
 @pytest.fixture(params=["simd", "scalar"])
 def kernel_path(request):
-    _core.set_kernel_path(request.param)
+    _core.testing.set_kernel_path(request.param)
     yield request.param
-    _core.set_kernel_path("simd")
+    _core.testing.set_kernel_path("simd")
 
 
 class Rig:

@@ -125,7 +125,7 @@ def test_native_harness(build_dir, vectors):
     exe = build("g++", ["-march=native"], build_dir, "native")
     from minfer import _core
 
-    run_harness([str(exe)], vectors, _core.cpu_features()["simd_path"])
+    run_harness([str(exe)], vectors, _core.testing.cpu_features()["simd_path"])
 
 
 @pytest.mark.parametrize("march,name", [("armv8.2-a+dotprod", "dotprod"), ("armv8-a", "no-dotprod")])

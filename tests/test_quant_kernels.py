@@ -1,5 +1,5 @@
 """Quantized matmul kernels (csrc/cpu/quants*.cpp) through minfer._core: one-step MATMUL
-plans and _core.dequantize_row, checked against the gguf package's (de)quantizers and
+plans and _core.testing.dequantize_row, checked against the gguf package's (de)quantizers and
 NumPy float64, on both kernel paths.
 
 Two tolerances, both derived rather than tuned:
@@ -36,9 +36,9 @@ F16_FIELDS = {
 
 @pytest.fixture(params=["simd", "scalar"])
 def kernel_path(request):
-    _core.set_kernel_path(request.param)
+    _core.testing.set_kernel_path(request.param)
     yield request.param
-    _core.set_kernel_path("simd")
+    _core.testing.set_kernel_path("simd")
 
 
 def in_dim_for(qtype):
@@ -193,7 +193,7 @@ def test_dequantize_row_is_bitwise_gguf(qtype):
     cols = in_dim_for(qtype)
     for random_codes in (False, True) if qtype in FAMILY32 else (False,):
         raw, deq = make_weight(qtype, 5, cols, rng, random_codes=random_codes)
-        got = _core.dequantize_row(int(qtype), raw.reshape(-1), 5 * cols)
+        got = _core.testing.dequantize_row(int(qtype), raw.reshape(-1), 5 * cols)
         assert np.array_equal(got.view(np.uint32), deq.reshape(-1).view(np.uint32))
 
 
@@ -206,7 +206,7 @@ def test_dequantize_q8_K():
     bsums = qs.reshape(nb, 16, 16).sum(axis=2).astype(np.int16)
     raw = np.concatenate([d.view(np.uint8).reshape(nb, 4), qs.view(np.uint8),
                           bsums.view(np.uint8).reshape(nb, 32)], axis=1)
-    got = _core.dequantize_row(int(Q.Q8_K), raw.reshape(-1), nb * 256)
+    got = _core.testing.dequantize_row(int(Q.Q8_K), raw.reshape(-1), nb * 256)
     assert np.array_equal(got, (d[:, None] * qs.astype(np.float32)).reshape(-1))
 
 
@@ -217,19 +217,19 @@ def test_unsupported_types_raise(bad):
     with pytest.raises(ValueError, match="unsupported"):
         ws.add("w", np.zeros(1024, np.uint8), bad, 256, 1)
     with pytest.raises(ValueError):
-        _core.dequantize_row(bad, np.zeros(1024, np.uint8), 256)
+        _core.testing.dequantize_row(bad, np.zeros(1024, np.uint8), 256)
 
 
 def test_kernel_path_switch():
-    assert _core.kernel_path() == "simd"
-    _core.set_kernel_path("scalar")
+    assert _core.testing.kernel_path() == "simd"
+    _core.testing.set_kernel_path("scalar")
     try:
-        assert _core.kernel_path() == "scalar"
+        assert _core.testing.kernel_path() == "scalar"
     finally:
-        _core.set_kernel_path("simd")
+        _core.testing.set_kernel_path("simd")
     with pytest.raises(ValueError):
-        _core.set_kernel_path("avx9")
-    f = _core.cpu_features()
+        _core.testing.set_kernel_path("avx9")
+    f = _core.testing.cpu_features()
     expect = ("avx512" if f["avx512f"] else "avx2") if (f["avx2"] and f["fma"] and f["f16c"]) else (
         "neon" if f["neon"] else "scalar")
     assert f["simd_path"] == expect
@@ -258,7 +258,7 @@ def test_real_model_tensors(real_tensor_slices, kernel_path):
     rng = np.random.default_rng(11)
     for qtype, (name, in_dim, raw) in real_tensor_slices.items():
         deq = gguf.quants.dequantize(raw, qtype).reshape(45, in_dim).astype(np.float32)
-        got = _core.dequantize_row(int(qtype), raw.reshape(-1), 45 * in_dim)
+        got = _core.testing.dequantize_row(int(qtype), raw.reshape(-1), 45 * in_dim)
         assert np.array_equal(got.view(np.uint32), deq.reshape(-1).view(np.uint32)), name
         x = rng.standard_normal((5, in_dim)).astype(np.float32)
         check_against_references(run_matmul(raw, qtype, in_dim, 45, x), x, deq, qtype)

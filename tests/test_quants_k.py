@@ -58,10 +58,10 @@ def run_matmul(wbytes, qtype, n_in, n_out, x, bias=None, threads=2):
 
 @pytest.fixture(params=["simd", "scalar"])
 def kernel_path(request):
-    before = _core.kernel_path()
-    _core.set_kernel_path(request.param)
+    before = _core.testing.kernel_path()
+    _core.testing.set_kernel_path(request.param)
     yield request.param
-    _core.set_kernel_path(before)
+    _core.testing.set_kernel_path(before)
 
 
 @pytest.mark.parametrize("qtype", list(K_TYPES))
@@ -70,7 +70,7 @@ def test_dequantize_row_bitwise_matches_gguf(qtype):
     rows = random_k_rows(rng, qtype, 4, 1024)
     ref = dequantize(rows, qtype)
     for r in range(rows.shape[0]):
-        got = _core.dequantize_row(int(qtype), rows[r], 1024)
+        got = _core.testing.dequantize_row(int(qtype), rows[r], 1024)
         assert np.array_equal(got.view(np.uint32), ref[r].view(np.uint32))
 
 
@@ -100,25 +100,25 @@ def test_simd_and_scalar_agree_closely():
     rng = np.random.default_rng(7)
     n_in, n_out, nt = 1024, 9, 4
     results = {}
-    before = _core.kernel_path()
+    before = _core.testing.kernel_path()
     try:
         for qtype in K_TYPES:
             w = random_k_rows(rng, qtype, n_out, n_in)
             x = rng.standard_normal((nt, n_in)).astype(np.float32)
             for path in ("scalar", "simd"):
-                _core.set_kernel_path(path)
+                _core.testing.set_kernel_path(path)
                 results[(qtype, path)] = run_matmul(w, qtype, n_in, n_out, x)
             a, b = results[(qtype, "scalar")], results[(qtype, "simd")]
             # Same integer block sums; only the float accumulation order may differ.
             assert np.allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())
     finally:
-        _core.set_kernel_path(before)
+        _core.testing.set_kernel_path(before)
 
 
 @pytest.mark.parametrize("qtype", list(K_TYPES))
 def test_row_length_not_multiple_of_256_is_rejected(qtype):
     with pytest.raises(ValueError):
-        _core.dequantize_row(int(qtype), np.zeros(K_TYPES[qtype], np.uint8), 128)
+        _core.testing.dequantize_row(int(qtype), np.zeros(K_TYPES[qtype], np.uint8), 128)
     ws = _core.WeightStore()
     with pytest.raises(ValueError):
         ws.add("w", np.zeros(K_TYPES[qtype], np.uint8), int(qtype), 128, 1)
@@ -140,7 +140,7 @@ def test_real_model_ffn_down_k_tensors(real_model_path):
             n_in, n_out = info.shape[0], 64  # a slice of rows keeps the NumPy reference fast
             data = np.array(f.tensor_data(name)[: n_out * info.row_nbytes]).reshape(n_out, -1)
             w_deq = dequantize(data, qtype).astype(np.float64)
-            assert np.array_equal(_core.dequantize_row(int(qtype), data[17], n_in), w_deq[17].astype(np.float32))
+            assert np.array_equal(_core.testing.dequantize_row(int(qtype), data[17], n_in), w_deq[17].astype(np.float32))
             got = run_matmul(data, qtype, n_in, n_out, x).astype(np.float64)
             ref = x.astype(np.float64) @ w_deq.T
             bound = q8k_error_bound(x, w_deq)

@@ -1,9 +1,17 @@
-// Runs a lowered plan: one OpenMP parallel region for the whole plan, a barrier
-// between steps (the ggml model), so a decode step costs one Python->C++ call.
+// Runs a lowered plan: one OpenMP parallel region for the whole plan, threads meeting
+// between steps only where a later step depends on an earlier one (the ggml model, with
+// the barriers a hazard analysis proves unnecessary left out).
+//
+// Everything op-specific lives in one table (kCpuOps): how a step runs, which host-filled
+// index data it checks before a run, whether it reads its input through the quantized
+// activation memo, and what scratch it needs. What a step reads and writes and how big
+// its buffers must be comes from the shared format (common/plan.h). Validation, data
+// checks, barrier planning and execution all walk those two tables.
+#include "cpu/executor.h"
+
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -12,57 +20,12 @@
 #include <utility>
 #include <vector>
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 #include "cpu/ops.h"
-#include "cpu/plan.h"
 #include "cpu/quants.h"
+#include "cpu/step_barrier.h"
 #include "cpu/vec_math.h"
 
 namespace minfer::cpu {
-
-const char* op_name(int32_t op) {
-    switch (op) {
-        case OP_ADD: return "add";
-        case OP_MUL: return "mul";
-        case OP_SILU: return "silu";
-        case OP_SWIGLU: return "swiglu";
-        case OP_RMS_NORM: return "rms_norm";
-        case OP_QK_NORM: return "qk_norm";
-        case OP_MATMUL: return "matmul";
-        case OP_GET_ROWS_W: return "get_rows_w";
-        case OP_GET_ROWS: return "get_rows";
-        case OP_ROPE: return "rope";
-        case OP_KV_STORE: return "kv_store";
-        case OP_ATTN: return "attn";
-        default: return "?";
-    }
-}
-
-int WeightStore::add(Weight w) {
-    if (!weight_type_supported(w.type))
-        throw std::invalid_argument("weight " + w.name + ": unsupported tensor type " + std::to_string(w.type));
-    size_t rb = type_row_bytes(w.type, w.ne0);
-    if (rb == 0)
-        throw std::invalid_argument("weight " + w.name + ": row length " + std::to_string(w.ne0) +
-                                    " is not a whole number of blocks of type " + std::to_string(w.type));
-    if (rb * (size_t)w.ne1 != w.nbytes)
-        throw std::invalid_argument("weight " + w.name + ": " + std::to_string(w.nbytes) + " bytes, expected " +
-                                    std::to_string(rb * (size_t)w.ne1));
-    w.row_bytes = rb;
-    ws_.push_back(std::move(w));
-    return (int)ws_.size() - 1;
-}
-
-const Weight& WeightStore::get(int h) const {
-    if (h < 0 || h >= (int)ws_.size()) throw std::out_of_range("unknown weight handle " + std::to_string(h));
-    return ws_[h];
-}
 
 int default_threads() {
     unsigned n = std::thread::hardware_concurrency();
@@ -71,193 +34,113 @@ int default_threads() {
 
 namespace {
 
-[[noreturn]] void fail(const Step& s, const std::string& what) {
-    throw std::invalid_argument(std::string("plan step ") + op_name(s.op) + " (node " + std::to_string(s.node) +
-                                "): " + what);
-}
-
-void need_buf(const Step& s, const Pool& pool, int slot, size_t nbytes, const char* role) {
-    int id = s.buf[slot];
-    if (!pool.valid(id)) fail(s, std::string(role) + " buffer " + std::to_string(id) + " is not in pool " + pool.name());
-    if (pool.size(id) < nbytes)
-        fail(s, std::string(role) + " buffer " + std::to_string(id) + " holds " + std::to_string(pool.size(id)) +
-                    " bytes, needs " + std::to_string(nbytes));
-}
-
-const Weight& need_weight(const Step& s, const WeightStore& ws, int slot) {
-    if (s.w[slot] < 0 || s.w[slot] >= ws.count()) fail(s, "missing weight");
-    return ws.get(s.w[slot]);
-}
-
-}  // namespace
-
-void validate_plan(const Plan& plan, const Pool& pool, const WeightStore& ws) {
-    for (const Step& s : plan.steps) {
-        const int64_t* ip = s.ip;
-        switch (s.op) {
-            case OP_ADD: case OP_MUL: case OP_SWIGLU:
-                for (int i = 0; i < 3; ++i) need_buf(s, pool, i, ip[0] * 4, i ? "input" : "output");
-                break;
-            case OP_SILU:
-                for (int i = 0; i < 2; ++i) need_buf(s, pool, i, ip[0] * 4, i ? "input" : "output");
-                break;
-            case OP_RMS_NORM: case OP_QK_NORM:
-                need_buf(s, pool, 0, ip[0] * ip[1] * 4, "output");
-                need_buf(s, pool, 1, ip[0] * ip[1] * 4, "input");
-                if (s.w[0] >= 0) {
-                    const Weight& w = ws.get(s.w[0]);
-                    if (w.type != T_F32 || w.ne0 * w.ne1 != ip[0]) fail(s, "norm weight " + w.name + " must be f32[" + std::to_string(ip[0]) + "]");
-                }
-                break;
-            case OP_MATMUL: {
-                const Weight& w = need_weight(s, ws, 0);
-                if (w.ne0 != ip[0] || w.ne1 != ip[1])
-                    fail(s, "weight " + w.name + " is [" + std::to_string(w.ne0) + ", " + std::to_string(w.ne1) +
-                                "], node wants [" + std::to_string(ip[0]) + ", " + std::to_string(ip[1]) + "]");
-                need_buf(s, pool, 0, ip[1] * ip[2] * 4, "output");
-                need_buf(s, pool, 1, ip[0] * ip[2] * 4, "input");
-                if (s.w[1] >= 0) {
-                    const Weight& b = ws.get(s.w[1]);
-                    if (b.type != T_F32 || b.ne0 * b.ne1 != ip[1]) fail(s, "bias " + b.name + " must be f32[" + std::to_string(ip[1]) + "]");
-                }
-                break;
-            }
-            case OP_GET_ROWS_W: {
-                const Weight& w = need_weight(s, ws, 0);
-                if (w.ne0 != ip[0]) fail(s, "table " + w.name + " rows are " + std::to_string(w.ne0) + " wide, node wants " + std::to_string(ip[0]));
-                need_buf(s, pool, 0, ip[0] * ip[1] * 4, "output");
-                need_buf(s, pool, 1, ip[1] * 4, "ids");
-                break;
-            }
-            case OP_GET_ROWS:
-                need_buf(s, pool, 0, ip[0] * ip[1] * 4, "output");
-                need_buf(s, pool, 1, ip[0] * ip[2] * 4, "input");
-                need_buf(s, pool, 2, ip[1] * 4, "ids");
-                break;
-            case OP_ROPE:
-                if (ip[3] > ip[2] || ip[3] % 2) fail(s, "n_rot must be even and <= head dim");
-                need_buf(s, pool, 0, ip[0] * ip[1] * ip[2] * 4, "output");
-                need_buf(s, pool, 1, ip[0] * ip[1] * ip[2] * 4, "input");
-                need_buf(s, pool, 2, ip[0] * 4, "positions");
-                break;
-            case OP_KV_STORE:
-                need_buf(s, pool, 0, ip[2] * ip[1] * 4, "K region");
-                need_buf(s, pool, 1, ip[0] * ip[1] * 4, "k");
-                need_buf(s, pool, 2, ip[0] * ip[1] * 4, "v");
-                need_buf(s, pool, 3, ip[0] * 4, "cells");
-                need_buf(s, pool, 4, ip[2] * ip[1] * 4, "V region");
-                break;
-            case OP_ATTN:
-                if (ip[2] <= 0 || ip[1] % ip[2]) fail(s, "head count must be a multiple of the KV head count");
-                need_buf(s, pool, 0, ip[0] * ip[1] * ip[3] * 4, "output");
-                need_buf(s, pool, 1, ((ip[0] - 1) * ip[5] + ip[1] * ip[3]) * 4, "q");
-                need_buf(s, pool, 2, ip[4] * ip[2] * ip[3] * 4, "K region");
-                need_buf(s, pool, 3, ip[4] * ip[2] * ip[3] * 4, "V region");
-                need_buf(s, pool, 4, ip[0] * 4, "positions");
-                if (s.buf[5] >= 0) need_buf(s, pool, 5, ip[0] * 8, "span");
-                break;
-            default:
-                fail(s, "unknown op code " + std::to_string(s.op));
-        }
-    }
-}
-
-namespace {
-
-// Index data (token ids, positions, cells) is host-filled every step, so it is checked
-// on every run, by every thread alike (same data, same verdict, no extra barrier).
-bool ids_in_range(const int32_t* ids, int64_t n, int64_t lo, int64_t hi) {
-    for (int64_t i = 0; i < n; ++i)
-        if (ids[i] < lo || ids[i] >= hi) return false;
-    return true;
-}
-
-std::string data_error(const Step& s, Pool& pool) {
-    auto I = [&](int slot) { return (const int32_t*)pool.data(s.buf[slot]); };
-    const int64_t* ip = s.ip;
-    switch (s.op) {
-        case OP_GET_ROWS_W:
-            if (!ids_in_range(I(1), ip[1], 0, ip[2])) return "token id outside the vocabulary [0, " + std::to_string(ip[2]) + ")";
-            break;
-        case OP_GET_ROWS:
-            if (!ids_in_range(I(2), ip[1], 0, ip[2])) return "row id outside [0, " + std::to_string(ip[2]) + ")";
-            break;
-        case OP_KV_STORE:
-            if (!ids_in_range(I(3), ip[0], 0, ip[2])) return "KV cell outside the context [0, " + std::to_string(ip[2]) + ")";
-            break;
-        case OP_ATTN:
-            if (!ids_in_range(I(4), ip[0], 0, ip[4])) return "position outside the context [0, " + std::to_string(ip[4]) + ")";
-            if (s.buf[5] >= 0) {
-                const int32_t* sp = I(5);
-                for (int64_t t = 0; t < ip[0]; ++t)
-                    if (sp[2 * t] < 0 || sp[2 * t] > sp[2 * t + 1] || sp[2 * t + 1] > ip[4]) return "attention span outside the context";
-            }
-            break;
-        default: break;
-    }
-    return {};
-}
-
-// The barrier between steps. A decode step crosses ~600 of them, so on an idle machine
-// they must cost a few hundred nanoseconds (spin); but when another process holds a
-// core, spinning burns the quantum the late thread needs and a step collapses 3-5x
-// (measured with OpenMP's spinning barrier). So: spin briefly, then sleep on a futex
-// (sched_yield measured no better than spinning under CFS).
-class StepBarrier {
-public:
-    explicit StepBarrier(int n) : n_(n) {}
-    void resize(int n) { n_ = n; }
-    void wait() {
-        if (n_ == 1) return;
-        const int gen = gen_.load(std::memory_order_acquire);
-        if (count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
-            count_.store(0, std::memory_order_relaxed);
-            gen_.fetch_add(1, std::memory_order_seq_cst);
-            if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake(&gen_);
-            return;
-        }
-        for (int i = 0; i < spins(); ++i) {
-            if (gen_.load(std::memory_order_acquire) != gen) return;
-            pause();
-        }
-        sleepers_.fetch_add(1, std::memory_order_seq_cst);
-        while (gen_.load(std::memory_order_seq_cst) == gen) futex_wait(&gen_, gen);
-        sleepers_.fetch_sub(1, std::memory_order_relaxed);
-    }
-
-private:
-    // ~100 us of pauses: on an idle machine a step's threads finish within that of each
-    // other, so the futex (a ~50-100 us wake in a VM) is only hit under contention.
-    // Measured decode step, 2 threads: 100 spins 29.9 ms, 2000 18.3 ms, 4000 17.1 ms.
-    static int spins() {
-        static const int n = std::getenv("MINFER_SPIN") ? std::atoi(std::getenv("MINFER_SPIN")) : 4000;
-        return n;
-    }
-    static void pause() {
-#if defined(__x86_64__) || defined(__i386__)
-        _mm_pause();
-#elif defined(__aarch64__)
-        __asm__ __volatile__("yield");
-#endif
-    }
-    static void futex_wait(std::atomic<int>* a, int expected) {
-        syscall(SYS_futex, reinterpret_cast<int*>(a), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
-    }
-    static void futex_wake(std::atomic<int>* a) {
-        syscall(SYS_futex, reinterpret_cast<int*>(a), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
-    }
-    int n_;
-    alignas(64) std::atomic<int> count_{0};
-    alignas(64) std::atomic<int> gen_{0};
-    alignas(64) std::atomic<int> sleepers_{0};
-};
-
 struct Scratch {
     std::vector<uint8_t> act[2];    // quantized activations: [0] Q8_0 family, [1] Q8_K
     std::vector<float> attn;        // nth * per-thread attention scratch
 };
 
-int act_slot(int32_t wtype);
+struct ScratchNeed {
+    size_t act[2] = {0, 0};  // bytes per activation slot
+    size_t attn = 0;         // floats per thread
+};
+
+// The quantized-activation memo: which input (buffer, row count) each scratch slot
+// holds. A matmul whose input is already there skips quantizing it (q, k, v and gate,
+// up share one input). run_plan keeps one per thread and plan_barriers simulates one;
+// both go through enter() and leave(), so the simulation cannot drift from the run.
+struct ActMemo {
+    int src[2] = {-1, -1};
+    int64_t nt[2] = {0, 0};
+
+    // Called by a step that reads its input through slot: true if it must quantize
+    // first (the memo then records the new contents).
+    bool enter(int slot, const Step& s) {
+        if (src[slot] == s.buf[1] && nt[slot] == s.ip[2]) return false;
+        src[slot] = s.buf[1];
+        nt[slot] = s.ip[2];
+        return true;
+    }
+    // After every step. A step that writes a buffer a slot was quantized from makes that
+    // slot stale; steps that do not use the memo drop it outright (cheap and obviously
+    // safe: only runs of memo users profit from it).
+    void leave(const Step& s, bool memo_user) {
+        for (int k = 0; k < 2; ++k)
+            if (!memo_user || src[k] == s.buf[0]) src[k] = -1;
+    }
+};
+
+struct Ctx {
+    const Step& s;
+    Pool& pool;
+    const WeightStore& ws;
+    Scratch& scratch;
+    size_t attn_floats;
+    ActMemo& memo;
+    StepBarrier& barrier;
+    int ith, nth;
+
+    float* F(int slot) const { return (float*)pool.data(s.buf[slot]); }
+    const int32_t* I(int slot) const { return (const int32_t*)pool.data(s.buf[slot]); }
+    const int64_t* ip() const { return s.ip; }
+};
+
+struct CpuOp {
+    void (*run)(const Ctx&);
+    // Checks the host-filled index inputs (ids, positions, cells) before every run; ""
+    // if fine. Null for ops with none.
+    std::string (*check_data)(const Step&, const Pool&);
+    // The activation scratch slot the step reads its input through, or -1 (reads buf[1]
+    // as f32). Null for ops that never use the memo.
+    int (*act_slot)(const Step&, const WeightStore&);
+    void (*scratch)(const Step&, const WeightStore&, ScratchNeed&);
+    // CPU limits beyond the format (null: none).
+    void (*check)(const Step&, const WeightStore&);
+};
+
+// ---- index data checks --------------------------------------------------------------
+
+bool ids_in_range(const int32_t* ids, int64_t n, int64_t lo, int64_t hi) {
+    for (int64_t i = 0; i < n; ++i)
+        if (ids[i] < lo || ids[i] >= hi) return false;
+    return true;
+}
+const int32_t* idata(const Step& s, const Pool& pool, int slot) { return (const int32_t*)pool.data(s.buf[slot]); }
+
+std::string data_get_rows_w(const Step& s, const Pool& pool) {
+    if (!ids_in_range(idata(s, pool, 1), s.ip[1], 0, s.ip[2]))
+        return "token id outside the vocabulary [0, " + std::to_string(s.ip[2]) + ")";
+    return {};
+}
+std::string data_get_rows(const Step& s, const Pool& pool) {
+    if (!ids_in_range(idata(s, pool, 2), s.ip[1], 0, s.ip[2])) return "row id outside [0, " + std::to_string(s.ip[2]) + ")";
+    return {};
+}
+std::string data_kv_store(const Step& s, const Pool& pool) {
+    if (!ids_in_range(idata(s, pool, 3), s.ip[0], 0, s.ip[2]))
+        return "KV cell outside the context [0, " + std::to_string(s.ip[2]) + ")";
+    return {};
+}
+std::string data_attn(const Step& s, const Pool& pool) {
+    const int64_t* ip = s.ip;
+    if (!ids_in_range(idata(s, pool, 4), ip[0], 0, ip[4])) return "position outside the context [0, " + std::to_string(ip[4]) + ")";
+    if (s.buf[5] >= 0) {
+        const int32_t* sp = idata(s, pool, 5);
+        for (int64_t t = 0; t < ip[0]; ++t)
+            if (sp[2 * t] < 0 || sp[2 * t] > sp[2 * t + 1] || sp[2 * t + 1] > ip[4]) return "attention span outside the context";
+    }
+    return {};
+}
+
+// ---- kernels ------------------------------------------------------------------------
+
+void run_add(const Ctx& c) { add_f32(c.F(1), c.F(2), c.F(0), c.ip()[0], c.ith, c.nth); }
+void run_mul(const Ctx& c) { mul_f32(c.F(1), c.F(2), c.F(0), c.ip()[0], c.ith, c.nth); }
+void run_silu(const Ctx& c) { silu_f32(c.F(1), c.F(0), c.ip()[0], c.ith, c.nth); }
+void run_swiglu(const Ctx& c) { swiglu_f32(c.F(1), c.F(2), c.F(0), c.ip()[0], c.ith, c.nth); }
+void run_norm(const Ctx& c) {
+    const float* w = c.s.w[0] >= 0 ? (const float*)c.ws.get(c.s.w[0]).data : nullptr;
+    rms_norm_f32(c.F(1), w, c.F(0), c.ip()[0], c.ip()[1], c.s.fp[0], c.ith, c.nth);
+}
 
 // The rows of an output a thread computes: contiguous, multiples of 4 (whole tiles).
 // argmax_f32 relies on using the same split as the matmul.
@@ -267,117 +150,227 @@ std::pair<int64_t, int64_t> row_range(int64_t rows, int ith, int nth) {
     return {r0, r1};
 }
 
+int act_slot_of_type(int32_t wtype) {
+    int32_t a = act_type_for(wtype);
+    return a == T_Q8_K ? 1 : (a == T_Q8_0 ? 0 : -1);
+}
+int matmul_act_slot(const Step& s, const WeightStore& ws) { return act_slot_of_type(ws.get(s.w[0]).type); }
+
+void matmul_scratch(const Step& s, const WeightStore& ws, ScratchNeed& n) {
+    const Weight& w = ws.get(s.w[0]);
+    const int slot = act_slot_of_type(w.type);
+    if (slot >= 0) n.act[slot] = std::max(n.act[slot], act_row_bytes(w.type, s.ip[0]) * (size_t)s.ip[2]);
+}
+
+void run_matmul(const Ctx& c) {
+    const Step& s = c.s;
+    const Weight& w = c.ws.get(s.w[0]);
+    const int64_t in = s.ip[0], out = s.ip[1], nt = s.ip[2];
+    const int slot = act_slot_of_type(w.type);
+    const uint8_t* act;
+    size_t arb;
+    if (slot < 0) {
+        act = (const uint8_t*)c.F(1);
+        arb = (size_t)in * 4;
+    } else {
+        arb = act_row_bytes(w.type, in);
+        uint8_t* q = c.scratch.act[slot].data();
+        if (c.memo.enter(slot, s)) {
+            const float* x = c.F(1);
+            for (int64_t t = c.ith; t < nt; t += c.nth) quantize_act_row(w.type, x + t * in, q + t * arb, in);
+            c.barrier.wait();
+        }
+        act = q;
+    }
+    float* y = c.F(0);
+    // Rows split into contiguous per-thread ranges (multiples of 4 keep tiles whole).
+    const auto [r0, r1] = row_range(out, c.ith, c.nth);
+    constexpr int RB = 16, TB = 4;
+    for (int64_t r = r0; r < r1; r += RB) {
+        const int nw = (int)std::min<int64_t>(RB, r1 - r);
+        for (int64_t t = 0; t < nt; t += TB) {
+            const int na = (int)std::min<int64_t>(TB, nt - t);
+            vec_dot_tile(w.type, in, w.data + r * w.row_bytes, w.row_bytes, nw, act + t * arb, arb, na,
+                         y + t * out + r, (size_t)out);
+        }
+    }
+    if (s.w[1] >= 0 && r1 > r0) {
+        const float* b = (const float*)c.ws.get(s.w[1]).data;
+        for (int64_t t = 0; t < nt; ++t)
+            for (int64_t r = r0; r < r1; ++r) y[t * out + r] += b[r];
+    }
+}
+void check_matmul(const Step& s, const WeightStore& ws) {
+    const Weight& w = ws.get(s.w[0]);
+    if (!weight_type_supported(w.type)) step_fail(s, "weight " + w.name + ": the cpu backend cannot compute with type " + std::to_string(w.type));
+}
+
+void run_get_rows_w(const Ctx& c) {
+    const Weight& w = c.ws.get(c.s.w[0]);
+    get_rows_w(w.type, w.data, w.row_bytes, c.ip()[0], c.I(1), c.ip()[1], c.F(0), c.ith, c.nth);
+}
+void run_get_rows(const Ctx& c) { get_rows_f32(c.F(1), c.ip()[0], c.I(2), c.ip()[1], c.F(0), c.ith, c.nth); }
+void run_rope(const Ctx& c) {
+    const int64_t* ip = c.ip();
+    rope_neox_f32(c.F(1), c.F(0), c.I(2), ip[0], ip[1], ip[2], ip[3], c.s.fp[0], c.ith, c.nth);
+}
+
+void check_kv_type(const Step& s, int64_t kv_type) {
+    if (kv_type != T_F32) step_fail(s, "the cpu backend stores KV as f32 only (kv_type " + std::to_string(kv_type) + ")");
+}
+void check_kv_store(const Step& s, const WeightStore&) { check_kv_type(s, s.ip[3]); }
+void run_kv_store(const Ctx& c) {
+    const int64_t* ip = c.ip();
+    kv_store_f32(c.F(1), c.F(2), c.I(3), ip[0], ip[1], c.F(0), c.F(4), c.ith, c.nth);
+}
+
+AttnArgs attn_args(const Step& s) {
+    AttnArgs a{};
+    a.nt = s.ip[0]; a.nh = s.ip[1]; a.nkv = s.ip[2]; a.hd = s.ip[3]; a.n_ctx = s.ip[4]; a.q_stride = s.ip[5];
+    a.scale = s.fp[0];
+    return a;
+}
+void check_attn(const Step& s, const WeightStore&) { check_kv_type(s, s.ip[6]); }
+void attn_scratch(const Step& s, const WeightStore&, ScratchNeed& n) {
+    n.attn = std::max(n.attn, attention_scratch_floats(attn_args(s)));
+}
+void run_attn(const Ctx& c) {
+    AttnArgs a = attn_args(c.s);
+    a.q = c.F(1); a.k = c.F(2); a.v = c.F(3); a.pos = c.I(4);
+    a.span = c.s.buf[5] >= 0 ? c.I(5) : nullptr;
+    a.out = c.F(0);
+    attention_f32(a, c.scratch.attn.data() + c.attn_floats * c.ith, c.ith, c.nth);
+}
+
+const CpuOp* cpu_op(int32_t op) {
+    //                          run              check_data        act_slot         scratch         check
+    static const CpuOp ops[] = {
+        {nullptr, nullptr, nullptr, nullptr, nullptr},
+        /* add        */ {run_add, nullptr, nullptr, nullptr, nullptr},
+        /* mul        */ {run_mul, nullptr, nullptr, nullptr, nullptr},
+        /* silu       */ {run_silu, nullptr, nullptr, nullptr, nullptr},
+        /* swiglu     */ {run_swiglu, nullptr, nullptr, nullptr, nullptr},
+        /* rms_norm   */ {run_norm, nullptr, nullptr, nullptr, nullptr},
+        /* qk_norm    */ {run_norm, nullptr, nullptr, nullptr, nullptr},
+        /* matmul     */ {run_matmul, nullptr, matmul_act_slot, matmul_scratch, check_matmul},
+        /* get_rows_w */ {run_get_rows_w, data_get_rows_w, nullptr, nullptr, nullptr},
+        /* get_rows   */ {run_get_rows, data_get_rows, nullptr, nullptr, nullptr},
+        /* rope       */ {run_rope, nullptr, nullptr, nullptr, nullptr},
+        /* kv_store   */ {run_kv_store, data_kv_store, nullptr, nullptr, check_kv_store},
+        /* attn       */ {run_attn, data_attn, nullptr, attn_scratch, check_attn},
+    };
+    static_assert(sizeof(ops) / sizeof(ops[0]) == OP_LAST_CORE + 1, "one CPU entry per core op code");
+    return op >= OP_ADD && op <= OP_LAST_CORE ? &ops[op] : nullptr;
+}
+
 // Hazard analysis for the barriers between steps. Every thread walks the same steps,
 // and a step only reads what its sources hold and writes its outputs, so threads need
 // to meet only where a step reads a buffer written since the last meeting, or writes a
 // buffer read or written since then (the in-place ops included). The quantized
-// activation scratch slots count as buffers (ids -1 and -2), written by a matmul whose
-// input is not already quantized there: the memo is simulated exactly as run_plan
-// keeps it. Consecutive q/k/v (and gate/up) matmuls and the two RoPEs then run back to
-// back, which removes about a third of a decode step's barriers.
+// activation scratch slots count as buffers (ids -1 and -2), written by a step that
+// quantizes its input there (ActMemo, as in the run). Consecutive q/k/v (and gate/up)
+// matmuls and the two RoPEs then run back to back, which removes about a third of a
+// decode step's barriers.
 std::vector<uint8_t> plan_barriers(const Plan& plan, const WeightStore& ws) {
     const size_t n = plan.steps.size();
     std::vector<uint8_t> after(n, 1);
     std::vector<int> pend_r, pend_w;
     auto touches = [](const std::vector<int>& v, int id) { return std::find(v.begin(), v.end(), id) != v.end(); };
-    int memo_src[2] = {-1, -1};
-    int64_t memo_nt[2] = {0, 0};
+    ActMemo memo;
     for (size_t i = 0; i < n; ++i) {
         const Step& s = plan.steps[i];
+        const OpFormat& f = *op_format(s.op);
+        const CpuOp& d = *cpu_op(s.op);
+        const int slot = d.act_slot ? d.act_slot(s, ws) : -1;
         std::vector<int> r, w;
-        int quant_slot = -1;
-        switch (s.op) {
-            case OP_ADD: case OP_MUL: case OP_SWIGLU: r = {s.buf[1], s.buf[2]}; w = {s.buf[0]}; break;
-            case OP_SILU: case OP_RMS_NORM: case OP_QK_NORM: case OP_GET_ROWS_W: r = {s.buf[1]}; w = {s.buf[0]}; break;
-            case OP_GET_ROWS: case OP_ROPE: r = {s.buf[1], s.buf[2]}; w = {s.buf[0]}; break;
-            case OP_KV_STORE: r = {s.buf[1], s.buf[2], s.buf[3]}; w = {s.buf[0], s.buf[4]}; break;
-            case OP_ATTN: r = {s.buf[1], s.buf[2], s.buf[3], s.buf[4], s.buf[5]}; w = {s.buf[0]}; break;
-            case OP_MATMUL: {
-                const int slot = act_slot(ws.get(s.w[0]).type);
-                w = {s.buf[0]};
-                if (slot < 0) {
-                    r = {s.buf[1]};
-                } else {
-                    r = {-1 - slot};
-                    if (memo_src[slot] != s.buf[1] || memo_nt[slot] != s.ip[2]) quant_slot = slot;
-                }
-                break;
-            }
-            default: r.clear(); w.clear(); break;
+        for (int k = 0; k < 8; ++k) {
+            if (!f.access[k] || s.buf[k] < 0) continue;
+            // A memo user reads its input from the scratch slot, not from buf[1].
+            if (f.access[k] & SLOT_READ) r.push_back(k == 1 && slot >= 0 ? -1 - slot : s.buf[k]);
+            if (f.access[k] & SLOT_WRITE) w.push_back(s.buf[k]);
         }
+        const bool quantizes = slot >= 0 && memo.enter(slot, s);
         bool meet = false;
         if (i > 0) {
             // The quantization phase reads the input and writes the scratch slot.
             std::vector<int> qr = r, qw = w;
-            if (quant_slot >= 0) { qr.push_back(s.buf[1]); qw.push_back(-1 - quant_slot); }
+            if (quantizes) { qr.push_back(s.buf[1]); qw.push_back(-1 - slot); }
             for (int id : qr) meet = meet || touches(pend_w, id);
             for (int id : qw) meet = meet || touches(pend_w, id) || touches(pend_r, id);
             after[i - 1] = meet;
         }
-        if (meet) { pend_r.clear(); pend_w.clear(); }
-        if (quant_slot >= 0) {
-            // run_plan meets right after quantizing, so only the compute phase is pending.
-            pend_r.clear(); pend_w.clear();
-            memo_src[quant_slot] = s.buf[1];
-            memo_nt[quant_slot] = s.ip[2];
-        }
+        // run_plan meets right after quantizing, so then only the compute phase is pending.
+        if (meet || quantizes) { pend_r.clear(); pend_w.clear(); }
         pend_r.insert(pend_r.end(), r.begin(), r.end());
         pend_w.insert(pend_w.end(), w.begin(), w.end());
-        if (s.op != OP_MATMUL) {
-            memo_src[0] = memo_src[1] = -1;
-        } else {
-            for (int k = 0; k < 2; ++k)
-                if (memo_src[k] == s.buf[0]) memo_src[k] = -1;
-        }
+        memo.leave(s, d.act_slot != nullptr);
     }
     return after;
 }
 
-int act_slot(int32_t wtype) {
-    int32_t a = act_type_for(wtype);
-    return a == T_Q8_K ? 1 : (a == T_Q8_0 ? 0 : -1);
-}
+struct CpuPlanState : PlanState {
+    const Pool* pool = nullptr;
+    int pool_count = -1;
+    int weight_count = -1;
+    // barrier_after[i]: threads meet after step i (see plan_barriers).
+    std::vector<uint8_t> barrier_after;
+};
 
 }  // namespace
+
+void validate_plan(const Plan& plan, const Pool& pool, const WeightStore& ws) {
+    for (const Step& s : plan.steps) {
+        if (!op_format(s.op)) step_fail(s, "unknown op code " + std::to_string(s.op));
+        const CpuOp* d = cpu_op(s.op);
+        if (!d) step_fail(s, "the cpu backend does not implement this op");
+    }
+    validate_format(plan, ws, pool.name(), [&](int id, size_t& nbytes) {
+        if (!pool.valid(id)) return false;
+        nbytes = pool.size(id);
+        return true;
+    });
+    for (const Step& s : plan.steps) {
+        const CpuOp* d = cpu_op(s.op);
+        if (d->check) d->check(s, ws);
+    }
+}
 
 void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads, size_t begin, size_t end) {
     end = std::min(end, plan.steps.size());
     if (begin >= end) return;
-    if (plan.validated_pool != &pool || plan.validated_pool_count != pool.count() ||
-        plan.validated_weight_count != ws.count()) {
+    // Static checks depend only on the plan, the pool's buffers and the weights, none of
+    // which change once allocated: a reused plan revalidates only when one of them grew.
+    auto* st = dynamic_cast<CpuPlanState*>(plan.state.get());
+    if (!st || st->pool != &pool || st->pool_count != pool.count() || st->weight_count != ws.count()) {
         validate_plan(plan, pool, ws);
-        plan.validated_pool = &pool;
-        plan.validated_pool_count = pool.count();
-        plan.validated_weight_count = ws.count();
-        plan.barrier_after = std::getenv("MINFER_ALL_BARRIERS") ? std::vector<uint8_t>(plan.steps.size(), 1)
-                                                                 : plan_barriers(plan, ws);
+        auto fresh = std::make_unique<CpuPlanState>();
+        fresh->pool = &pool;
+        fresh->pool_count = pool.count();
+        fresh->weight_count = ws.count();
+        fresh->barrier_after = std::getenv("MINFER_ALL_BARRIERS") ? std::vector<uint8_t>(plan.steps.size(), 1)
+                                                                   : plan_barriers(plan, ws);
+        st = fresh.get();
+        plan.state = std::move(fresh);
     }
+    const std::vector<uint8_t>& barrier_after = st->barrier_after;
+    ScratchNeed need;
     for (size_t i = begin; i < end; ++i) {
-        std::string err = data_error(plan.steps[i], pool);
-        if (!err.empty()) fail(plan.steps[i], err);  // inputs are filled before the run
+        const Step& s = plan.steps[i];
+        const CpuOp& d = *cpu_op(s.op);
+        if (d.check_data) {
+            std::string err = d.check_data(s, pool);  // inputs are filled before the run
+            if (!err.empty()) step_fail(s, err);
+        }
+        if (d.scratch) d.scratch(s, ws, need);
     }
     int nth = std::max(1, n_threads);
 
     // Scratch sized for the largest consumer, grown only when a plan needs more.
     static thread_local Scratch tls_scratch;
     Scratch& scratch = tls_scratch;  // workers must see the caller's instance
-    size_t need_act[2] = {0, 0};
-    size_t attn_floats = 0;
-    for (size_t i = begin; i < end; ++i) {
-        const Step& s = plan.steps[i];
-        if (s.op == OP_MATMUL) {
-            const Weight& w = ws.get(s.w[0]);
-            int slot = act_slot(w.type);
-            if (slot >= 0) need_act[slot] = std::max(need_act[slot], act_row_bytes(w.type, s.ip[0]) * (size_t)s.ip[2]);
-        } else if (s.op == OP_ATTN) {
-            AttnArgs a{};
-            a.nt = s.ip[0]; a.nh = s.ip[1]; a.nkv = s.ip[2]; a.hd = s.ip[3]; a.n_ctx = s.ip[4];
-            attn_floats = std::max(attn_floats, attention_scratch_floats(a));
-        }
-    }
     for (int k = 0; k < 2; ++k)
-        if (scratch.act[k].size() < need_act[k]) scratch.act[k].resize(need_act[k]);
-    if (scratch.attn.size() < attn_floats * nth) scratch.attn.resize(attn_floats * nth);
+        if (scratch.act[k].size() < need.act[k]) scratch.act[k].resize(need.act[k]);
+    if (scratch.attn.size() < need.attn * nth) scratch.attn.resize(need.attn * nth);
 
     // The team size is fixed before the barrier is sized: no dynamic adjustment.
     omp_set_dynamic(0);
@@ -389,95 +382,14 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
         barrier.resize(omp_get_num_threads());
         const int ith = omp_get_thread_num();
         const int nt_ = omp_get_num_threads();
-        // Which input buffer each activation slot currently holds, quantized. Every
-        // thread walks the same steps, so these private copies agree.
-        int memo_src[2] = {-1, -1};
-        int64_t memo_nt[2] = {0, 0};
+        // Every thread walks the same steps, so the private memos agree.
+        ActMemo memo;
         for (size_t i = begin; i < end; ++i) {
             const Step& s = plan.steps[i];
-            const int64_t* ip = s.ip;
-            auto F = [&](int slot) { return (float*)pool.data(s.buf[slot]); };
-            auto I = [&](int slot) { return (const int32_t*)pool.data(s.buf[slot]); };
-            bool writes_memo_src = false;
-            switch (s.op) {
-                case OP_ADD: add_f32(F(1), F(2), F(0), ip[0], ith, nt_); break;
-                case OP_MUL: mul_f32(F(1), F(2), F(0), ip[0], ith, nt_); break;
-                case OP_SILU: silu_f32(F(1), F(0), ip[0], ith, nt_); break;
-                case OP_SWIGLU: swiglu_f32(F(1), F(2), F(0), ip[0], ith, nt_); break;
-                case OP_RMS_NORM: case OP_QK_NORM: {
-                    const float* w = s.w[0] >= 0 ? (const float*)ws.get(s.w[0]).data : nullptr;
-                    rms_norm_f32(F(1), w, F(0), ip[0], ip[1], s.fp[0], ith, nt_);
-                    break;
-                }
-                case OP_MATMUL: {
-                    const Weight& w = ws.get(s.w[0]);
-                    const int64_t in = ip[0], out = ip[1], nt = ip[2];
-                    const int slot = act_slot(w.type);
-                    const uint8_t* act;
-                    size_t arb;
-                    if (slot < 0) {
-                        act = (const uint8_t*)F(1);
-                        arb = (size_t)in * 4;
-                    } else {
-                        arb = act_row_bytes(w.type, in);
-                        uint8_t* q = scratch.act[slot].data();
-                        if (memo_src[slot] != s.buf[1] || memo_nt[slot] != nt) {
-                            const float* x = F(1);
-                            for (int64_t t = ith; t < nt; t += nt_) quantize_act_row(w.type, x + t * in, q + t * arb, in);
-                            barrier.wait();
-                            memo_src[slot] = s.buf[1];
-                            memo_nt[slot] = nt;
-                        }
-                        act = q;
-                    }
-                    float* y = F(0);
-                    // Rows split into contiguous per-thread ranges (multiples of 4 keep tiles whole).
-                    const auto [r0, r1] = row_range(out, ith, nt_);
-                    constexpr int RB = 16, TB = 4;
-                    for (int64_t r = r0; r < r1; r += RB) {
-                        const int nw = (int)std::min<int64_t>(RB, r1 - r);
-                        for (int64_t t = 0; t < nt; t += TB) {
-                            const int na = (int)std::min<int64_t>(TB, nt - t);
-                            vec_dot_tile(w.type, in, w.data + r * w.row_bytes, w.row_bytes, nw,
-                                         act + t * arb, arb, na, y + t * out + r, (size_t)out);
-                        }
-                    }
-                    if (s.w[1] >= 0 && r1 > r0) {
-                        const float* b = (const float*)ws.get(s.w[1]).data;
-                        for (int64_t t = 0; t < nt; ++t)
-                            for (int64_t r = r0; r < r1; ++r) y[t * out + r] += b[r];
-                    }
-                    writes_memo_src = true;
-                    break;
-                }
-                case OP_GET_ROWS_W: {
-                    const Weight& w = ws.get(s.w[0]);
-                    get_rows_w(w.type, w.data, w.row_bytes, ip[0], I(1), ip[1], F(0), ith, nt_);
-                    break;
-                }
-                case OP_GET_ROWS: get_rows_f32(F(1), ip[0], I(2), ip[1], F(0), ith, nt_); break;
-                case OP_ROPE: rope_neox_f32(F(1), F(0), I(2), ip[0], ip[1], ip[2], ip[3], s.fp[0], ith, nt_); break;
-                case OP_KV_STORE: kv_store_f32(F(1), F(2), I(3), ip[0], ip[1], F(0), F(4), ith, nt_); break;
-                case OP_ATTN: {
-                    AttnArgs a{};
-                    a.q = F(1); a.q_stride = ip[5]; a.k = F(2); a.v = F(3); a.pos = I(4);
-                    a.span = s.buf[5] >= 0 ? I(5) : nullptr;
-                    a.out = F(0); a.nt = ip[0]; a.nh = ip[1]; a.nkv = ip[2]; a.hd = ip[3]; a.n_ctx = ip[4];
-                    a.scale = s.fp[0];
-                    attention_f32(a, scratch.attn.data() + attn_floats * ith, ith, nt_);
-                    break;
-                }
-                default: break;
-            }
-            // A step that writes a buffer a memo points at makes that memo stale;
-            // non-matmul steps drop the memo outright (cheap and obviously safe).
-            if (!writes_memo_src) {
-                memo_src[0] = memo_src[1] = -1;
-            } else {
-                for (int k = 0; k < 2; ++k)
-                    if (memo_src[k] == s.buf[0]) memo_src[k] = -1;
-            }
-            if (plan.barrier_after[i]) barrier.wait();
+            const CpuOp& d = *cpu_op(s.op);
+            d.run(Ctx{s, pool, ws, scratch, need.attn, memo, barrier, ith, nt_});
+            memo.leave(s, d.act_slot != nullptr);
+            if (barrier_after[i]) barrier.wait();
         }
     }
 }

@@ -1,7 +1,7 @@
 """The CPU backend as the graph sees it: its capability matrix and the lowering of
 one node to `_core.Plan` steps (op code, buffer ids, int/float params, weights).
 
-Step field meanings are the contract in csrc/cpu/plan.h. `make_entry` lets tests
+Step field meanings are the contract in csrc/common/plan.h. `make_entry` lets tests
 register a second CPU-backed backend (own pool, restricted matrix) to exercise the
 multi-backend machinery without a GPU.
 """

@@ -1,0 +1,131 @@
+// The lowered-split format every backend executes: Python lowers a split to a Plan once
+// per graph build and re-runs it on every reuse. The format (op codes, field meanings,
+// buffer roles and sizes, weight descriptors) is shared; how a step runs, and whatever
+// a backend derives from a plan to run it fast, belongs to the backend.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace minfer {
+
+// Step op codes. Field use per op (buf[0] is always the output):
+//   ADD, MUL, SWIGLU   buf: y, a, b                      ip: n
+//   SILU               buf: y, x                         ip: n
+//   RMS_NORM, QK_NORM  buf: y, x          w: norm|-1     ip: d, nrows            fp: eps
+//   MATMUL             buf: y, x          w: W, bias|-1  ip: in_dim, out_dim, nt
+//   GET_ROWS_W         buf: y, ids        w: table       ip: d, n, n_table_rows
+//   GET_ROWS           buf: y, x, ids                    ip: d, n, n_src_rows
+//   ROPE               buf: y, x, pos                    ip: nt, nh, hd, n_rot   fp: freq_base
+//   KV_STORE           buf: K, k, v, cells, V            ip: nt, kv_dim, n_ctx, kv_type
+//   ATTN               buf: y, q, K, V, pos, span|-1     ip: nt, nh, nkv, hd, n_ctx, q_stride, kv_type
+//                                                        fp: scale
+// kv_type is the GGML type of the K/V regions' elements: 0 = F32, 1 = F16.
+enum OpCode : int32_t {
+    OP_ADD = 1, OP_MUL, OP_SILU, OP_SWIGLU, OP_RMS_NORM, OP_QK_NORM, OP_MATMUL,
+    OP_GET_ROWS_W, OP_GET_ROWS, OP_ROPE, OP_KV_STORE, OP_ATTN,
+    OP_LAST_CORE = OP_ATTN,
+    // Reserved for the fused decode kernels of the IR (FusedQKV, QkvBiasRopeStore,
+    // FusedFfn, FusedQkvNorm). Their fields are defined by the first backend that
+    // implements them; a backend without them refuses them at validation.
+    OP_FUSED_QKV = 32, OP_QKV_BIAS_ROPE_STORE, OP_FUSED_FFN, OP_FUSED_QKV_NORM,
+    OP_LAST = OP_FUSED_QKV_NORM,
+};
+const char* op_name(int32_t op);  // "?" for an unknown code
+
+// Bytes per KV element for a step's kv_type field; 0 if the type is not a KV type.
+inline size_t kv_elem_bytes(int64_t kv_type) { return kv_type == 0 ? 4 : kv_type == 1 ? 2 : 0; }
+
+struct Step {
+    int32_t op = 0;
+    int32_t node = -1;        // graph node id, for error messages and tracing
+    int32_t buf[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+    int64_t ip[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float fp[4] = {0, 0, 0, 0};
+    int32_t w[4] = {-1, -1, -1, -1};
+};
+
+// A weight as a backend sees it: GGUF-layout bytes at an address the backend can read
+// (a host mmap view on the CPU, a device allocation on a GPU).
+struct Weight {
+    const uint8_t* data;
+    size_t nbytes;
+    int32_t type;
+    int64_t ne0, ne1;  // GGUF order: ne0 = row length (in), ne1 = rows (out)
+    size_t row_bytes;
+    std::string name;
+};
+
+// Handles to weights. add() checks the layout (whole blocks, byte count); whether the
+// backend can compute with the type is the backend's check, made before add().
+class WeightStore {
+public:
+    int add(Weight w);
+    const Weight& get(int h) const;
+    int count() const { return (int)ws_.size(); }
+private:
+    std::vector<Weight> ws_;
+};
+
+// Whatever a backend derives from a plan to run it (the CPU: what was validated and its
+// barrier table; a GPU: a captured graph). Dropped whenever the steps change.
+struct PlanState {
+    virtual ~PlanState() = default;
+};
+
+struct Plan {
+    std::vector<Step> steps;
+    std::string name;
+    mutable std::unique_ptr<PlanState> state;
+
+    void add(const Step& s) {
+        steps.push_back(s);
+        state.reset();
+    }
+};
+
+// ---- The format's per-op description, shared by every backend's validator ----------
+
+enum SlotAccess : uint8_t { SLOT_NONE = 0, SLOT_READ = 1, SLOT_WRITE = 2, SLOT_OPTIONAL = 4 };
+
+struct OpFormat {
+    const char* name;
+    const char* role[8];  // buffer slot roles, for messages
+    uint8_t access[8];    // SlotAccess bits per buffer slot
+};
+// nullptr for a code outside the format; the reserved fused codes have a name only.
+const OpFormat* op_format(int32_t op);
+
+[[noreturn]] void step_fail(const Step& s, const std::string& what);
+
+// Checks the step's own fields and weights (shapes, ranks, types the format demands)
+// and sets need[i] to the bytes buffer slot i must hold (0 for an absent optional one).
+void step_requirements(const Step& s, const WeightStore& ws, size_t need[8]);
+
+// Static validation of a whole plan against any backend's buffers. size_of(id, bytes)
+// returns false for an id the pool does not hold.
+template <class SizeOf>
+void validate_format(const Plan& plan, const WeightStore& ws, const std::string& pool_name, SizeOf size_of) {
+    for (const Step& s : plan.steps) {
+        const OpFormat* f = op_format(s.op);
+        if (!f) step_fail(s, "unknown op code " + std::to_string(s.op));
+        size_t need[8];
+        step_requirements(s, ws, need);
+        for (int i = 0; i < 8; ++i) {
+            if (!f->access[i]) continue;
+            const int id = s.buf[i];
+            if ((f->access[i] & SLOT_OPTIONAL) && id < 0) continue;
+            size_t have = 0;
+            if (!size_of(id, have))
+                step_fail(s, std::string(f->role[i]) + " buffer " + std::to_string(id) + " is not in pool " + pool_name);
+            if (have < need[i])
+                step_fail(s, std::string(f->role[i]) + " buffer " + std::to_string(id) + " holds " + std::to_string(have) +
+                                 " bytes, needs " + std::to_string(need[i]));
+        }
+    }
+}
+
+}  // namespace minfer

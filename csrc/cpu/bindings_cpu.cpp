@@ -1,0 +1,179 @@
+// The CPU backend's half of minfer._core: host buffer pools, weights registered by
+// reference (zero-copy views of the GGUF mmap), plan validation and execution, and the
+// host-side helpers of the decode loop.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <stdexcept>
+
+#include "bindings.h"
+#include "common/plan.h"
+#include "cpu/executor.h"
+#include "cpu/pool.h"
+#include "cpu/quants.h"
+
+namespace py = pybind11;
+
+namespace minfer {
+
+using namespace minfer::cpu;
+
+namespace {
+
+// Keeps the numpy arrays (mmap views of the GGUF) alive as long as the store.
+struct PyWeightStore {
+    WeightStore store;
+    py::list keep;
+};
+
+py::dtype dtype_of(const std::string& name) { return py::dtype(name); }
+
+void check_range(const Pool& pool, int id, size_t offset, size_t nbytes) {
+    size_t sz = pool.size(id);
+    if (offset > sz || nbytes > sz - offset)
+        throw std::out_of_range("pool " + pool.name() + ": buffer " + std::to_string(id) + " holds " +
+                                std::to_string(sz) + " bytes; access of " + std::to_string(nbytes) + " at offset " +
+                                std::to_string(offset));
+}
+
+py::dict cpu_features() {
+    py::dict d;
+#if defined(__AVX512F__)
+    d["avx512f"] = true;
+#else
+    d["avx512f"] = false;
+#endif
+#if defined(__AVX512VNNI__)
+    d["avx512_vnni"] = true;
+#else
+    d["avx512_vnni"] = false;
+#endif
+#if defined(__AVX2__)
+    d["avx2"] = true;
+#else
+    d["avx2"] = false;
+#endif
+#if defined(__FMA__)
+    d["fma"] = true;
+#else
+    d["fma"] = false;
+#endif
+#if defined(__F16C__)
+    d["f16c"] = true;
+#else
+    d["f16c"] = false;
+#endif
+#if defined(__ARM_NEON)
+    d["neon"] = true;
+#else
+    d["neon"] = false;
+#endif
+    d["simd_path"] = simd_path_name();
+    return d;
+}
+
+}  // namespace
+
+void register_cpu(py::module_& m) {
+    py::class_<Pool>(m, "Pool")
+        .def(py::init<std::string>(), py::arg("name"))
+        .def_property_readonly("name", &Pool::name)
+        .def("alloc", &Pool::alloc, py::arg("nbytes"))
+        .def("alloc_fresh", &Pool::alloc_fresh, py::arg("nbytes"))
+        .def("free", &Pool::free, py::arg("id"))
+        .def("size", &Pool::size, py::arg("id"))
+        .def("count", &Pool::count)
+        .def("bytes_total", &Pool::bytes_total)
+        .def("write", [](Pool& p, int id, py::array data, size_t offset) {
+                if (!(data.flags() & py::array::c_style)) throw std::invalid_argument("write needs a C-contiguous array");
+                size_t nbytes = (size_t)data.nbytes();
+                check_range(p, id, offset, nbytes);
+                std::memcpy(p.data(id) + offset, data.data(), nbytes);
+            }, py::arg("id"), py::arg("data"), py::arg("offset") = 0)
+        .def("read", [](const Pool& p, int id, const std::string& dtype, py::ssize_t count, size_t offset) {
+                py::dtype dt = dtype_of(dtype);
+                size_t nbytes = (size_t)count * dt.itemsize();
+                check_range(p, id, offset, nbytes);
+                py::array out(dt, std::vector<py::ssize_t>{count});
+                std::memcpy(out.mutable_data(), p.data(id) + offset, nbytes);
+                return out;
+            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0)
+        .def("view", [](py::object self, int id, const std::string& dtype, py::ssize_t count, size_t offset) {
+                // Zero-copy, read-only window: valid until the buffer is next written
+                // (the next run). Saves a copy of the logits on every decode step.
+                Pool& p = self.cast<Pool&>();
+                py::dtype dt = dtype_of(dtype);
+                check_range(p, id, offset, (size_t)count * dt.itemsize());
+                py::array out(dt, std::vector<py::ssize_t>{count}, std::vector<py::ssize_t>{(py::ssize_t)dt.itemsize()},
+                              p.data(id) + offset, self);
+                py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+                return out;
+            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0);
+
+    m.def("copy_buffer", [](const Pool& src, int src_id, Pool& dst, int dst_id, size_t nbytes) {
+            check_range(src, src_id, 0, nbytes);
+            check_range(dst, dst_id, 0, nbytes);
+            std::memcpy(dst.data(dst_id), src.data(src_id), nbytes);
+        }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"),
+        "Copy nbytes from one pool buffer to another (a split-boundary transfer).");
+
+    py::class_<PyWeightStore>(m, "WeightStore")
+        .def(py::init<>())
+        .def("add", [](PyWeightStore& s, const std::string& name, py::array data, int type, int64_t ne0, int64_t ne1) {
+                if (!(data.flags() & py::array::c_style)) throw std::invalid_argument("weight " + name + ": data must be C-contiguous");
+                if (!weight_type_supported(type))
+                    throw std::invalid_argument("weight " + name + ": unsupported tensor type " + std::to_string(type));
+                Weight w{(const uint8_t*)data.data(), (size_t)data.nbytes(), type, ne0, ne1, 0, name};
+                int h = s.store.add(std::move(w));
+                s.keep.append(data);
+                return h;
+            }, py::arg("name"), py::arg("data"), py::arg("type"), py::arg("ne0"), py::arg("ne1"),
+            "Register a weight by reference (zero copy); returns its handle.")
+        .def("__len__", [](const PyWeightStore& s) { return s.store.count(); });
+
+    m.def("validate", [](const Plan& plan, const Pool& pool, const PyWeightStore& ws) {
+            validate_plan(plan, pool, ws.store);
+        }, py::arg("plan"), py::arg("pool"), py::arg("weights"));
+
+    m.def("run", [](const Plan& plan, Pool& pool, const PyWeightStore& ws, int n_threads, size_t begin, int64_t end) {
+            py::gil_scoped_release nogil;
+            run_plan(plan, pool, ws.store, n_threads, begin, end < 0 ? (size_t)-1 : (size_t)end);
+        }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("n_threads"), py::arg("begin") = 0,
+        py::arg("end") = -1, "Execute plan steps [begin, end) on one pool, GIL released.");
+
+    m.def("argmax", [](const Pool& pool, int id, int64_t n, int n_threads) {
+            // Greedy decoding's argmax over the logits, split across threads the way the
+            // matmul split its rows, so each thread scans the half its own core wrote
+            // (reading it all from one core costs ~200 us of cache-line transfers).
+            check_range(pool, id, 0, (size_t)n * 4);
+            const float* x = (const float*)pool.data(id);
+            py::gil_scoped_release nogil;
+            return argmax_f32(x, n, n_threads);
+        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("n_threads"));
+    m.def("weight_type_supported", &weight_type_supported);
+    m.def("default_threads", &default_threads);
+}
+
+void register_cpu_testing(py::module_& t) {
+    t.def("dequantize_row", [](int type, py::array_t<uint8_t, py::array::c_style> src, int64_t n) {
+            size_t rb = type_row_bytes(type, n);
+            if (rb == 0 || (size_t)src.size() < rb) throw std::invalid_argument("dequantize_row: bad type/size");
+            py::array_t<float> out(n);
+            {
+                py::gil_scoped_release nogil;
+                dequantize_row(type, src.data(), out.mutable_data(), n);
+            }
+            return out;
+        }, py::arg("type"), py::arg("src"), py::arg("n"));
+    t.def("cpu_features", &cpu_features);
+    t.def("set_kernel_path", [](const std::string& p) {
+            if (p == "scalar") set_kernel_path(KernelPath::Scalar);
+            else if (p == "simd") set_kernel_path(KernelPath::Simd);
+            else throw std::invalid_argument("kernel path must be 'scalar' or 'simd'");
+        });
+    t.def("kernel_path", []() { return kernel_path() == KernelPath::Scalar ? "scalar" : "simd"; });
+}
+
+}  // namespace minfer
