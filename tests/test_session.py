@@ -194,3 +194,28 @@ def test_chat_reset_starts_over(model):
     assert r.returncode == 0, r.stderr
     t1, t2 = [json.loads(line) for line in r.stdout.splitlines()]
     assert t2["cached_tokens"] == 0 and t2["ids"] == t1["ids"] and t2["prompt_tokens"] == t1["prompt_tokens"]
+
+
+def test_text_state_holds_back_stop_prefixes_and_split_characters(model):
+    """The per-sequence text logic the server's scheduler drives: a possible stop-string
+    prefix is held back, a stop string never appears, a split UTF-8 character waits."""
+    from minfer.session import TextState
+
+    tok = model.tokenizer
+    byte_id = {tok.token_bytes(i): i for i in range(tok.n_vocab) if len(tok.token_bytes(i)) == 1}
+    ids = [byte_id[bytes([b])] for b in "ab€cXYd".encode()]
+    st = TextState(tok, stop=["XY"])
+    got = [st.push(i) for i in ids[:8]]
+    # One character is held (it could start "XY"); the three bytes of the euro sign wait
+    # for the last one; "XY" ends the generation and never shows.
+    assert got == [("", None), ("a", None), ("", None), ("", None), ("b", None), ("€", None), ("c", None),
+                   ("", "stop")]
+    assert st.finish("stop") == ("", "stop") and st.text == "ab€c"
+    st = TextState(tok, stop=["XY"])
+    for i in ids[:7]:
+        st.push(i)
+    assert st.finish("length") == ("X", "length")  # the held text is released at the end
+    eog = next(iter(tok.eot_ids))
+    st = TextState(tok)
+    assert st.push(byte_id[b"q"]) == ("q", None) and st.push(eog) == ("", "eos") and st.ids == [byte_id[b"q"]]
+    assert TextState(tok, stop_at_eog=False).push(eog)[1] is None

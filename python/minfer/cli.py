@@ -384,6 +384,31 @@ def viz(
           backends=_backends(backend))
 
 
+@app.command()
+def serve(
+    model: ModelArg = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (loopback unless told otherwise).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
+    slots: Annotated[int, typer.Option("--slots", help="Concurrent conversations (sequences of one KV arena).")] = 4,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size per slot, in tokens.")] = 4096,
+    threads: ThreadsOpt = None,
+    backend: BackendOpt = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY'. Env: MINFER_API_KEY", envvar="MINFER_API_KEY")] = None,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for a slot; more get 503.")] = 64,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (chat and completions,
+    streaming by server-sent events) with slots and continuous batching."""
+    from minfer.model import Model
+    from minfer.server import ServeConfig, serve as run_server
+
+    if not 0 < port < 65536:
+        raise click_exc.UsageError(f"--port must be in 1..65535, got {port}")
+    if slots < 1 or ctx < 1 or max_queue < 0:
+        raise click_exc.UsageError("--slots and --ctx must be >= 1, --max-queue >= 0")
+    m = Model.open(_resolve_model(model), backends=_backends(backend), n_threads=threads)
+    run_server(m, ServeConfig(host=host, port=port, slots=slots, ctx=ctx, api_key=api_key or None, max_queue=max_queue))
+
+
 def _rewrite_top_level_dump_graph(argv: list[str]) -> list[str]:
     # `minfer --dump-graph g.dot [MODEL] PROMPT` is the documented spelling; it is
     # `generate --dump-graph ...` underneath.

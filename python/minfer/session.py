@@ -359,8 +359,6 @@ class Session:
                reuse_prefix: bool = True) -> Iterator[TokenEvent]:
         """Generate up to n_predict tokens after prompt_ids. Closing the generator (or
         cancel()) stops it between steps; the KV then holds what was processed."""
-        from minfer.tokenizer import StreamDecoder
-
         sampling = sampling or SamplingParams(temperature=0.0)
         sampler = Sampler(sampling)
         prompt_ids = [int(t) for t in prompt_ids]
@@ -375,23 +373,14 @@ class Session:
         if n_predict == 0:
             yield TokenEvent(None, "", done=True, stop_reason="length", timings=tm)
             return
-        tok = self.tokenizer
-        eog = tok.eot_ids if stop_at_eog else frozenset()
-        decoder = StreamDecoder(tok)
-        stops = [s for s in (stop or []) if s]
-        hold = max((len(s) for s in stops), default=1) - 1
-        text = ""
-        emitted = 0
+        text = TextState(self.tokenizer, stop=stop, stop_at_eog=stop_at_eog)
         # Greedy without penalties needs only the argmax, which C++ takes in place.
         greedy = sampling.temperature <= 0.0 and sampling.repeat_penalty == 1.0 and not logprobs
 
         def pick(logits) -> tuple[int, float | None]:
             if greedy:
                 return self.context.argmax_last(), None
-            row = logits[-1]
-            t = int(np.argmax(row)) if sampling.temperature <= 0.0 and sampling.repeat_penalty == 1.0 \
-                else sampler.sample(row)
-            return t, (_logprob(row, t) if logprobs else None)
+            return pick_token(logits[-1], sampler, logprobs)
 
         t0 = time.perf_counter()
         logits, tm.cached_tokens = self.prefill(prompt_ids)
@@ -399,39 +388,26 @@ class Session:
         tm.prompt_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
         reason = "length"
-        ids: list[int] = []
         try:
             while True:
                 sampler.accept(nxt)
-                if nxt in eog:
-                    reason = "eos"
+                piece, end = text.push(nxt)
+                if end is not None:
+                    reason = end
                     break
-                ids.append(nxt)
-                text += decoder.push(nxt)
-                hit = _find_stop(text, stops)
-                if hit is not None:
-                    text = text[:hit]
-                    reason = "stop"
-                    break
-                upto = max(emitted, len(text) - hold)
-                yield TokenEvent(nxt, text[emitted:upto], lp)
-                emitted = upto
-                if len(ids) >= n_predict:
+                yield TokenEvent(nxt, piece, lp)
+                if len(text.ids) >= n_predict:
                     break
                 if self._cancel.is_set():
                     reason = "cancelled"
                     break
                 nxt, lp = pick(self.forward([nxt], n_out=1, copy=False))
-            if reason != "stop":
-                text += decoder.flush()
-                hit = _find_stop(text, stops)
-                if hit is not None:
-                    text, reason = text[:hit], "stop"
+            rest, reason = text.finish(reason)
         finally:
-            tm.generated_tokens = len(ids)
+            tm.generated_tokens = len(text.ids)
             tm.gen_ms = (time.perf_counter() - t1) * 1000
             self.last_timings = tm
-        yield TokenEvent(None, text[emitted:], done=True, stop_reason=reason, timings=tm)
+        yield TokenEvent(None, rest, done=True, stop_reason=reason, timings=tm)
 
     def generate(self, prompt_ids: list[int], n_predict: int, sampling: SamplingParams | None = None,
                  stop: list[str] | None = None, on_text=None, stop_at_eog: bool = True,
@@ -465,6 +441,59 @@ class Session:
 
         g = self.context.preview_graph(1 if decode else n_tokens)
         return graph_json(g, self.model_name, "decode" if decode else "prefill", self.context.cache.registry.name_of)
+
+
+class TextState:
+    """The text side of one generating sequence: ids in, released text out.
+
+    Stop strings never appear in the released text, text that could still grow into
+    one is held back, and a character split across tokens waits for its last byte.
+    Session.stream and the server's scheduler both drive one of these per sequence."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None, stop_at_eog: bool = True):
+        from minfer.tokenizer import StreamDecoder
+
+        self.eog = tokenizer.eot_ids if stop_at_eog else frozenset()
+        self.decoder = StreamDecoder(tokenizer)
+        self.stops = [s for s in (stop or []) if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.ids: list[int] = []
+
+    def push(self, tid: int) -> tuple[str, str | None]:
+        """Take one generated id; returns the text it releases and, when it ends the
+        generation, the reason ("eos" or "stop"; the id is then not part of the output)."""
+        if tid in self.eog:
+            return "", "eos"
+        self.ids.append(tid)
+        self.text += self.decoder.push(tid)
+        hit = _find_stop(self.text, self.stops)
+        if hit is not None:
+            self.text = self.text[:hit]
+            return "", "stop"
+        upto = max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted:upto]
+        self.emitted = upto
+        return out, None
+
+    def finish(self, reason: str) -> tuple[str, str]:
+        """The last text (what was held back) and the final stop reason."""
+        if reason != "stop":
+            self.text += self.decoder.flush()
+            hit = _find_stop(self.text, self.stops)
+            if hit is not None:
+                self.text, reason = self.text[:hit], "stop"
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out, reason
+
+
+def pick_token(row: np.ndarray, sampler: Sampler, logprobs: bool = False) -> tuple[int, float | None]:
+    """The next id from one logits row (argmax when greedy without penalties)."""
+    sp = sampler.params
+    t = int(np.argmax(row)) if sp.temperature <= 0.0 and sp.repeat_penalty == 1.0 else sampler.sample(row)
+    return t, (_logprob(row, t) if logprobs else None)
 
 
 def _logprob(row: np.ndarray, t: int) -> float:

@@ -1,0 +1,325 @@
+"""The HTTP side: Starlette routes, server-sent events, auth, limits and errors.
+
+Handlers never run a forward: they validate, tokenize, submit a Job to the scheduler
+thread and relay its events. Every error a client can cause is an OpenAI-style body
+(protocol.ApiError); a fault inside one request's forward is a 500 for that request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from minfer.server.metrics import Metrics
+from minfer.server.protocol import ApiError, GenRequest, bad, error_body, parse_chat, parse_completion, parse_json
+from minfer.server.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
+
+log = logging.getLogger("minfer.server")
+
+
+@dataclass
+class Limits:
+    max_body: int = 1 << 20       # bytes of a request body
+    body_timeout: float = 30.0    # seconds to receive a whole body
+    retry_after: int = 1          # seconds, sent with a 503
+
+
+class _Relay:
+    """Events of one job, hopped from the scheduler thread onto the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.q: asyncio.Queue[Event] = asyncio.Queue()
+
+    def emit(self, ev: Event) -> None:  # scheduler thread
+        self.loop.call_soon_threadsafe(self.q.put_nowait, ev)
+
+    async def get(self, sched: Scheduler) -> Event:
+        while True:
+            try:
+                return await asyncio.wait_for(self.q.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if not sched.alive:  # never wait on a scheduler that is gone
+                    return Event("error", status=503, message="the server is shutting down")
+
+
+def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | None = None,
+               limits: Limits | None = None) -> Starlette:
+    limits = limits or Limits()
+    tok = model.tokenizer
+    model_id = model.path.name
+    created = int(time.time())
+
+    def respond_error(endpoint: str, e: ApiError) -> JSONResponse:
+        metrics.on_request(endpoint, e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    async def read_body(request: Request) -> bytes:
+        cl = request.headers.get("content-length")
+        if cl is not None:
+            try:
+                n = int(cl)
+            except ValueError:
+                raise bad("the Content-Length header is not a number", code="invalid_header") from None
+            if n > limits.max_body:
+                raise ApiError(413, f"the request body ({n} bytes) is over the limit of {limits.max_body} bytes",
+                               code="body_too_large")
+        parts, size = [], 0
+
+        async def read():
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body:
+                    raise ApiError(413, f"the request body is over the limit of {limits.max_body} bytes",
+                                   code="body_too_large")
+                parts.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), timeout=limits.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {limits.body_timeout:g} s",
+                           code="timeout") from None
+        return b"".join(parts)
+
+    def tokenize(req: GenRequest) -> list[int]:
+        if req.kind == "chat":
+            try:
+                text = tok.render_chat(req.messages, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - a template error is the request's fault
+                raise bad(f"the chat template rejected the messages: {e}", param="messages") from None
+            return tok.encode(text)
+        if req.prompt_ids is not None:
+            n_vocab = model.hp.n_vocab
+            if any(not 0 <= t < n_vocab for t in req.prompt_ids):
+                raise bad(f"a prompt token id is outside [0, {n_vocab})", param="prompt")
+            return list(req.prompt_ids)
+        return tok.encode(req.prompt_text)
+
+    def plan(req: GenRequest, ids: list[int]) -> int:
+        n_ctx = scheduler.n_ctx
+        if not ids:
+            raise bad("the prompt is empty after tokenization", param="prompt" if req.kind != "chat" else "messages")
+        if len(ids) >= n_ctx:
+            raise bad(f"the prompt ({len(ids)} tokens) does not fit in the context of {n_ctx} tokens "
+                      f"(leave room for at least one generated token)", param="messages" if req.kind == "chat"
+                      else "prompt", code="context_length_exceeded")
+        n = req.max_tokens if req.max_tokens is not None else n_ctx - len(ids)
+        if len(ids) + n > n_ctx:
+            raise bad(f"the prompt ({len(ids)} tokens) + max_tokens ({n}) = {len(ids) + n} exceeds the context "
+                      f"of {n_ctx} tokens", param="max_tokens", code="context_length_exceeded")
+        return n
+
+    async def watch_disconnect(request: Request, job: Job) -> None:
+        """Cancel the job when the client goes away (the scheduler drops it at the
+        next step boundary and frees the slot)."""
+        try:
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    job.cancel()
+                    return
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            return
+
+    async def generate(request: Request, kind: str) -> Response:
+        endpoint = request.url.path
+        try:
+            check_auth(request)
+            obj = parse_json(await read_body(request))
+            req = parse_chat(obj) if kind == "chat" else parse_completion(obj)
+            ids = await run_in_threadpool(tokenize, req)
+            n_predict = plan(req, ids)
+            relay = _Relay(asyncio.get_running_loop())
+            job = Job(prompt_ids=ids, n_predict=n_predict, sampling=req.sampling, emit=relay.emit,
+                      stop=req.stop, stop_at_eog=not req.ignore_eos)
+            try:
+                scheduler.submit(job)
+            except QueueFull:
+                raise ApiError(503, "the server is busy: too many requests are waiting; retry later",
+                               code="queue_full", headers={"Retry-After": str(limits.retry_after)}) from None
+            except ShuttingDown:
+                raise ApiError(503, "the server is shutting down", code="shutting_down",
+                               headers={"Retry-After": str(limits.retry_after)}) from None
+        except ApiError as e:
+            return respond_error(endpoint, e)
+        except ClientDisconnect:
+            metrics.on_request(endpoint, 499)
+            return Response(status_code=400)
+        watcher = asyncio.ensure_future(watch_disconnect(request, job))
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        try:
+            first = await relay.get(scheduler)
+        except BaseException:
+            job.cancel()
+            watcher.cancel()
+            raise
+        if first.kind == "error" or (first.kind == "done" and first.reason == "cancelled"):
+            watcher.cancel()
+            return respond_error(endpoint, _event_error(first))
+        if req.stream:
+            metrics.on_request(endpoint, 200)
+            return StreamingResponse(sse(kind, rid, req, job, relay, first, watcher), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            parts, ev = [], first
+            while ev.kind == "token":
+                parts.append(ev.text)
+                ev = await relay.get(scheduler)
+        finally:
+            job.cancel()     # no-op when finished; frees the slot when this task was cancelled
+            watcher.cancel()
+        if ev.kind == "error" or ev.reason == "cancelled":
+            return respond_error(endpoint, _event_error(ev))
+        parts.append(ev.text)
+        text = "".join(parts)
+        metrics.on_request(endpoint, 200)
+        finish = _finish_reason(ev.reason)
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+            obj_name = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj_name = "text_completion"
+        return JSONResponse({"id": rid, "object": obj_name, "created": int(time.time()), "model": model_id,
+                             "choices": [choice], "usage": ev.usage, "system_fingerprint": "minfer"})
+
+    async def sse(kind, rid, req, job, relay, first, watcher):
+        chat = kind == "chat"
+        created_now = int(time.time())
+        obj_name = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            doc = {"id": rid, "object": obj_name, "created": created_now, "model": model_id, "choices": [choice],
+                   "system_fingerprint": "minfer"}
+            if req.include_usage:
+                doc["usage"] = None
+            return _sse(doc)
+
+        try:
+            if chat:
+                yield chunk("", None, role=True)
+            ev = first
+            while ev.kind == "token":
+                if ev.text:
+                    yield chunk(ev.text, None)
+                ev = await relay.get(scheduler)
+            if ev.kind == "error" or ev.reason == "cancelled":
+                err = _event_error(ev)
+                yield _sse(err.body())
+                return
+            if ev.text:
+                yield chunk(ev.text, None)
+            yield chunk(None if chat else "", _finish_reason(ev.reason))
+            if req.include_usage:
+                yield _sse({"id": rid, "object": obj_name, "created": created_now, "model": model_id,
+                            "choices": [], "usage": ev.usage, "system_fingerprint": "minfer"})
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()
+            watcher.cancel()
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    async def models(request: Request) -> Response:
+        try:
+            check_auth(request)
+        except ApiError as e:
+            return respond_error("/v1/models", e)
+        metrics.on_request("/v1/models", 200)
+        return JSONResponse({"object": "list", "data": [{
+            "id": model_id, "object": "model", "created": created, "owned_by": "minfer",
+            "meta": {"n_ctx": scheduler.n_ctx, "slots": len(scheduler.slots), "arch": model.hp.arch}}]})
+
+    async def health(request: Request) -> Response:
+        if not scheduler.alive:
+            return JSONResponse({"status": "error", "message": "the scheduler is not running"}, status_code=503)
+        return JSONResponse({"status": "ok", "slots_idle": len(scheduler.slots) - scheduler.slots_busy,
+                             "slots_busy": scheduler.slots_busy, "queue": scheduler.queue_depth})
+
+    async def metrics_route(request: Request) -> Response:
+        try:
+            check_auth(request)
+        except ApiError as e:
+            return respond_error("/metrics", e)
+        return PlainTextResponse(metrics.render(scheduler.queue_depth, scheduler.slots_busy, len(scheduler.slots)),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", None, code),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {exc}", "server_error", None, None), status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if not scheduler.alive:
+            scheduler.start()
+        yield
+        await run_in_threadpool(scheduler.stop)
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics_route, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+        lifespan=lifespan,
+    )
+
+
+def _sse(doc: dict) -> str:
+    return "data: " + json.dumps(doc, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def _finish_reason(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _event_error(ev: Event) -> ApiError:
+    if ev.kind == "done":  # cancelled without a client gone: the server is stopping
+        return ApiError(503, "the request was cancelled: the server is shutting down", code="shutting_down")
+    code = "shutting_down" if ev.status == 503 else "inference_failed"
+    return ApiError(ev.status, ev.message, code=code)

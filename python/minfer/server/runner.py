@@ -1,0 +1,113 @@
+"""Running the app under uvicorn: connection timeouts and a clean exit.
+
+uvicorn has no deadline for a connection that never finishes its request headers, so
+the protocol below closes one that has not started a request within `header_timeout`
+(on connect, and again after each response on a kept-alive connection). On SIGTERM or
+SIGINT uvicorn stops accepting, gives in-flight requests `shutdown_timeout` seconds,
+cancels the rest (their jobs leave the scheduler at the next step), and returns; we do
+not re-raise the signal afterwards (uvicorn's default), so the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from minfer.server.app import Limits, create_app
+from minfer.server.metrics import Metrics
+from minfer.server.scheduler import Scheduler
+
+log = logging.getLogger("minfer.server")
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    slots: int = 4
+    ctx: int = 4096              # tokens per slot
+    api_key: str | None = None
+    max_queue: int = 64
+    chunk: int = 128             # prompt tokens per step, over all newcomers
+    max_batch: int | None = None  # sequences per step (None: MINFER_BATCH, else all slots)
+    header_timeout: float = 10.0
+    keep_alive: int = 5
+    shutdown_timeout: int = 10
+    limits: Limits = field(default_factory=Limits)
+    log_level: str = "warning"
+
+
+def make_protocol(header_timeout: float):
+    class Protocol(H11Protocol):
+        """uvicorn's h11 protocol plus a deadline for the start of each request."""
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_deadline()
+
+        def _arm_deadline(self) -> None:
+            if not self.transport.is_closing():
+                self.loop.call_later(header_timeout, self._expire, self.cycle)
+
+        def _expire(self, cycle) -> None:
+            # Still no new request since the deadline was set: an idle or half-open peer.
+            if self.cycle is cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return Protocol
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        original = {s: signal.signal(s, self.handle_exit) for s in sigs}
+        try:
+            yield
+        finally:
+            for s, h in original.items():
+                signal.signal(s, h)
+
+
+def build(model, cfg: ServeConfig):
+    metrics = Metrics()
+    sched = Scheduler(model, n_slots=cfg.slots, n_ctx=cfg.ctx, max_queue=cfg.max_queue, chunk=cfg.chunk,
+                      max_batch=cfg.max_batch, metrics=metrics)
+    app = create_app(model, sched, metrics, api_key=cfg.api_key, limits=cfg.limits)
+    return app, sched, metrics
+
+
+def uvicorn_server(app, cfg: ServeConfig) -> uvicorn.Server:
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+                            http=make_protocol(cfg.header_timeout), timeout_keep_alive=cfg.keep_alive,
+                            timeout_graceful_shutdown=cfg.shutdown_timeout, lifespan="on",
+                            limit_concurrency=None, backlog=512)
+    return _Server(config)
+
+
+def serve(model, cfg: ServeConfig) -> None:
+    """Serve until SIGTERM/SIGINT; returns normally after a graceful shutdown."""
+    app, sched, _ = build(model, cfg)
+    server = uvicorn_server(app, cfg)
+    sys.stderr.write(f"minfer serve: {model.path.name} on http://{cfg.host}:{cfg.port} "
+                     f"({cfg.slots} slots x {sched.n_ctx} tokens, batch up to {sched.max_batch}, "
+                     f"{model.n_threads} threads)\n")
+    sys.stderr.flush()
+    server.run()
+    if not sched.stop(timeout=cfg.shutdown_timeout):
+        log.error("the scheduler did not stop in time")
+    sys.stderr.write("minfer serve: stopped\n")

@@ -1,0 +1,318 @@
+"""The slot scheduler: one background thread owns the Context and runs every forward.
+
+Each slot is one sequence of a shared Context (its KV cells, its token history). A
+request (a Job) waits in a bounded queue until a slot is free; it is routed to the free
+slot whose held tokens share the longest prefix with its prompt, so a conversation's
+next turn reuses its KV. Every step runs ONE forward over all active slots (continuous
+batching): decoding slots contribute their last token, a newcomer contributes a chunk
+of its prompt (at most `chunk` prompt tokens per step in all), so a long prompt never
+stalls the others for more than a step. Jobs join between steps and leave when done.
+
+The HTTP side never touches the Context: it submits Jobs and receives Events through
+the job's `emit` callback (called on this thread; the app hops them onto its loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from minfer.errors import MinferError
+from minfer.sampling import Sampler, SamplingParams
+from minfer.session import Context, TextState, pick_token
+
+log = logging.getLogger("minfer.server")
+
+
+class QueueFull(Exception):
+    """The wait queue is at its bound (the server answers 503)."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler no longer takes jobs."""
+
+
+@dataclass
+class Event:
+    kind: str                    # "token" | "done" | "error"
+    text: str = ""
+    id: int | None = None
+    reason: str | None = None    # done: "eos" | "stop" | "length" | "cancelled"
+    usage: dict | None = None    # done: prompt/completion/cached tokens
+    status: int = 500            # error: the HTTP status to answer with
+    message: str = ""            # error
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    n_predict: int
+    sampling: SamplingParams
+    emit: Callable[[Event], None]
+    stop: list[str] = field(default_factory=list)
+    stop_at_eog: bool = True
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Thread-safe: the job leaves its slot at the next step boundary."""
+        self.cancelled.set()
+
+
+class Slot:
+    def __init__(self, session):
+        self.session = session
+        self.job: Job | None = None
+        self.last_used = 0.0
+        self._clear()
+
+    def _clear(self) -> None:
+        self.pending: list[int] = []     # prompt tokens still to process
+        self.next_tok: int | None = None  # the last pick, fed back at the next step
+        self.sampler: Sampler | None = None
+        self.text: TextState | None = None
+        self.cached = 0
+        self.first_token_at: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None
+
+
+def default_max_batch(model) -> int:
+    """Sequences per forward. MINFER_BATCH overrides. On every device we have measured
+    here batching pays: a batched step reads each weight once for all sequences (on CPU
+    a decode step is bound by reading the weights), so the default is all slots."""
+    env = os.environ.get("MINFER_BATCH", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise MinferError(f"MINFER_BATCH must be an integer, got {env!r}") from None
+        if n < 1:
+            raise MinferError(f"MINFER_BATCH must be >= 1, got {n}")
+        return n
+    return 1 << 30
+
+
+class Scheduler:
+    def __init__(self, model, n_slots: int = 4, n_ctx: int = 4096, max_queue: int = 64,
+                 chunk: int = 128, max_batch: int | None = None, metrics=None):
+        if n_slots < 1:
+            raise MinferError(f"--slots must be >= 1, got {n_slots}")
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.ctx = Context(model, n_ctx=n_ctx, n_seq=n_slots)
+        self.n_ctx = self.ctx.n_ctx
+        self.slots = [Slot(self.ctx.session(i)) for i in range(n_slots)]
+        self.max_queue = max_queue
+        self.chunk = max(1, chunk)
+        self.max_batch = max(1, min(max_batch or default_max_batch(model), n_slots))
+        self.metrics = metrics
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._rr = 0                     # round-robin start when the batch is smaller than the slots
+        self._thread = threading.Thread(target=self._loop, name="minfer-scheduler", daemon=True)
+        self.steps = 0
+
+    # -- the HTTP side ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop taking jobs, cancel the waiting and the running ones (each gets its
+        final event), and join the thread. True when it ended within `timeout`."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def slots_busy(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the loop ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._waiting and not any(s.busy for s in self.slots):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                self._admit()
+            self._drop_cancelled()
+            if any(s.busy for s in self.slots):
+                self._step()
+        for s in self.slots:
+            if s.busy:
+                self._finish(s, "cancelled")
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for job in waiting:
+            _send(job, Event("error", status=503, message="the server is shutting down"))
+
+    def _admit(self) -> None:
+        """Move waiting jobs (FIFO) into free slots, each to the free slot whose tokens
+        share the longest prefix with its prompt (least recently used on a tie)."""
+        while self._waiting:
+            free = [s for s in self.slots if not s.busy]
+            if not free:
+                return
+            job = self._waiting.popleft()
+            if job.cancelled.is_set():
+                _send(job, Event("done", reason="cancelled", usage=_usage(len(job.prompt_ids), 0, 0)))
+                continue
+            slot = max(free, key=lambda s: (s.session.common_prefix(job.prompt_ids), -s.last_used))
+            self._start(slot, job)
+
+    def _start(self, slot: Slot, job: Job) -> None:
+        ses = slot.session
+        keep = min(ses.common_prefix(job.prompt_ids), len(job.prompt_ids) - 1)
+        ses.truncate(keep)
+        slot._clear()
+        slot.job = job
+        slot.cached = keep
+        slot.pending = list(job.prompt_ids[keep:])
+        slot.sampler = Sampler(job.sampling)
+        for t in job.prompt_ids:
+            slot.sampler.accept(t)
+        slot.text = TextState(self.tokenizer, stop=job.stop, stop_at_eog=job.stop_at_eog)
+        if self.metrics:
+            self.metrics.on_start(time.perf_counter() - job.submitted)
+
+    def _drop_cancelled(self) -> None:
+        for s in self.slots:
+            if s.busy and s.job.cancelled.is_set():
+                self._finish(s, "cancelled")
+
+    def _batch(self) -> list[tuple[Slot, list[int]]]:
+        active = [s for s in self.slots if s.busy]
+        n = len(active)
+        if n > self.max_batch:
+            # Fewer sequences per step than slots: take turns so nobody starves.
+            k = self._rr % n
+            active = (active[k:] + active[:k])[: self.max_batch]
+            self._rr += self.max_batch
+        items = []
+        budget = self.chunk
+        # Decoding slots first; prompt chunks share the per-step prompt budget.
+        for s in active:
+            if not s.pending:
+                items.append((s, [s.next_tok]))
+        for s in active:
+            if s.pending and budget > 0:
+                take = s.pending[:budget]
+                budget -= len(take)
+                items.append((s, take))
+        return items
+
+    def _step(self) -> None:
+        items = self._batch()
+        if not items:
+            return
+        t0 = time.perf_counter()
+        try:
+            rows = self.ctx.decode_batch([(s.session, toks) for s, toks in items], copy=False)
+            results = [(s, toks, rows[i]) for i, (s, toks) in enumerate(items)]
+        except Exception as e:  # noqa: BLE001 - isolate the request whose forward fails
+            results = self._isolate(items, e)
+        self.steps += 1
+        n_tokens = sum(len(t) for _, t in items)
+        for s, toks, row in results:
+            self._advance(s, toks, row)
+        if self.metrics:
+            self.metrics.on_step(len(items), n_tokens, time.perf_counter() - t0)
+
+    def _isolate(self, items, err: Exception):
+        """A batched forward failed: run each item alone, so only the request whose own
+        forward fails gets its error and the others carry on. A failed forward appends
+        nothing to its sequence (decode_batch extends the tokens only after the run)."""
+        log.warning("batched forward failed (%s); retrying each sequence alone", err)
+        out = []
+        for s, toks in items:
+            try:
+                rows = self.ctx.decode_batch([(s.session, toks)], copy=True)
+                out.append((s, toks, rows[0]))
+            except Exception as e:  # noqa: BLE001
+                log.error("forward failed for one request: %s", e)
+                job = s.job
+                s.session.reset()      # its KV cells may hold a partial write
+                s.job = None
+                s._clear()
+                if self.metrics:
+                    self.metrics.on_error()
+                _send(job, Event("error", status=500, message=f"inference failed: {e}"))
+        return out
+
+    def _advance(self, s: Slot, toks: list[int], row: np.ndarray) -> None:
+        if s.job is None:
+            return
+        if s.pending:
+            s.pending = s.pending[len(toks):]
+            if s.pending:
+                return              # more prompt to go: this row is not a pick
+        job = s.job
+        tok, _ = pick_token(row, s.sampler)
+        if s.first_token_at is None:
+            s.first_token_at = time.perf_counter()
+        s.sampler.accept(tok)
+        piece, end = s.text.push(tok)
+        if end is not None:
+            return self._finish(s, end)
+        _send(job, Event("token", text=piece, id=tok))
+        if len(s.text.ids) >= job.n_predict:
+            return self._finish(s, "length")
+        if job.cancelled.is_set():
+            return self._finish(s, "cancelled")
+        s.next_tok = tok
+
+    def _finish(self, s: Slot, reason: str) -> None:
+        job = s.job
+        rest, reason = s.text.finish(reason) if s.text is not None else ("", reason)
+        n_gen = len(s.text.ids) if s.text is not None else 0
+        usage = _usage(len(job.prompt_ids), n_gen, s.cached)
+        s.job = None
+        s.last_used = time.perf_counter()
+        s._clear()
+        if self.metrics:
+            self.metrics.on_finish(usage)
+        _send(job, Event("done", text=rest, reason=reason, usage=usage))
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _send(job: Job, ev: Event) -> None:
+    try:
+        job.emit(ev)
+    except Exception as e:  # noqa: BLE001 - a gone client must not take the loop down
+        log.debug("dropping an event for a finished request: %s", e)

@@ -1,0 +1,83 @@
+"""Starting a `minfer serve` for tests: a subprocess on a free loopback port, waited
+for through /health, stopped by SIGTERM (its exit code is checked by the caller)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+# The server's own knobs that the CLI does not expose, for the limit and timeout tests.
+LAUNCH = """
+import sys
+from minfer.model import Model
+from minfer.server import ServeConfig, serve
+from minfer.server.app import Limits
+path, port, slots, ctx, max_queue = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+serve(Model.open(path, n_threads=2), ServeConfig(port=port, slots=slots, ctx=ctx, max_queue=max_queue, chunk=int(sys.argv[6]),
+      header_timeout=2.0, shutdown_timeout=5, limits=Limits(max_body=64 * 1024, body_timeout=2.0)))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], port: int):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ)
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self._wait_ready()
+
+    @classmethod
+    def cli(cls, model: str, *extra: str) -> "ServerProcess":
+        port = free_port()
+        return cls([sys.executable, "-m", "minfer.cli", "serve", model, "--port", str(port), "--threads", "2",
+                    *extra], port)
+
+    @classmethod
+    def custom(cls, model: str, slots: int = 4, ctx: int = 256, max_queue: int = 64, chunk: int = 128):
+        port = free_port()
+        return cls([sys.executable, "-c", LAUNCH, model, str(port), str(slots), str(ctx), str(max_queue), str(chunk)],
+                   port)
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.proc.stderr.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError("server did not become ready")
+
+    def rss_kib(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def terminate(self, timeout: float = 30.0) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            raise
+        return self.proc.returncode, err
