@@ -59,7 +59,7 @@ inline void dot4(const float* const q[4], const float* k, int64_t hd, bool simd,
             a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q[2] + d), kv, a2);
             a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q[3] + d), kv, a3);
         }
-        _mm_storeu_ps(out, vm::hsum4(a0, a1, a2, a3));
+        _mm_storeu_ps(out, simd::hsum_pairs_x4(a0, a1, a2, a3));
     } else
 #endif
     {
@@ -93,8 +93,8 @@ inline void dot4x2_avx2(const float* const q[4], const float* k0, const float* k
         a3 = _mm256_fmadd_ps(qv, x, a3);
         b3 = _mm256_fmadd_ps(qv, y, b3);
     }
-    _mm_storeu_ps(o0, vm::hsum4(a0, a1, a2, a3));
-    _mm_storeu_ps(o1, vm::hsum4(b0, b1, b2, b3));
+    _mm_storeu_ps(o0, simd::hsum_pairs_x4(a0, a1, a2, a3));
+    _mm_storeu_ps(o1, simd::hsum_pairs_x4(b0, b1, b2, b3));
     for (; d < hd; ++d)
         for (int j = 0; j < 4; ++j) {
             o0[j] = std::fma(q[j][d], k0[d], o0[j]);
@@ -129,7 +129,7 @@ inline float exp_sub_sum(float* p, int64_t n, float m, bool simd) {
             _mm256_storeu_ps(p + i, e);
             acc = _mm256_add_ps(acc, e);
         }
-        sum = vm::hsum8(acc);
+        sum = simd::hsum_pairs(acc);
         if (i < n) {
             alignas(32) float t[8];
             const int64_t rem = n - i;

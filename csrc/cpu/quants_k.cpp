@@ -10,6 +10,8 @@
 // rows, which is what makes prefill cheaper per token than decode.
 #include "cpu/quants_k.h"
 
+#include "common/simd.h"
+
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -35,17 +37,7 @@ namespace {
 
 constexpr int kMaxNA = 4;
 
-inline float h2f(half h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#elif defined(__aarch64__)
-    __fp16 v;
-    std::memcpy(&v, &h, 2);
-    return (float)v;
-#else
-    return fp16_to_fp32(h);
-#endif
-}
+using simd::f16_to_f32;
 
 // The GGUF dequantizers compute `d*q - m` as a rounded product followed by a rounded
 // subtraction. Hiding the product from the optimizer stops it from fusing the two into
@@ -103,7 +95,7 @@ float dot_q4K_scalar(int64_t nb, const block_q4_K* x, const block_q8_K* y) {
             }
             sumi += sm[2 * j] * s0 + sm[2 * j + 1] * s1;
         }
-        acc += y[i].d * (h2f(x[i].d) * (float)sumi - h2f(x[i].dmin) * (float)summ);
+        acc += y[i].d * (f16_to_f32(x[i].d) * (float)sumi - f16_to_f32(x[i].dmin) * (float)summ);
     }
     return acc;
 }
@@ -127,7 +119,7 @@ float dot_q5K_scalar(int64_t nb, const block_q5_K* x, const block_q8_K* y) {
             }
             sumi += sm[2 * j] * s0 + sm[2 * j + 1] * s1;
         }
-        acc += y[i].d * (h2f(x[i].d) * (float)sumi - h2f(x[i].dmin) * (float)summ);
+        acc += y[i].d * (f16_to_f32(x[i].d) * (float)sumi - f16_to_f32(x[i].dmin) * (float)summ);
     }
     return acc;
 }
@@ -155,7 +147,7 @@ float dot_q6K_scalar(int64_t nb, const block_q6_K* x, const block_q8_K* y) {
             for (int l = 0; l < 16; ++l) s += q[16 * k + l] * y[i].qs[16 * k + l];
             sumi += x[i].scales[k] * s;
         }
-        acc += y[i].d * h2f(x[i].d) * (float)sumi;
+        acc += y[i].d * f16_to_f32(x[i].d) * (float)sumi;
     }
     return acc;
 }
@@ -172,17 +164,7 @@ float dot_scalar(int32_t wtype, int64_t nb, const void* w, const block_q8_K* a) 
 // ---------------------------------------------------------------------------------
 #if defined(KQ_AVX2)
 
-inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-inline float hsum_ps(__m128 s) {
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+using simd::hsum_halves;
 
 // One "pair" is 64 weights as unsigned bytes (two 32-wide chunks) with the i16 scale of
 // each chunk; pair_dot accumulates sum(scale * w * a) into 32-bit lanes. The AVX-512
@@ -342,7 +324,7 @@ void dot_k4_avx2(int64_t nb, const Block* x, const block_q8_K* const* y, float* 
         KQ_CHUNK(0, 0, 1) KQ_CHUNK(1, 2, 3) KQ_CHUNK(2, 4, 5) KQ_CHUNK(3, 6, 7)
 #undef KQ_CHUNK
 #endif
-        const float dw = h2f(b.d), dmw = h2f(b.dmin);
+        const float dw = f16_to_f32(b.d), dmw = f16_to_f32(b.dmin);
 
         KQ_UNROLL
         for (int a = 0; a < NA; ++a) {
@@ -356,7 +338,7 @@ void dot_k4_avx2(int64_t nb, const Block* x, const block_q8_K* const* y, float* 
             acc[a] = _mm256_fmadd_ps(_mm256_set1_ps(dw * yb.d), _mm256_cvtepi32_ps(iacc_fold(s[a])), acc[a]);
         }
     }
-    for (int a = 0; a < NA; ++a) res[a] = hsum_ps(acc[a]) - hsum_ps(accm[a]);
+    for (int a = 0; a < NA; ++a) res[a] = hsum_halves(acc[a]) - hsum_halves(accm[a]);
 }
 
 template <int NA>
@@ -409,7 +391,7 @@ void dot_q6K_avx2(int64_t nb, const block_q6_K* x, const block_q8_K* const* y, f
             for (int a = 0; a < NA; ++a) s[a] = pair_dot(s[a], pb, y[a][i].qs + 128 * h + 64);
         }
 #endif
-        const float dw = h2f(b.d);
+        const float dw = f16_to_f32(b.d);
 
         KQ_UNROLL
         for (int a = 0; a < NA; ++a) {
@@ -422,7 +404,7 @@ void dot_q6K_avx2(int64_t nb, const block_q6_K* x, const block_q8_K* const* y, f
             acc[a] = _mm256_fmadd_ps(_mm256_set1_ps(dw * yb.d), _mm256_cvtepi32_ps(si), acc[a]);
         }
     }
-    for (int a = 0; a < NA; ++a) res[a] = hsum_ps(acc[a]);
+    for (int a = 0; a < NA; ++a) res[a] = hsum_halves(acc[a]);
 }
 
 template <int NA>
@@ -496,7 +478,7 @@ void dot_k4_neon(int64_t nb, const Block* x, const block_q8_K* const* y, float* 
             q[4 * j + 2] = vreinterpretq_s8_u8(u0);
             q[4 * j + 3] = vreinterpretq_s8_u8(u1);
         }
-        const float dw = h2f(b.d), dmw = h2f(b.dmin);
+        const float dw = f16_to_f32(b.d), dmw = f16_to_f32(b.dmin);
 
         for (int a = 0; a < NA; ++a) {
             const block_q8_K& yb = y[a][i];
@@ -539,7 +521,7 @@ void dot_q6K_neon(int64_t nb, const block_q6_K* x, const block_q8_K* const* y, f
                 q[8 * h + s + 6] = vsubq_s8(vreinterpretq_s8_u8(w3), off);
             }
         }
-        const float dw = h2f(b.d);
+        const float dw = f16_to_f32(b.d);
 
         for (int a = 0; a < NA; ++a) {
             const block_q8_K& yb = y[a][i];
@@ -668,7 +650,7 @@ void dequantize_row(int32_t type, const void* src, float* dst, int64_t n) {
                 const uint8_t* qs = q5 ? ((const block_q5_K*)blk)->qs : h->qs;
                 uint8_t sm[16];
                 unpack_scales_k4(h->scales, sm);
-                const float d = h2f(h->d), dmin = h2f(h->dmin);
+                const float d = f16_to_f32(h->d), dmin = f16_to_f32(h->dmin);
                 for (int j = 0; j < 4; ++j) {
                     for (int half_ = 0; half_ < 2; ++half_) {
                         const int sub = 2 * j + half_;
@@ -688,7 +670,7 @@ void dequantize_row(int32_t type, const void* src, float* dst, int64_t n) {
         case T_Q6_K: {
             const block_q6_K* x = (const block_q6_K*)src;
             for (int64_t i = 0; i < nb; ++i) {
-                const float d = h2f(x[i].d);
+                const float d = f16_to_f32(x[i].d);
                 for (int h = 0; h < 2; ++h) {
                     const uint8_t* ql = x[i].ql + 64 * h;
                     const uint8_t* qh = x[i].qh + 32 * h;

@@ -4,6 +4,8 @@
 // scale d_w * d_a is applied once per 32-element block.
 #include "cpu/quants_legacy.h"
 
+#include "common/simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -22,6 +24,8 @@
 #endif
 
 namespace minfer::cpu::legacy {
+
+using simd::f16_to_f32;
 
 const char* simd_name() {
 #if defined(MINFER_Q_AVX512)
@@ -169,15 +173,9 @@ void quantize_q8_0_scalar(const float* x, block_q8_0* y, int64_t nb) {
 // AVX2 path (AVX-512 builds run it too for this family; see below).
 #if defined(MINFER_Q_AVX2)
 
+using simd::hsum_halves;
 
-inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
-inline float h2f(half h) { return _cvtsh_ss(h); }
 
 // 16 bytes of packed nibbles -> 32 bytes in element order (element j < 16 is the low
 // nibble of byte j, element j + 16 its high nibble).
@@ -245,7 +243,7 @@ struct AQ8_0 {
 };
 
 template <class W> inline float wmin(const typename W::B& b) {
-    if constexpr (W::kMin) return h2f(b.m);
+    if constexpr (W::kMin) return f16_to_f32(b.m);
     else return 0.0f;
 }
 
@@ -255,7 +253,7 @@ template <class W>
 inline __m256 block_step(__m256i q, __m256i aq, float d, float m, const block_q8_0& y, __m256 acc) {
     const __m256i ones16 = _mm256_set1_epi16(1);
     const __m256i yv = _mm256_loadu_si256((const __m256i*)y.qs);
-    const float dy = h2f(y.d);
+    const float dy = f16_to_f32(y.d);
     if constexpr (!W::kMin) {
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(yv, q)), ones16);
         return _mm256_fmadd_ps(_mm256_set1_ps(d * dy), _mm256_cvtepi32_ps(p), acc);
@@ -354,7 +352,7 @@ inline void group_avx2(int64_t nb, const uint8_t* w, size_t ws, const uint8_t* a
     MINFER_UNROLL
     for (int r = 0; r < NR; ++r)
         MINFER_UNROLL
-        for (int j = 0; j < NA; ++j) out[j * os + r] = hsum8(acc[r][j]);
+        for (int j = 0; j < NA; ++j) out[j * os + r] = hsum_halves(acc[r][j]);
 }
 
 template <class W, int NA>
@@ -374,7 +372,7 @@ template <bool F16> inline __m256 wload8(const uint8_t* w, int64_t i) {
     else return _mm256_loadu_ps((const float*)w + i);
 }
 template <bool F16> inline float wload1(const uint8_t* w, int64_t i) {
-    if constexpr (F16) return h2f(((const half*)w)[i]);
+    if constexpr (F16) return f16_to_f32(((const half*)w)[i]);
     else return ((const float*)w)[i];
 }
 
@@ -402,7 +400,7 @@ void rows_float_avx2(int64_t n, const uint8_t* w, size_t ws, int nw, const uint8
         }
         for (int j = 0; j < NA; ++j) {
             const float* x = (const float*)(a + j * as);
-            float s = hsum8(_mm256_add_ps(acc0[j], acc1[j]));
+            float s = hsum_halves(_mm256_add_ps(acc0[j], acc1[j]));
             for (int64_t k = i; k < n; ++k) s += wload1<F16>(wr, k) * x[k];
             out[j * os + r] = s;
         }
@@ -459,11 +457,6 @@ void quantize_q8_0_avx2(const float* x, block_q8_0* y, int64_t nb) {
 // types are 0..31), so one signed dot product serves all.
 #if defined(MINFER_Q_NEON)
 
-inline float h2f(half h) {
-    __fp16 f;
-    std::memcpy(&f, &h, 2);
-    return (float)f;
-}
 
 inline int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #if defined(__ARM_FEATURE_DOTPROD)
@@ -543,16 +536,16 @@ void rows_neon(int64_t nb, const uint8_t* w, size_t ws, int nw, const uint8_t* a
         for (int64_t ib = 0; ib < nb; ++ib) {
             int8x16_t ql, qh;
             W::load(x[ib], ql, qh);
-            const float d = h2f(x[ib].d);
+            const float d = f16_to_f32(x[ib].d);
             for (int j = 0; j < NA; ++j) {
                 const block_q8_0& y = ((const block_q8_0*)(a + j * as))[ib];
                 const int8x16_t y0 = vld1q_s8(y.qs), y1 = vld1q_s8(y.qs + 16);
-                const float dy = h2f(y.d);
+                const float dy = f16_to_f32(y.d);
                 const int32x4_t p = dot16(dot16(vdupq_n_s32(0), ql, y0), qh, y1);
                 acc[j] = vfmaq_n_f32(acc[j], vcvtq_f32_s32(p), d * dy);
                 if constexpr (W::kMin) {
                     const int32x4_t s = dot16(dot16(vdupq_n_s32(0), ones, y0), ones, y1);
-                    acc[j] = vfmaq_n_f32(acc[j], vcvtq_f32_s32(s), h2f(x[ib].m) * dy);
+                    acc[j] = vfmaq_n_f32(acc[j], vcvtq_f32_s32(s), f16_to_f32(x[ib].m) * dy);
                 }
             }
         }
@@ -565,7 +558,7 @@ template <bool F16> inline float32x4_t wload4(const uint8_t* w, int64_t i) {
     else return vld1q_f32((const float*)w + i);
 }
 template <bool F16> inline float wload1n(const uint8_t* w, int64_t i) {
-    if constexpr (F16) return h2f(((const half*)w)[i]);
+    if constexpr (F16) return f16_to_f32(((const half*)w)[i]);
     else return ((const float*)w)[i];
 }
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/simd.h"
 #include "cpu/quants.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -85,23 +86,6 @@ inline __m256 silu8(__m256 x) {
     __m256 xc = _mm256_max_ps(_mm256_set1_ps(-200.0f), x);  // see silu_scalar; NaN survives
     __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(xc, e), neg);
     return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-}
-
-// Horizontal sum in a fixed tree: ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)). hsum4 uses the
-// very same per-row tree, so a row's value never depends on which helper summed it.
-inline float hsum8(__m256 v) {
-    __m256 h = _mm256_hadd_ps(v, v);
-    h = _mm256_hadd_ps(h, h);
-    __m128 lo = _mm256_castps256_ps128(h), hi = _mm256_extractf128_ps(h, 1);
-    return _mm_cvtss_f32(_mm_add_ps(lo, hi));
-}
-
-// Four horizontal sums at once -> (sum a, sum b, sum c, sum d).
-inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    __m256 ab = _mm256_hadd_ps(a, b);   // a01 a23 b01 b23 | a45 a67 b45 b67
-    __m256 cd = _mm256_hadd_ps(c, d);
-    __m256 s = _mm256_hadd_ps(ab, cd);  // a0123 b0123 c0123 d0123 | a4567 ...
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
 #endif  // MINFER_VEC_AVX2
