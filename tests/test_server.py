@@ -310,7 +310,7 @@ def test_backend_fault_fails_only_its_request(model_path):
         return real_run(tokens, *a, **kw)
 
     sched.ctx.run = run
-    server = uvicorn_server(app, cfg)
+    server = uvicorn_server(app, cfg, sched)
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     url = f"http://127.0.0.1:{cfg.port}"

@@ -3,13 +3,16 @@
 uvicorn has no deadline for a connection that never finishes its request headers, so
 the protocol below closes one that has not started a request within `header_timeout`
 (on connect, and again after each response on a kept-alive connection). On SIGTERM or
-SIGINT uvicorn stops accepting, gives in-flight requests `shutdown_timeout` seconds,
-cancels the rest (their jobs leave the scheduler at the next step), and returns; we do
-not re-raise the signal afterwards (uvicorn's default), so the process exits 0.
+SIGINT the server stops accepting (new requests on open connections get 503), gives
+in-flight requests `shutdown_timeout` seconds to finish, then stops the scheduler, which
+ends the rest with a final event (503, or an error event on a stream) so every handler
+returns normally; uvicorn's own hard cancel is only a backstop after that. The signal
+is not re-raised afterwards (uvicorn's default), so the process exits 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -69,6 +72,24 @@ def make_protocol(header_timeout: float):
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config, sched: Scheduler | None = None, drain_s: float = 10.0):
+        super().__init__(config)
+        self.sched = sched
+        self.drain_s = drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.sched is None:
+            return await super().shutdown(sockets)
+        self.sched.drain()
+        loop = asyncio.get_running_loop()
+        # stop() joins the scheduler thread: off the event loop, which must keep
+        # relaying the final events.
+        timer = loop.call_later(self.drain_s, lambda: threading.Thread(target=self.sched.stop, daemon=True).start())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
     @contextlib.contextmanager
     def capture_signals(self):
         if threading.current_thread() is not threading.main_thread():
@@ -91,23 +112,27 @@ def build(model, cfg: ServeConfig):
     return app, sched, metrics
 
 
-def uvicorn_server(app, cfg: ServeConfig) -> uvicorn.Server:
+def uvicorn_server(app, cfg: ServeConfig, sched: Scheduler | None = None) -> uvicorn.Server:
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                             http=make_protocol(cfg.header_timeout), timeout_keep_alive=cfg.keep_alive,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout, lifespan="on",
+                            timeout_graceful_shutdown=cfg.shutdown_timeout + 5, lifespan="on",
                             limit_concurrency=None, backlog=512)
-    return _Server(config)
+    return _Server(config, sched, drain_s=cfg.shutdown_timeout)
 
 
 def serve(model, cfg: ServeConfig) -> None:
     """Serve until SIGTERM/SIGINT; returns normally after a graceful shutdown."""
     app, sched, _ = build(model, cfg)
-    server = uvicorn_server(app, cfg)
+    server = uvicorn_server(app, cfg, sched)
     sys.stderr.write(f"minfer serve: {model.path.name} on http://{cfg.host}:{cfg.port} "
                      f"({cfg.slots} slots x {sched.n_ctx} tokens, batch up to {sched.max_batch}, "
                      f"{model.n_threads} threads)\n")
     sys.stderr.flush()
     server.run()
+    if threading.current_thread() is threading.main_thread():
+        # A second signal during the last cleanup must not kill the process with it.
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
     if not sched.stop(timeout=cfg.shutdown_timeout):
         log.error("the scheduler did not stop in time")
     sys.stderr.write("minfer serve: stopped\n")

@@ -119,6 +119,7 @@ class Scheduler:
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
+        self._draining = False
         self._rr = 0                     # round-robin start when the batch is smaller than the slots
         self._thread = threading.Thread(target=self._loop, name="minfer-scheduler", daemon=True)
         self.steps = 0
@@ -129,12 +130,17 @@ class Scheduler:
 
     def submit(self, job: Job) -> None:
         with self._cv:
-            if self._stopping:
+            if self._stopping or self._draining:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting")
             self._waiting.append(job)
             self._cv.notify()
+
+    def drain(self) -> None:
+        """Take no new jobs; the accepted ones carry on."""
+        with self._cv:
+            self._draining = True
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop taking jobs, cancel the waiting and the running ones (each gets its
