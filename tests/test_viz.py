@@ -78,6 +78,7 @@ def test_bad_requests_get_clear_errors_and_the_server_survives(server):
         (c.post("/viz/run", json=["list"]), 400, "JSON object"),
         (c.post("/viz/run", json={"prompt": ""}), 400, "prompt"),
         (c.post("/viz/run", json={"prompt": "hi", "n": 0}), 400, "n must be"),
+        (c.post("/viz/run", json={"prompt": "the cat " * 200, "n": 500}), 400, "exceeds the context"),
         (c.get("/viz/trace"), 404, "no trace"),
         (c.get("/no/such/page"), 404, "Not Found"),
         (c.get("/viz/run"), 405, ""),
@@ -166,3 +167,19 @@ def test_page_in_headless_chromium(server):
         assert shot.stat().st_size > 10_000
     finally:
         driver.quit()
+
+
+def test_viz_cli_errors(synth_model_path, tmp_path, capsys):
+    from minfer.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        busy = s.getsockname()[1]
+        assert main(["viz", str(synth_model_path), "--port", str(busy)]) == 1
+        assert "cannot listen on 127.0.0.1:%d" % busy in capsys.readouterr().err
+    assert main(["viz", str(synth_model_path), "--port", "0"]) == 2
+    bad = tmp_path / "t.json"
+    bad.write_text('{"format": "minfer-profile", "version": 1, "phases": []}')
+    assert main(["viz", str(synth_model_path), "--trace", str(bad)]) == 1
+    assert "not a minfer-trace" in capsys.readouterr().err

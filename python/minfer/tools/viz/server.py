@@ -222,6 +222,11 @@ def create_app(state: VizState):
             return err(400, f"prompt is longer than {MAX_PROMPT_CHARS} characters")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_PREDICT:
             return err(400, f"n must be an integer in 1..{MAX_PREDICT}")
+        try:   # a prompt that cannot fit is the request's fault: 400 now, not a failed run later
+            n_prompt = len(await asyncio.to_thread(state.session.tokenizer.encode, prompt))
+            state.session.check_fits(n_prompt, n)
+        except MinferError as e:
+            return err(400, str(e))
         if not state.run_lock.acquire(blocking=False):
             return err(409, "a run is already in progress; wait for its 'done' event")
         threading.Thread(target=state.run, args=(prompt, n), name="minfer-viz-run", daemon=True).start()
