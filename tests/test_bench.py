@@ -247,7 +247,8 @@ def test_membw_probe_is_positive_and_counts_bytes_like_stream():
     from minfer.tools import membw
     rep = membw.measure(n_threads=2, array_bytes=8 << 20, repeats=1)
     for v in (rep.copy_bytes_per_s, rep.triad_bytes_per_s, rep.read_bytes_per_s):
-        assert math.isfinite(v) and v > 1e8  # any real machine moves > 100 MB/s
+        # A sanity bound, not a speed: another process on the cores can slow it 10x or more.
+        assert math.isfinite(v) and v > 1e6
     assert rep.best == max(rep.copy_bytes_per_s, rep.triad_bytes_per_s, rep.read_bytes_per_s)
     assert rep.array_bytes % (2 * 8) == 0
 
