@@ -35,7 +35,7 @@ async def _load(url: str, n: int, conc: int, rss_probe, stream_every: int = 5) -
     rss_100 = None
     idx = iter(range(n))
     limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+    async with httpx.AsyncClient(timeout=300, limits=limits) as c:
         async def worker():
             nonlocal done, rss_100
             for i in idx:
@@ -79,6 +79,10 @@ def test_thousand_requests_at_32_concurrent(model_path):
         answered = sum(int(float(line.split()[-1])) for line in m.splitlines()
                        if line.startswith('minfer_requests_total{endpoint="/v1/chat/completions"'))
         assert answered == N_REQUESTS
+        val = {line.split()[0]: float(line.split()[1]) for line in m.splitlines() if line and line[0] != "#"
+               and "{" not in line}
+        # Continuous batching happened: steps carried several sequences on average.
+        assert val["minfer_batch_sequences_total"] / val["minfer_steps_total"] > 1.5
         print(f"\n{N_REQUESTS} requests in {elapsed:.1f} s: {dict(statuses)}; RSS after 100 {rss_100} KiB, "
               f"after all {rss_end} KiB")
     finally:

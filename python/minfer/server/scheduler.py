@@ -185,8 +185,7 @@ class Scheduler:
             _send(job, Event("error", status=503, message="the server is shutting down"))
 
     def _admit(self) -> None:
-        """Move waiting jobs (FIFO) into free slots, each to the free slot whose tokens
-        share the longest prefix with its prompt (least recently used on a tie)."""
+        """Move waiting jobs (FIFO) into free slots (see _route_key for which one)."""
         while self._waiting:
             free = [s for s in self.slots if not s.busy]
             if not free:
@@ -195,8 +194,7 @@ class Scheduler:
             if job.cancelled.is_set():
                 _send(job, Event("done", reason="cancelled", usage=_usage(len(job.prompt_ids), 0, 0)))
                 continue
-            slot = max(free, key=lambda s: (s.session.common_prefix(job.prompt_ids), -s.last_used))
-            self._start(slot, job)
+            self._start(max(free, key=lambda s: _route_key(s, job.prompt_ids)), job)
 
     def _start(self, slot: Slot, job: Job) -> None:
         ses = slot.session
@@ -310,6 +308,19 @@ class Scheduler:
         if self.metrics:
             self.metrics.on_finish(usage)
         _send(job, Event("done", text=rest, reason=reason, usage=usage))
+
+
+def _route_key(s: Slot, prompt: list[int]) -> tuple:
+    """Which free slot a prompt goes to (the largest key). First a slot the prompt
+    continues: the longest common prefix, when it covers at least half of what the slot
+    holds (the next turn of its conversation). Otherwise an empty slot, so a new
+    conversation does not evict another one's KV for the sake of a shared template
+    prefix; then the longest common prefix (a shared system prompt is still reused);
+    then the least recently used."""
+    cp = s.session.common_prefix(prompt)
+    held = len(s.session.tokens)
+    continues = cp > 0 and 2 * cp >= held
+    return (continues, cp if continues else 0, held == 0, cp, -s.last_used)
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:

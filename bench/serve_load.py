@@ -1,0 +1,207 @@
+"""Load on an OpenAI-compatible server: N concurrent chat requests, aggregate generated
+tokens per second and time to first token (p50/p99), side by side with llama.cpp's
+llama-server when one is available.
+
+Usage:
+    python bench/serve_load.py [MODEL] [-c 1,4,16] [-n 64] [--rounds 2] [-t 2]
+                               [--slots 16] [--ctx 1024] [--url URL]
+                               [--llama-server PATH | --no-llama] [--json out.json]
+
+Without --url it starts `minfer serve MODEL` on a free loopback port (--slots, --ctx,
+-t) and stops it afterwards; with --url it loads an already running server. For each
+concurrency c it sends c * rounds streaming chat requests, c at a time (each worker
+sends its next request when its previous one ends), every one greedy with end of
+generation ignored (`ignore_eos`, as llama-server's extension) and max_tokens n, so
+each generates exactly n tokens. Each request has its own prompt (a short distinct
+user message; the chat template's prefix is shared, as with real clients).
+
+  agg tok/s  completion tokens of all requests / wall time of the level
+  TTFT       request sent -> first content chunk, per request (p50, p99)
+
+llama-server (found on PATH, or --llama-server PATH) is started with
+`-m MODEL -np 8 -c 8192 -t T` (the issue's anchor) and gets the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+TOPICS = ["a lighthouse", "sorting algorithms", "the moon", "a red bicycle", "tea", "volcanoes", "a lost key",
+          "prime numbers", "autumn", "a robot", "the sea", "bread", "a library", "trains", "chess", "rain"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise SystemExit("server did not become ready")
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int, n: int) -> tuple[float, int, float]:
+    body = {"model": "any", "messages": [{"role": "user", "content": f"Write about {TOPICS[i % len(TOPICS)]} ({i})."}],
+            "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    n_tok = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            doc = json.loads(line[6:])
+            if "error" in doc:
+                raise RuntimeError(f"stream error: {doc['error']}")
+            for ch in doc.get("choices") or []:
+                if ch.get("delta", {}).get("content") and ttft is None:
+                    ttft = time.perf_counter() - t0
+            if doc.get("usage"):
+                n_tok = doc["usage"]["completion_tokens"]
+    return ttft if ttft is not None else time.perf_counter() - t0, n_tok, time.perf_counter() - t0
+
+
+async def level(url: str, conc: int, n: int, rounds: int) -> dict:
+    todo = iter(range(conc * rounds))
+    ttfts, toks = [], 0
+    limits = httpx.Limits(max_connections=conc + 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800), limits=limits) as client:
+        async def worker():
+            nonlocal toks
+            for i in todo:
+                ttft, k, _ = await one(client, url, i, n)
+                ttfts.append(ttft)
+                toks += k
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(conc)))
+        wall = time.perf_counter() - t0
+    return {"concurrency": conc, "requests": conc * rounds, "tokens": toks, "wall_s": round(wall, 3),
+            "agg_tps": round(toks / wall, 2), "ttft_p50_ms": round(pct(ttfts, 50) * 1000, 1),
+            "ttft_p99_ms": round(pct(ttfts, 99) * 1000, 1)}
+
+
+def run_load(name: str, url: str, concs: list[int], n: int, rounds: int) -> list[dict]:
+    asyncio.run(level(url, 1, 4, 1))  # warm-up: graphs built, pages touched
+    out = []
+    for c in concs:
+        r = asyncio.run(level(url, c, n, rounds))
+        r["server"] = name
+        out.append(r)
+        print(f"{name:>13} c={c:<3} {r['agg_tps']:8.2f} tok/s  TTFT p50 {r['ttft_p50_ms']:8.1f} ms  "
+              f"p99 {r['ttft_p99_ms']:8.1f} ms  ({r['requests']} req, {r['tokens']} tok, {r['wall_s']:.1f} s)",
+              flush=True)
+    return out
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", help="GGUF (default: minfer's default model)")
+    ap.add_argument("-c", "--concurrency", default="1,4,16")
+    ap.add_argument("-n", "--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="requests per worker at each level")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=1024, help="tokens per slot")
+    ap.add_argument("--url", help="load a running server instead of starting minfer serve")
+    ap.add_argument("--llama-server", help="path of llama.cpp's llama-server (default: on PATH)")
+    ap.add_argument("--no-llama", action="store_true", help="skip llama-server even if found")
+    ap.add_argument("--json", help="write the results here")
+    a = ap.parse_args(argv)
+    try:
+        concs = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    except ValueError:
+        ap.error("-c takes a comma list of integers")
+    if not concs or min(concs) < 1 or a.tokens < 1 or a.rounds < 1:
+        ap.error("concurrency, tokens and rounds must be >= 1")
+    model = a.model
+    if model is None and (a.url is None or not a.no_llama):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+        from minfer.io.model_cache import default_model_path
+
+        model = str(default_model_path(pull=False))
+    results = []
+    if a.url:
+        results += run_load("server", a.url.rstrip("/"), concs, a.tokens, a.rounds)
+    else:
+        port = free_port()
+        cmd = [sys.executable, "-m", "minfer.cli", "serve", model, "--port", str(port), "--threads", str(a.threads),
+               "--slots", str(a.slots), "--ctx", str(a.ctx), "--max-queue", "256"]
+        proc = subprocess.Popen(cmd, env=dict(os.environ))
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc)
+            results += run_load("minfer", f"http://127.0.0.1:{port}", concs, a.tokens, a.rounds)
+        finally:
+            code = stop(proc)
+            if code != 0:
+                print(f"minfer serve exited {code}", file=sys.stderr)
+    llama = None if a.no_llama else (a.llama_server or shutil.which("llama-server"))
+    if llama:
+        port = free_port()
+        proc = subprocess.Popen([llama, "-m", model, "-np", "8", "-c", "8192", "-t", str(a.threads), "--host",
+                                 "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc)
+            results += run_load("llama-server", f"http://127.0.0.1:{port}", concs, a.tokens, a.rounds)
+        finally:
+            stop(proc)
+    else:
+        print("(no llama-server on PATH and none given with --llama-server: minfer only)")
+    if llama and not a.url:
+        by = {(r["server"], r["concurrency"]): r for r in results}
+        for c in concs:
+            m, l_ = by.get(("minfer", c)), by.get(("llama-server", c))
+            if m and l_ and l_["agg_tps"] > 0:
+                print(f"c={c}: minfer / llama-server = {m['agg_tps'] / l_['agg_tps']:.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"load": os.getloadavg(), "tokens": a.tokens, "threads": a.threads,
+                                            "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""The server's scheduler without HTTP: continuous batching (jobs joining and leaving
+between steps, prompts in chunks) gives each job exactly its tokens alone; MINFER_BATCH
+bounds the sequences per step; prefix routing picks the slot holding the conversation."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+from minfer.errors import MinferError
+from minfer.model import Model
+from minfer.sampling import SamplingParams
+from minfer.server.scheduler import Job, Scheduler, default_max_batch
+from minfer.session import Session
+from minfer.testing import write_model
+
+CTX = 96
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Model:
+    path = tmp_path_factory.mktemp("sched") / "m.gguf"
+    write_model(path, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
+    return Model.open(path, n_threads=2)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, 250, size=int(rng.integers(5, 40)))] for _ in range(n)]
+
+
+def run_jobs(sched: Scheduler, specs: list[tuple[list[int], int]]) -> list[dict]:
+    """Submit every job at once; collect each one's ids, text and usage."""
+    q: queue.Queue = queue.Queue()
+    jobs = []
+    for k, (p, n) in enumerate(specs):
+        job = Job(prompt_ids=p, n_predict=n, sampling=SamplingParams(temperature=0.0), stop_at_eog=False,
+                  emit=lambda ev, k=k: q.put((k, ev)))
+        jobs.append(job)
+        sched.submit(job)
+    out = [{"ids": [], "text": "", "done": None} for _ in specs]
+    left = len(specs)
+    while left:
+        k, ev = q.get(timeout=60)
+        assert ev.kind != "error", ev.message
+        out[k]["text"] += ev.text
+        if ev.kind == "token":
+            out[k]["ids"].append(ev.id)
+        else:
+            out[k]["done"] = ev
+            left -= 1
+    return out
+
+
+def alone(model, p, n):
+    return Session(model, n_ctx=CTX).generate(p, n, SamplingParams(temperature=0.0), stop_at_eog=False)
+
+
+@pytest.mark.parametrize("max_batch", [None, 1, 3])
+def test_jobs_batched_in_chunks_equal_each_alone(model, max_batch):
+    specs = [(p, 4 + i % 5) for i, p in enumerate(prompts(7, seed=1))]  # 7 jobs, 3 slots: they queue
+    sched = Scheduler(model, n_slots=3, n_ctx=CTX, chunk=8, max_batch=max_batch)
+    sched.start()
+    try:
+        got = run_jobs(sched, specs)
+    finally:
+        assert sched.stop()
+    for (p, n), g in zip(specs, got):
+        ref = alone(model, p, n)
+        assert g["ids"] == ref.ids and g["text"] == ref.text
+        assert g["done"].reason == "length" and g["done"].usage["completion_tokens"] == n
+    assert sched.max_batch == (3 if max_batch is None else max_batch)
+
+
+def test_prefix_routing_reuses_the_slot_holding_the_conversation(model):
+    a, b = prompts(2, seed=2)
+    sched = Scheduler(model, n_slots=2, n_ctx=CTX, chunk=16)
+    sched.start()
+    try:
+        ra, rb = run_jobs(sched, [(a, 5), (b, 5)])
+        # The next turn of each conversation: its slot holds prompt + reply (but the last pick).
+        turn_a = a + ra["ids"] + [7, 8, 9]
+        turn_b = b + rb["ids"] + [10, 11]
+        r2b, r2a = run_jobs(sched, [(turn_b, 3), (turn_a, 3)])
+    finally:
+        assert sched.stop()
+    assert r2a["done"].usage["prompt_tokens_details"]["cached_tokens"] == len(a) + 4
+    assert r2b["done"].usage["prompt_tokens_details"]["cached_tokens"] == len(b) + 4
+    assert r2a["ids"] == alone(model, turn_a, 3).ids and r2b["ids"] == alone(model, turn_b, 3).ids
+
+
+def test_cancel_and_queue_bound(model):
+    from minfer.server.scheduler import QueueFull, ShuttingDown
+
+    sched = Scheduler(model, n_slots=1, n_ctx=CTX, max_queue=1)
+    q: queue.Queue = queue.Queue()
+    long = Job(prompt_ids=prompts(1, 3)[0], n_predict=50, sampling=SamplingParams(temperature=0.0),
+               stop_at_eog=False, emit=q.put)
+    sched.submit(long)
+    with pytest.raises(QueueFull):  # not started: the first job still waits
+        sched.submit(Job(prompt_ids=[5, 6], n_predict=1, sampling=SamplingParams(), emit=q.put))
+    sched.start()
+    try:
+        first = q.get(timeout=30)
+        assert first.kind == "token"
+        long.cancel()
+        evs = [first]
+        while not evs[-1].kind == "done":
+            evs.append(q.get(timeout=30))
+        assert evs[-1].reason == "cancelled" and len(evs) < 10  # within a step or two
+        assert sched.slots_busy == 0
+    finally:
+        assert sched.stop()
+    with pytest.raises(ShuttingDown):
+        sched.submit(Job(prompt_ids=[5, 6], n_predict=1, sampling=SamplingParams(), emit=q.put))
+
+
+def test_minfer_batch_env(model, monkeypatch):
+    monkeypatch.setenv("MINFER_BATCH", "2")
+    assert default_max_batch(model) == 2
+    assert Scheduler(model, n_slots=4, n_ctx=16).max_batch == 2
+    monkeypatch.setenv("MINFER_BATCH", "zero")
+    with pytest.raises(MinferError):
+        default_max_batch(model)
+    monkeypatch.delenv("MINFER_BATCH")
+    assert Scheduler(model, n_slots=4, n_ctx=16).max_batch == 4
+
+
+def test_a_new_conversation_takes_an_empty_slot_not_one_sharing_only_a_prefix(model):
+    a, b = prompts(2, seed=4)
+    b = a[:3] + b  # shares a short prefix (like a chat template's) with conversation a
+    sched = Scheduler(model, n_slots=2, n_ctx=CTX)
+    sched.start()
+    try:
+        (ra,) = run_jobs(sched, [(a, 4)])
+        (rb,) = run_jobs(sched, [(b, 4)])
+        (ra2,) = run_jobs(sched, [(a + ra["ids"] + [9], 2)])
+    finally:
+        assert sched.stop()
+    assert rb["done"].usage["prompt_tokens_details"]["cached_tokens"] == 0       # went to the empty slot
+    assert ra2["done"].usage["prompt_tokens_details"]["cached_tokens"] == len(a) + 3  # a's slot kept its KV
+    assert {len(s.session.tokens) for s in sched.slots} == {len(b) + 3, len(a) + 4 + 1 + 1}
