@@ -18,6 +18,11 @@ user message; the chat template's prefix is shared, as with real clients).
   agg tok/s  completion tokens of all requests / wall time of the level
   TTFT       request sent -> first content chunk, per request (p50, p99)
 
+Load conditions: the 1-minute load average is printed with each level, and (unless
+--no-engine-ref) a plain in-process greedy generation of n tokens (Session, no server)
+is timed right before and after the minfer load, so the server's rate can be read
+against the engine's rate in the same window on a shared machine.
+
 llama-server (found on PATH, or --llama-server PATH) is started with
 `-m MODEL -np 8 -c 8192 -t T` (the issue's anchor) and gets the same load.
 """
@@ -122,9 +127,31 @@ def run_load(name: str, url: str, concs: list[int], n: int, rounds: int) -> list
         r = asyncio.run(level(url, c, n, rounds))
         r["server"] = name
         out.append(r)
+        r["load1"] = round(os.getloadavg()[0], 2)
         print(f"{name:>13} c={c:<3} {r['agg_tps']:8.2f} tok/s  TTFT p50 {r['ttft_p50_ms']:8.1f} ms  "
-              f"p99 {r['ttft_p99_ms']:8.1f} ms  ({r['requests']} req, {r['tokens']} tok, {r['wall_s']:.1f} s)",
-              flush=True)
+              f"p99 {r['ttft_p99_ms']:8.1f} ms  ({r['requests']} req, {r['tokens']} tok, {r['wall_s']:.1f} s, "
+              f"load {r['load1']})", flush=True)
+    return out
+
+
+def engine_ref(model: str, n: int, threads: int) -> dict:
+    """Greedy generation of n tokens by a plain Session in this process: the engine's
+    rate in the same window (prompt: a short chat message, like the load's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    from minfer.sampling import SamplingParams
+    from minfer.session import Session
+
+    s = Session.open(model, n_ctx=512, n_threads=threads)
+    tok = s.tokenizer
+    ids = tok.encode(tok.render_chat([{"role": "user", "content": "Write about tea (0)."}]))
+    s.generate(ids, 4, SamplingParams(temperature=0.0), stop_at_eog=False)  # warm-up
+    r = s.generate(ids, n, SamplingParams(temperature=0.0), stop_at_eog=False)
+    total = (r.timings.prompt_ms + r.timings.gen_ms) / 1000
+    out = {"server": "engine (no server)", "concurrency": 1, "tokens": len(r.ids), "decode_tps": round(r.gen_tps, 2),
+           "agg_tps": round(len(r.ids) / total, 2), "ttft_p50_ms": round(r.timings.prompt_ms, 1),
+           "load1": round(os.getloadavg()[0], 2)}
+    print(f"{'engine':>13} c=1   {out['agg_tps']:8.2f} tok/s  (decode {out['decode_tps']:.2f} tok/s, first token "
+          f"{out['ttft_p50_ms']:.1f} ms, load {out['load1']})", flush=True)
     return out
 
 
@@ -149,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="load a running server instead of starting minfer serve")
     ap.add_argument("--llama-server", help="path of llama.cpp's llama-server (default: on PATH)")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server even if found")
+    ap.add_argument("--no-engine-ref", action="store_true", help="skip the in-process engine reference")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
     try:
@@ -170,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         cmd = [sys.executable, "-m", "minfer.cli", "serve", model, "--port", str(port), "--threads", str(a.threads),
                "--slots", str(a.slots), "--ctx", str(a.ctx), "--max-queue", "256"]
+        if not a.no_engine_ref:
+            results.append(engine_ref(model, a.tokens, a.threads))
         proc = subprocess.Popen(cmd, env=dict(os.environ))
         try:
             wait_ready(f"http://127.0.0.1:{port}", proc)
@@ -178,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             code = stop(proc)
             if code != 0:
                 print(f"minfer serve exited {code}", file=sys.stderr)
+        if not a.no_engine_ref:
+            results.append(engine_ref(model, a.tokens, a.threads))
     llama = None if a.no_llama else (a.llama_server or shutil.which("llama-server"))
     if llama:
         port = free_port()

@@ -142,3 +142,30 @@ def test_a_new_conversation_takes_an_empty_slot_not_one_sharing_only_a_prefix(mo
     assert rb["done"].usage["prompt_tokens_details"]["cached_tokens"] == 0       # went to the empty slot
     assert ra2["done"].usage["prompt_tokens_details"]["cached_tokens"] == len(a) + 3  # a's slot kept its KV
     assert {len(s.session.tokens) for s in sched.slots} == {len(b) + 3, len(a) + 4 + 1 + 1}
+
+
+def test_a_failing_step_fails_its_jobs_and_the_loop_goes_on(model, monkeypatch):
+    """Not a forward fault (those are isolated per sequence) but a bug past it: the
+    jobs of that step get a 500 and the scheduler keeps serving."""
+    sched = Scheduler(model, n_slots=2, n_ctx=CTX)
+    real = sched._advance
+    calls = {"n": 0}
+
+    def advance(*a):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return real(*a)
+
+    monkeypatch.setattr(sched, "_advance", advance)
+    sched.start()
+    try:
+        q: queue.Queue = queue.Queue()
+        sched.submit(Job(prompt_ids=prompts(1, 5)[0], n_predict=3, sampling=SamplingParams(temperature=0.0),
+                         emit=q.put))
+        ev = q.get(timeout=30)
+        assert ev.kind == "error" and ev.status == 500 and "boom" in ev.message
+        (r,) = run_jobs(sched, [(prompts(1, 6)[0], 3)])
+        assert len(r["ids"]) == 3 and sched.alive and sched.slots_busy == 0
+    finally:
+        assert sched.stop()

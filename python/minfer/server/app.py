@@ -139,6 +139,7 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
             while True:
                 msg = await request.receive()
                 if msg["type"] == "http.disconnect":
+                    job.client_gone = True
                     job.cancel()
                     return
         except (asyncio.CancelledError, Exception):  # noqa: BLE001
@@ -178,6 +179,9 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
             raise
         if first.kind == "error" or (first.kind == "done" and first.reason == "cancelled"):
             watcher.cancel()
+            if job.client_gone:
+                metrics.on_request(endpoint, 499)
+                return Response(status_code=499)
             return respond_error(endpoint, _event_error(first))
         if req.stream:
             metrics.on_request(endpoint, 200)
@@ -191,6 +195,9 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
         finally:
             job.cancel()     # no-op when finished; frees the slot when this task was cancelled
             watcher.cancel()
+        if job.client_gone:
+            metrics.on_request(endpoint, 499)  # nginx's "client closed request": nobody to answer
+            return Response(status_code=499)
         if ev.kind == "error" or ev.reason == "cancelled":
             return respond_error(endpoint, _event_error(ev))
         parts.append(ev.text)

@@ -60,6 +60,7 @@ class Job:
     stop_at_eog: bool = True
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    client_gone: bool = False    # set by the app when the client disconnected
 
     def cancel(self) -> None:
         """Thread-safe: the job leaves its slot at the next step boundary."""
@@ -173,9 +174,15 @@ class Scheduler:
                 if self._stopping:
                     break
                 self._admit()
-            self._drop_cancelled()
-            if any(s.busy for s in self.slots):
-                self._step()
+            try:
+                self._drop_cancelled()
+                if any(s.busy for s in self.slots):
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - a bug in one step must not stop the server
+                log.exception("scheduler step failed")
+                for s in self.slots:
+                    if s.busy:
+                        self._fail(s, e)
         for s in self.slots:
             if s.busy:
                 self._finish(s, "cancelled")
@@ -266,14 +273,18 @@ class Scheduler:
                 out.append((s, toks, rows[0]))
             except Exception as e:  # noqa: BLE001
                 log.error("forward failed for one request: %s", e)
-                job = s.job
-                s.session.reset()      # its KV cells may hold a partial write
-                s.job = None
-                s._clear()
-                if self.metrics:
-                    self.metrics.on_error()
-                _send(job, Event("error", status=500, message=f"inference failed: {e}"))
+                self._fail(s, e)
         return out
+
+    def _fail(self, s: Slot, err: Exception) -> None:
+        """End a slot's job with a 500; the slot forgets its KV (cells may hold a partial write)."""
+        job = s.job
+        s.session.reset()
+        s.job = None
+        s._clear()
+        if self.metrics:
+            self.metrics.on_error()
+        _send(job, Event("error", status=500, message=f"inference failed: {err}"))
 
     def _advance(self, s: Slot, toks: list[int], row: np.ndarray) -> None:
         if s.job is None:
