@@ -306,18 +306,34 @@ def _attn64(q, K, V, nh, nkv, hd, ranges, scale):
     return out
 
 
-class KvRig(Rig):
-    """A K/V region pair plus helpers to store rows and run attention steps."""
+KV_TYPES = {"f32": (0, np.float32), "f16": (1, np.float16)}
 
-    def __init__(self, nh, nkv, hd, n_ctx, q_extra=0):
+
+@pytest.fixture(params=["f32", "f16"])
+def kv_type(request):
+    return request.param
+
+
+class KvRig(Rig):
+    """A K/V region pair of one element type plus helpers to store rows and run attention
+    steps. K_host/V_host mirror the regions as the reference sees them: f16 regions hold
+    the values rounded to f16 (round to nearest even, as numpy's astype)."""
+
+    def __init__(self, nh, nkv, hd, n_ctx, q_extra=0, kv_type="f32"):
         super().__init__()
         self.nh, self.nkv, self.hd, self.n_ctx = nh, nkv, hd, n_ctx
         self.kv_dim = nkv * hd
         self.q_stride = nh * hd + q_extra
-        self.K = self.out(n_ctx * self.kv_dim)
-        self.V = self.out(n_ctx * self.kv_dim)
+        self.kv_code, self.kv_np = KV_TYPES[kv_type]
+        self.K = self.out(n_ctx * self.kv_dim, self.kv_np)
+        self.V = self.out(n_ctx * self.kv_dim, self.kv_np)
         self.K_host = np.zeros((n_ctx, self.kv_dim), np.float32)
         self.V_host = np.zeros((n_ctx, self.kv_dim), np.float32)
+
+    def region(self, bid):
+        """A whole K or V region, as stored."""
+        n = self.n_ctx * self.kv_dim
+        return self.pool.read(bid, np.dtype(self.kv_np).name, n).reshape(self.n_ctx, self.kv_dim)
 
     def forward(self, q, k, v, cells, pos, span=None, n_threads=1, scale=None):
         nt = q.shape[0]
@@ -330,12 +346,12 @@ class KvRig(Rig):
         iy = self.out(nt * self.nh * self.hd)
         scale = 1.0 / np.sqrt(self.hd) if scale is None else scale
         self.run([
-            step("kv_store", [self.K, ik, iv, ic, self.V], [nt, self.kv_dim, self.n_ctx]),
+            step("kv_store", [self.K, ik, iv, ic, self.V], [nt, self.kv_dim, self.n_ctx, self.kv_code]),
             step("attn", [iy, iq, self.K, self.V, ipos, ispan],
-                 [nt, self.nh, self.nkv, self.hd, self.n_ctx, self.q_stride], [scale]),
+                 [nt, self.nh, self.nkv, self.hd, self.n_ctx, self.q_stride, self.kv_code], [scale]),
         ], n_threads)
-        self.K_host[cells] = k
-        self.V_host[cells] = v
+        self.K_host[cells] = k.astype(self.kv_np).astype(np.float32)
+        self.V_host[cells] = v.astype(self.kv_np).astype(np.float32)
         return self.read(iy, nt * self.nh * self.hd, (nt, self.nh * self.hd))
 
 
@@ -351,30 +367,31 @@ ATOL = 2e-5
 
 @pytest.mark.parametrize("nh,nkv,hd", [(4, 4, 64), (4, 2, 64), (14, 2, 64), (4, 2, 128), (6, 3, 80), (4, 1, 20)])
 @pytest.mark.parametrize("nt", [1, 5, 37])
-def test_attention_prefill(nh, nkv, hd, nt, kernel_path):
+def test_attention_prefill(nh, nkv, hd, nt, kernel_path, kv_type):
     rng = np.random.default_rng(nh * 100 + nkv * 10 + hd + nt)
     q, k, v = _qkv(rng, nt, nh, nkv, hd, peak=2.0)
     pos = np.arange(nt, dtype=np.int32)
     outs = []
     for nth in (1, 2):
-        kv = KvRig(nh, nkv, hd, n_ctx=64, q_extra=2 * nkv * hd)
+        kv = KvRig(nh, nkv, hd, n_ctx=64, q_extra=2 * nkv * hd, kv_type=kv_type)
         outs.append(kv.forward(q, k, v, cells=pos, pos=pos, n_threads=nth))
     ref = _attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, [(0, p + 1) for p in pos], 1.0 / np.sqrt(hd))
     np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=ATOL)
     np.testing.assert_array_equal(outs[0], outs[1])
-    # KV store landed where the cells said.
-    np.testing.assert_array_equal(kv.read(kv.K, 64 * nkv * hd, (64, nkv * hd))[:nt], k)
-    np.testing.assert_array_equal(kv.read(kv.V, 64 * nkv * hd, (64, nkv * hd))[:nt], v)
+    # KV store landed where the cells said, rounded to the element type.
+    np.testing.assert_array_equal(kv.region(kv.K)[:nt], k.astype(kv.kv_np))
+    np.testing.assert_array_equal(kv.region(kv.V)[:nt], v.astype(kv.kv_np))
+    assert not kv.region(kv.K)[nt:].any()
 
 
 @pytest.mark.parametrize("nh,nkv,hd", [(14, 2, 64), (4, 2, 128), (4, 4, 64)])
-def test_attention_decode_after_prefill(nh, nkv, hd, kernel_path):
+def test_attention_decode_after_prefill(nh, nkv, hd, kernel_path, kv_type):
     """Prefill spanning several KV blocks, then single-token decode steps at pos = n_past."""
     n_ctx, n_prompt = 320, 150
     by_threads = {}
     for nth in (1, 2):
         rng = np.random.default_rng(hd + nh)
-        kv = KvRig(nh, nkv, hd, n_ctx)
+        kv = KvRig(nh, nkv, hd, n_ctx, kv_type=kv_type)
         q, k, v = _qkv(rng, n_prompt, nh, nkv, hd, peak=3.0)
         pos = np.arange(n_prompt, dtype=np.int32)
         pre = kv.forward(q, k, v, cells=pos, pos=pos, n_threads=nth)
@@ -393,7 +410,7 @@ def test_attention_decode_after_prefill(nh, nkv, hd, kernel_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_attention_explicit_span(kernel_path):
+def test_attention_explicit_span(kernel_path, kv_type):
     """Two packed sequences, a sliding window and an empty span, all in one batch."""
     nh, nkv, hd, n_ctx = 14, 2, 64, 200
     rng = np.random.default_rng(77)
@@ -408,7 +425,7 @@ def test_attention_explicit_span(kernel_path):
     q, k, v = _qkv(rng, nt, nh, nkv, hd, peak=2.0)
     outs = []
     for nth in (1, 2):
-        kv = KvRig(nh, nkv, hd, n_ctx, q_extra=64)
+        kv = KvRig(nh, nkv, hd, n_ctx, q_extra=64, kv_type=kv_type)
         outs.append(kv.forward(q, k, v, cells=cells, pos=pos, span=spans, n_threads=nth))
     ref = _attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, spans, 1.0 / np.sqrt(hd))
     np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=ATOL)
@@ -426,3 +443,36 @@ def test_attention_rejects_bad_positions_and_spans():
         kv.forward(q, k, v, cells=[0, 1], pos=[0, 1], span=[(0, 1), (3, 2)])
     with pytest.raises(ValueError, match="KV cell"):
         kv.forward(q, k, v, cells=[0, 16], pos=[0, 1])
+
+
+def test_f16_kv_differs_from_f32_only_by_rounding():
+    """The f16 path must really read f16: its output matches the reference over rounded
+    K/V, and differs from the f32 path (which matches the unrounded reference)."""
+    nh, nkv, hd, nt = 14, 2, 64, 40
+    rng = np.random.default_rng(5)
+    q, k, v = _qkv(rng, nt, nh, nkv, hd, peak=3.0)
+    pos = np.arange(nt, dtype=np.int32)
+    outs = {}
+    for t in ("f32", "f16"):
+        kv = KvRig(nh, nkv, hd, 64, kv_type=t)
+        outs[t] = kv.forward(q, k, v, cells=pos, pos=pos, n_threads=2)
+    ref16 = _attn64(q, k.astype(np.float16), v.astype(np.float16), nh, nkv, hd, [(0, p + 1) for p in pos],
+                    1.0 / np.sqrt(hd))
+    ref32 = _attn64(q, k, v, nh, nkv, hd, [(0, p + 1) for p in pos], 1.0 / np.sqrt(hd))
+    np.testing.assert_allclose(outs["f16"], ref16, rtol=1e-5, atol=ATOL)
+    np.testing.assert_allclose(outs["f32"], ref32, rtol=1e-5, atol=ATOL)
+    assert np.abs(outs["f16"] - outs["f32"]).max() > 10 * ATOL
+
+
+def test_kv_regions_sized_by_element_type():
+    """Validation sizes the K/V regions by the step's element type, and refuses others."""
+    rig = KvRig(4, 2, 64, n_ctx=16, kv_type="f16")
+    rng = np.random.default_rng(1)
+    q, k, v = _qkv(rng, 1, 4, 2, 64)
+    rig.forward(q, k, v, cells=[0], pos=[0])      # f16 regions: 16 * 128 * 2 bytes suffice
+    rig.kv_code = 0                               # the same regions read as f32 are too small
+    with pytest.raises(ValueError, match="K region buffer .* holds 4096 bytes, needs 8192"):
+        rig.forward(q, k, v, cells=[0], pos=[0])
+    rig.kv_code = 2
+    with pytest.raises(ValueError, match="KV element type 2 is not f32"):
+        rig.forward(q, k, v, cells=[0], pos=[0])

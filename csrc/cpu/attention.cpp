@@ -189,16 +189,31 @@ struct Row {
     int64_t lo, hi;  // visible cells [lo, hi)
 };
 
+// rows [c0, c1) of KV head g (f16, row stride kvs) -> dst [c1 - c0][hd] f32. Exact, so
+// attention over f16 K/V is the f32 computation on the rounded values.
+void widen_block(const half* src, int64_t kvs, int64_t c0, int64_t c1, int64_t hd, float* dst) {
+    for (int64_t c = c0; c < c1; ++c) {
+        const half* s = src + c * kvs;
+        float* d = dst + (c - c0) * hd;
+        int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+        for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(d + i, simd::load8_f16(s + i));
+#endif
+        for (; i < hd; ++i) d[i] = simd::f16_to_f32(s[i]);
+    }
+}
+
 // One work item: rows are (token, head) pairs that all read KV head g.
 void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, float* scratch, bool simd) {
     const int64_t hd = a.hd, kvs = a.nkv * hd;
-    const float* kbase = a.k + g * hd;
-    const float* vbase = a.v + g * hd;
+    const bool f16 = a.kv_type == T_F16;
     const int64_t hdp = round8(hd);
     float* m = scratch;               // running max per row
     float* l = m + nrows;             // running sum per row
     float* acc = scratch + round8(2 * nrows);  // [nrows][hdp]
     float* S = acc + nrows * hdp;     // [nrows][BK] scores, then probabilities
+    float* kblk = S + nrows * BK;     // f16 KV only: this block's K and V rows in f32
+    float* vblk = kblk + BK * hd;
     int64_t cmin = std::numeric_limits<int64_t>::max(), cmax = 0;
     for (int64_t i = 0; i < nrows; ++i) {
         m[i] = -std::numeric_limits<float>::infinity();
@@ -211,6 +226,20 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
     }
     for (int64_t c0 = cmin / BK * BK; c0 < cmax; c0 += BK) {
         const int64_t c1 = std::min(c0 + BK, cmax);
+        // K row of cell c: kb + (c - c0) * ks (V likewise), straight from the region for
+        // f32, from the widened copy of the block's visible cells for f16.
+        const float *kb, *vb;
+        int64_t ks;
+        if (f16) {
+            const int64_t w0 = std::max(c0, cmin);
+            widen_block((const half*)a.k + g * hd, kvs, w0, c1, hd, kblk + (w0 - c0) * hd);
+            widen_block((const half*)a.v + g * hd, kvs, w0, c1, hd, vblk + (w0 - c0) * hd);
+            kb = kblk; vb = vblk; ks = hd;
+        } else {
+            kb = (const float*)a.k + g * hd + c0 * kvs;
+            vb = (const float*)a.v + g * hd + c0 * kvs;
+            ks = kvs;
+        }
         // Scores, four query rows per pass so each K row is read once per four rows.
         for (int64_t i = 0; i < nrows; i += 4) {
             const int64_t nj = std::min<int64_t>(4, nrows - i);
@@ -231,9 +260,9 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
 #ifdef MINFER_VEC_AVX2
             if (simd)
                 for (; c + 2 <= b0; c += 2)
-                    dot4x2_avx2(qp, kbase + c * kvs, kbase + (c + 1) * kvs, hd, T[c - c0], T[c + 1 - c0]);
+                    dot4x2_avx2(qp, kb + (c - c0) * ks, kb + (c + 1 - c0) * ks, hd, T[c - c0], T[c + 1 - c0]);
 #endif
-            for (; c < b0; ++c) dot4(qp, kbase + c * kvs, hd, simd, T[c - c0]);
+            for (; c < b0; ++c) dot4(qp, kb + (c - c0) * ks, hd, simd, T[c - c0]);
             for (int64_t j = 0; j < nj; ++j) {
                 float* Sr = S + (i + j) * BK;
                 for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = T[c - c0][j] * a.scale;
@@ -260,7 +289,7 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
             const float ps = exp_sub_sum(p, n, mnew, simd);
             l[i] = l[i] * alpha + ps;
             m[i] = mnew;
-            accumulate(acc + i * hdp, alpha, p, vbase + ca * kvs, kvs, n, hd, simd);
+            accumulate(acc + i * hdp, alpha, p, vb + (ca - c0) * ks, ks, n, hd, simd);
         }
     }
     for (int64_t i = 0; i < nrows; ++i) {
@@ -279,7 +308,8 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
 size_t attention_scratch_floats(const AttnArgs& a) {
     if (a.nkv <= 0 || a.nh <= 0 || a.hd <= 0) return 0;
     const Tiling t = tiling(a);
-    return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK));
+    const size_t widened = a.kv_type == T_F16 ? (size_t)(2 * BK * a.hd) : 0;
+    return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK)) + widened;
 }
 
 void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth) {

@@ -215,22 +215,18 @@ void run_rope(const Ctx& c) {
     rope_neox_f32(c.F(1), c.F(0), c.I(2), ip[0], ip[1], ip[2], ip[3], c.s.fp[0], c.ith, c.nth);
 }
 
-void check_kv_type(const Step& s, int64_t kv_type) {
-    if (kv_type != T_F32) step_fail(s, "the cpu backend stores KV as f32 only (kv_type " + std::to_string(kv_type) + ")");
-}
-void check_kv_store(const Step& s, const WeightStore&) { check_kv_type(s, s.ip[3]); }
 void run_kv_store(const Ctx& c) {
     const int64_t* ip = c.ip();
-    kv_store_f32(c.F(1), c.F(2), c.I(3), ip[0], ip[1], c.F(0), c.F(4), c.ith, c.nth);
+    kv_store(c.F(1), c.F(2), c.I(3), ip[0], ip[1], c.F(0), c.F(4), (int32_t)ip[3], c.ith, c.nth);
 }
 
 AttnArgs attn_args(const Step& s) {
     AttnArgs a{};
     a.nt = s.ip[0]; a.nh = s.ip[1]; a.nkv = s.ip[2]; a.hd = s.ip[3]; a.n_ctx = s.ip[4]; a.q_stride = s.ip[5];
+    a.kv_type = (int32_t)s.ip[6];
     a.scale = s.fp[0];
     return a;
 }
-void check_attn(const Step& s, const WeightStore&) { check_kv_type(s, s.ip[6]); }
 void attn_scratch(const Step& s, const WeightStore&, ScratchNeed& n) {
     n.attn = std::max(n.attn, attention_scratch_floats(attn_args(s)));
 }
@@ -256,8 +252,8 @@ const CpuOp* cpu_op(int32_t op) {
         /* get_rows_w */ {run_get_rows_w, data_get_rows_w, nullptr, nullptr, nullptr},
         /* get_rows   */ {run_get_rows, data_get_rows, nullptr, nullptr, nullptr},
         /* rope       */ {run_rope, nullptr, nullptr, nullptr, nullptr},
-        /* kv_store   */ {run_kv_store, data_kv_store, nullptr, nullptr, check_kv_store},
-        /* attn       */ {run_attn, data_attn, nullptr, attn_scratch, check_attn},
+        /* kv_store   */ {run_kv_store, data_kv_store, nullptr, nullptr, nullptr},
+        /* attn       */ {run_attn, data_attn, nullptr, attn_scratch, nullptr},
     };
     static_assert(sizeof(ops) / sizeof(ops[0]) == OP_LAST_CORE + 1, "one CPU entry per core op code");
     return op >= OP_ADD && op <= OP_LAST_CORE ? &ops[op] : nullptr;

@@ -197,19 +197,26 @@ void get_rows_f32(const float* x, int64_t d, const int32_t* ids, int64_t n, floa
     for (int64_t r = r0; r < r1; ++r) std::memcpy(y + r * d, x + (int64_t)ids[r] * d, d * sizeof(float));
 }
 
-void kv_store_f32(const float* k, const float* v, const int32_t* cells, int64_t nt, int64_t kv_dim, float* kc,
-                  float* vc, int ith, int nth) {
+void kv_store(const float* k, const float* v, const int32_t* cells, int64_t nt, int64_t kv_dim, void* kc, void* vc,
+              int32_t kv_type, int ith, int nth) {
     // 2*nt row copies (K rows, then V rows) so a single decode token still uses two threads.
     int64_t r0, r1;
     vm::share(2 * nt, ith, nth, 1, r0, r1);
-    const size_t nb = (size_t)kv_dim * sizeof(float);
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t t = r < nt ? r : r - nt;
         const int64_t c = cells[t];
-        if (r < nt)
-            std::memcpy(kc + c * kv_dim, k + t * kv_dim, nb);
-        else
-            std::memcpy(vc + c * kv_dim, v + t * kv_dim, nb);
+        const float* src = (r < nt ? k : v) + t * kv_dim;
+        void* dst = r < nt ? kc : vc;
+        if (kv_type == T_F32) {
+            std::memcpy((float*)dst + c * kv_dim, src, (size_t)kv_dim * sizeof(float));
+            continue;
+        }
+        half* d = (half*)dst + c * kv_dim;
+        int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+        for (; i + 8 <= kv_dim; i += 8) simd::store8_f16(d + i, _mm256_loadu_ps(src + i));
+#endif
+        for (; i < kv_dim; ++i) d[i] = simd::f32_to_f16(src[i]);
     }
 }
 

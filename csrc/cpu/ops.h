@@ -30,15 +30,16 @@ void get_rows_f32(const float* x, int64_t d, const int32_t* ids, int64_t n, floa
                   int ith, int nth);
 
 // Writes nt rows of k and v (kv_dim floats each) into rows cells[t] of the persistent
-// regions kc, vc ([n_ctx][kv_dim]).
-void kv_store_f32(const float* k, const float* v, const int32_t* cells, int64_t nt,
-                  int64_t kv_dim, float* kc, float* vc, int ith, int nth);
+// regions kc, vc ([n_ctx][kv_dim] of kv_type: T_F32, or T_F16 rounded to nearest even).
+void kv_store(const float* k, const float* v, const int32_t* cells, int64_t nt,
+              int64_t kv_dim, void* kc, void* vc, int32_t kv_type, int ith, int nth);
 
 struct AttnArgs {
     const float* q;      // [nt][q_stride], head h at q + h*hd
     int64_t q_stride;
-    const float* k;      // [n_ctx][nkv*hd]
-    const float* v;      // [n_ctx][nkv*hd]
+    const void* k;       // [n_ctx][nkv*hd] of kv_type (T_F32 or T_F16)
+    const void* v;       // [n_ctx][nkv*hd] of kv_type
+    int32_t kv_type;
     const int32_t* pos;  // [nt] positions: token t sees cells [0, pos[t]] ...
     const int32_t* span; // ... unless span != null: token t sees cells [span[2t], span[2t+1])
     float* out;          // [nt][nh*hd]
@@ -46,7 +47,8 @@ struct AttnArgs {
     float scale;
 };
 // Causal GQA attention with an online softmax (prefill tiles queries, decode splits
-// nothing but heads). scratch is this thread's attention_scratch_floats() floats.
+// nothing but heads), accumulating in f32 whatever the KV element type. scratch is
+// this thread's attention_scratch_floats() floats.
 size_t attention_scratch_floats(const AttnArgs& a);
 void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth);
 
