@@ -127,12 +127,15 @@ class KVCache:
 
 
 class ReferenceModel:
-    def __init__(self, path: str, act_quant: bool = False):
+    def __init__(self, path: str, act_quant: bool = False, kv_f16: bool = False):
         """act_quant: round each matmul input the way a ggml-style engine does (8-bit
         Q8_0 blocks for the 32-element quant family, Q8_K for K-quants, none for F32/F16)
         before the float64 matmul. Off, the reference is the ideal float64 network; on,
         it isolates everything except accumulation order, so comparisons can be tight.
+        kv_f16: round K (after RoPE) and V to float16 as they enter the cache, as an
+        engine with an f16 KV cache stores them.
         """
+        self.kv_f16 = kv_f16
         reader = gguf.GGUFReader(path)
         arch = _field(reader, "general.architecture")
         if arch not in ("qwen2", "qwen3"):
@@ -234,6 +237,9 @@ class ReferenceModel:
         pos = np.arange(cache.n_past, cache.n_past + n_tok)
         q = self._rope(q, pos)
         k = self._rope(k, pos)
+        if self.kv_f16:
+            k = k.astype(np.float16).astype(np.float64)
+            v = v.astype(np.float16).astype(np.float64)
         if cache.k[li] is not None:
             k = np.concatenate([cache.k[li], k], axis=1)
             v = np.concatenate([cache.v[li], v], axis=1)

@@ -100,6 +100,45 @@ def test_prompt_longer_than_context_is_error_before_work(capsys, synth_model_pat
     assert rc == 1 and "context" in err
 
 
+def test_kv_type_f32_and_f16_generate(capsys, synth_model_path):
+    """Both KV types run; f32 is the exact path, f16 stores K/V rounded (the synthetic
+    model's greedy ids need not agree, so only the run itself is asserted here; the
+    numerics are pinned in test_cpu_ops and test_e2e_synthetic)."""
+    for kv in ("f32", "f16"):
+        rc, out, err = run(capsys, "generate", str(synth_model_path), "hello", "-n", "4", "--temp", "0", "--json",
+                           "--ctx", "64", "--kv-type", kv)
+        assert rc == 0, err
+        assert len(json.loads(out)["ids"]) == 4
+
+
+def test_bad_kv_type_is_usage_error(capsys, synth_model_path):
+    rc, _, err = run(capsys, "generate", str(synth_model_path), "hi", "-n", "1", "--kv-type", "q4")
+    assert rc == 2 and "--kv-type" in err and "Traceback" not in err
+
+
+def test_ctx_above_trained_context_warns_once(capsys, synth_model_path):
+    from minfer.io.gguf_file import GGUFFile
+
+    md = GGUFFile.open(synth_model_path).metadata
+    n_train = int(md[f"{md['general.architecture']}.context_length"])
+    rc, _, err = run(capsys, "generate", str(synth_model_path), "hi", "-n", "2", "--temp", "0",
+                     "--ctx", str(n_train + 64))
+    assert rc == 0
+    assert err.count("trained context") == 1 and f"({n_train})" in err
+    rc, _, err = run(capsys, "generate", str(synth_model_path), "hi", "-n", "2", "--temp", "0", "--ctx", str(n_train))
+    assert rc == 0 and "trained context" not in err
+
+
+def test_impossible_kv_is_one_line_error_naming_bytes(capsys, synth_model_path):
+    """A KV cache larger than RAM + swap: one line, the bytes it needs, exit 1."""
+    rc, out, err = run(capsys, "generate", str(synth_model_path), "hi", "-n", "1", "--temp", "0",
+                       "--ctx", str(2_000_000_000), "--kv-type", "f32")
+    assert rc == 1 and out == ""
+    line = [ln for ln in err.splitlines() if not ln.startswith("warning:")]
+    assert len(line) == 1 and "cannot allocate the KV cache" in line[0] and "bytes" in line[0], err
+    assert "Traceback" not in err
+
+
 def test_unknown_backend_is_refused(capsys, synth_model_path):
     rc, _, err = run(capsys, "generate", str(synth_model_path), "hi", "-n", "1", "--backend", "tpu")
     assert rc == 1 and "unknown" in err.lower() and "tpu" in err

@@ -3,6 +3,7 @@ persistence across rebuilds, and host access checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -162,16 +163,16 @@ def attn_weights():
     return w, ws
 
 
-def attn_graph(nt: int):
+def attn_graph(nt: int, kv_type: DType = DType.F32):
     b = GraphBuilder()
     x = b.input("x", (D, nt))
     pos = b.input("positions", (nt,), DType.I32)
     q = b.matmul(x, "wq", 0, D, NH * HD, name="q")
     k = b.matmul(x, "wk", 0, D, KVD, name="k")
     v = b.matmul(x, "wv", 0, D, KVD, name="v")
-    b.kvcache_store(0, k, v, pos, KVD, NCTX, name="kv_store")
-    kv = b.kvcache_load(0, KVD, NCTX, name="kv_load")
-    a = b.attn(q, kv, pos, AttnMeta(0, NH, NKV, HD, 1 / math.sqrt(HD), NCTX), name="attn")
+    b.kvcache_store(0, k, v, pos, KVD, NCTX, name="kv_store", kv_type=kv_type)
+    kv = b.kvcache_load(0, KVD, NCTX, name="kv_load", kv_type=kv_type)
+    a = b.attn(q, kv, pos, AttnMeta(0, NH, NKV, HD, 1 / math.sqrt(HD), NCTX, kv_type=kv_type), name="attn")
     b.output(a)
     return b.build(), a
 
@@ -239,6 +240,48 @@ def test_kv_with_a_different_context_is_refused(attn_weights):
     assert not c.alloc.kv
     c.install(g2, p(1, 32))
     assert c.alloc.kv[0].n_ctx == 32
+
+
+def test_f16_kv_regions_are_half_size_and_read_back_as_f32(attn_weights):
+    """An f16 KV graph: regions sized 2 bytes per element, K/V stored rounded to f16,
+    read back as float32, attention over the rounded values."""
+    w, ws = attn_weights
+    X = RNG.standard_normal((3, D)).astype(np.float32)
+    c = cache_for(w)
+    g, a = attn_graph(3, DType.F16)
+    c.install(g, p(3))
+    r = c.alloc.kv[0]
+    assert r.kv_type is DType.F16
+    assert c.alloc.pools[r.backend].size(r.k) == NCTX * KVD * 2
+    c.alloc.fill_input(g, "x", X)
+    c.alloc.fill_input(g, "positions", [0, 1, 2])
+    c.execute()
+    k, v = c.alloc.copy_kv_to_host(0)
+    assert k.dtype == np.float32 and k.shape == (NCTX, KVD)
+    X64 = X.astype(np.float64)
+    K, V, Q = X64 @ ws["wk"].T, X64 @ ws["wv"].T, X64 @ ws["wq"].T
+    K16, V16 = K.astype(np.float16).astype(np.float64), V.astype(np.float16).astype(np.float64)
+    np.testing.assert_allclose(k[:3], K16, rtol=2e-3, atol=1e-4)
+    assert np.array_equal(k[:3], k[:3].astype(np.float16).astype(np.float32))  # really f16 values
+    np.testing.assert_allclose(v[:3], V16, rtol=2e-3, atol=1e-4)
+    np.testing.assert_allclose(c.alloc.copy_to_host(a), ref_attention(Q, K16, V16, [0, 1, 2]), rtol=1e-3, atol=1e-3)
+
+
+def test_kv_type_change_and_unsupported_kv_type_are_refused(attn_weights):
+    from minfer.backends import cpu
+    from minfer.graph.registry import default_registry
+
+    w, _ = attn_weights
+    c = cache_for(w)
+    c.install(attn_graph(2)[0], p(2))
+    with pytest.raises(GraphError, match="f32 and a graph now asks for .* f16"):
+        c.install(attn_graph(1, DType.F16)[0], p(1))
+    reg = default_registry().copy()
+    reg.register(dataclasses.replace(cpu.make_entry("cpu32", id=5, priority=150), kv_types=("f32",)))
+    c2 = GraphCache(w, backends=["cpu32"], registry=reg, n_threads=2)
+    with pytest.raises(GraphError, match="backend 'cpu32' cannot hold f16 KV .supports: f32."):
+        c2.install(attn_graph(2, DType.F16)[0], p(2))
+    assert not c2.alloc.kv
 
 
 # ---- host access ----

@@ -3,7 +3,6 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -12,9 +11,14 @@ namespace minfer::cpu {
 class Pool {
 public:
     explicit Pool(std::string name) : name_(std::move(name)) {}
+    ~Pool();
+    Pool(const Pool&) = delete;
+    Pool& operator=(const Pool&) = delete;
+    Pool(Pool&& o) noexcept : name_(std::move(o.name_)), bufs_(std::move(o.bufs_)) {}
     const std::string& name() const { return name_; }
 
-    // First free buffer of exactly nbytes, zero-filled; else a new one.
+    // First free buffer of exactly nbytes, zero-filled; else a new one. Throws
+    // std::bad_alloc when the memory cannot be had.
     int alloc(size_t nbytes);
     // Always a new buffer: split-boundary staging must not be recycled mid-execute.
     int alloc_fresh(size_t nbytes);
@@ -28,9 +32,14 @@ public:
     bool valid(int id) const { return id >= 0 && id < (int)bufs_.size(); }
 
 private:
-    struct Deleter { void operator()(uint8_t* p) const; };
-    struct Buf { std::unique_ptr<uint8_t, Deleter> ptr; size_t nbytes; bool free; };
+    struct Buf {
+        uint8_t* ptr;
+        size_t nbytes;   // asked for
+        size_t mapped;   // > 0: an anonymous mapping of this many bytes (else aligned_alloc)
+        bool free;
+    };
     int make(size_t nbytes);
+    static void zero(Buf& b);
     std::string name_;
     std::vector<Buf> bufs_;
 };

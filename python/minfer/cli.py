@@ -15,8 +15,10 @@ import typer
 
 try:  # typer >= 0.20 vendors its own click; older ones use the real one
     from typer._click import exceptions as click_exc
+    from typer._click import globals as click_globals
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
+    from click import globals as click_globals
 
 from minfer import __version__
 from minfer.errors import MinferError
@@ -31,6 +33,7 @@ app = typer.Typer(
 
 ModelArg = Annotated[Optional[str], typer.Argument(help="GGUF file (default: the default model, pulled on first use)", show_default=False)]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: physical cores)")]
+KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache element type: f16 or f32 (exact; twice the memory).")]
 BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="Comma list of backends to use (cpu, cuda, metal); default: all usable. Env: MINFER_BACKENDS")]
 
 
@@ -121,6 +124,7 @@ def generate(
     ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size in tokens.")] = 4096,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
+    kv_type: KvTypeOpt = "f16",
     chat: Annotated[bool, typer.Option("--chat", help="Wrap PROMPT as a user message with the model's chat template.")] = False,
     echo: Annotated[bool, typer.Option("--echo", help="Also print the prompt.")] = False,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this string is generated (repeatable).")] = None,
@@ -138,7 +142,7 @@ def generate(
     sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
     sp.validate()
     t0 = time.perf_counter()
-    session = _open_session(model, ctx, threads, backend)
+    session = _open_session(model, ctx, threads, backend, kv_type)
     tok = session.tokenizer
     text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True) if chat else prompt
     prompt_ids = tok.encode(text)
@@ -197,10 +201,33 @@ def _out(text: str) -> None:
     sys.stdout.flush()
 
 
-def _open_session(model: str | None, ctx: int, threads: int | None, backend: str | None):
+def _given(param: str) -> bool:
+    """Whether the user set this option (a default above a small model's trained
+    context is not worth a warning; an explicit --ctx is)."""
+    c = click_globals.get_current_context(silent=True)
+    src = c.get_parameter_source(param) if c is not None else None
+    return src is None or src.name not in ("DEFAULT", "DEFAULT_MAP")
+
+
+def _kv_type(kv_type: str) -> str:
+    from minfer.graph.params import KV_TYPES
+
+    if kv_type not in KV_TYPES:
+        raise click_exc.UsageError(f"--kv-type must be one of {', '.join(KV_TYPES)}, not {kv_type!r}")
+    return kv_type
+
+
+def _open_session(model: str | None, ctx: int, threads: int | None, backend: str | None, kv_type: str = "f16"):
     from minfer.session import Session
 
-    return Session.open(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend))
+    kv_type = _kv_type(kv_type)
+    session = Session.open(_resolve_model(model), n_ctx=ctx, n_threads=threads, backends=_backends(backend),
+                           kv_type=kv_type)
+    n_train = session.hp.n_ctx_train
+    if ctx > n_train and _given("ctx"):
+        typer.echo(f"warning: --ctx {ctx} is above the model's trained context ({n_train}); quality may degrade "
+                   f"past {n_train} tokens", err=True)
+    return session
 
 
 @app.command()
@@ -217,6 +244,7 @@ def chat(
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
     system: Annotated[Optional[str], typer.Option("--system", help="A system message to start the conversation.")] = None,
+    kv_type: KvTypeOpt = "f16",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per turn instead of streamed text.")] = False,
 ) -> None:
     """Chat with the model, one turn per line; the KV is kept between turns, so each
@@ -228,7 +256,7 @@ def chat(
         raise click_exc.UsageError("-n must be >= 1")
     sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
     sp.validate()
-    session = _open_session(model, ctx, threads, backend)
+    session = _open_session(model, ctx, threads, backend, kv_type)
     tok = session.tokenizer
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
@@ -283,11 +311,12 @@ def perplexity(
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
     max_chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (0 = all).")] = 0,
+    kv_type: KvTypeOpt = "f16",
 ) -> None:
     """Perplexity over FILE the way llama.cpp's perplexity tool computes it."""
     from minfer.tools.perplexity import run_perplexity
 
-    session = _open_session(model, ctx, threads, backend)
+    session = _open_session(model, ctx, threads, backend, kv_type)
     run_perplexity(session, file.read_text(encoding="utf-8"), ctx, max_chunks=max_chunks,
                    out=lambda s: typer.echo(s))
 
@@ -301,6 +330,7 @@ def bench(
     threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="Thread counts, comma list.")] = None,
     backend: BackendOpt = None,
     output: Annotated[str, typer.Option("-o", "--output", help="md, json or csv.")] = "md",
+    kv_type: KvTypeOpt = "f16",
 ) -> None:
     """Measure prompt processing (pp) and text generation (tg) speed, llama-bench style."""
     if output not in ("md", "json", "csv"):
@@ -315,8 +345,9 @@ def bench(
         th = parse_int_list(threads) if threads else [default_threads()]
     except ValueError as e:
         raise click_exc.UsageError(str(e)) from None
+    kv_type = _kv_type(kv_type)
     results = run_bench(_resolve_model(model), n_prompt=pp, n_gen=tg, reps=reps, threads=th,
-                        backends=_backends(backend), progress=lambda s: typer.echo(s, err=True))
+                        backends=_backends(backend), progress=lambda s: typer.echo(s, err=True), kv_type=kv_type)
     typer.echo(format_results(results, output))
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from minfer import _core
 from minfer.errors import ContextError, MinferError
 from minfer.graph.cache import GraphCache
-from minfer.graph.params import CParams, GraphParams, GraphType
+from minfer.graph.params import KV_TYPES, CParams, GraphParams, GraphType
 from minfer.graph.trace import trace_enabled, trace_summary
 from minfer.sampling import Sampler, SamplingParams
 
@@ -39,13 +39,16 @@ from minfer.sampling import Sampler, SamplingParams
 class Context:
     """One graph cache + KV arena shared by up to n_seq sequences run together."""
 
-    def __init__(self, model, n_ctx: int | None = None, n_seq: int = 1, fuse: bool = True, reuse: bool = True):
+    def __init__(self, model, n_ctx: int | None = None, n_seq: int = 1, fuse: bool = True, reuse: bool = True,
+                 kv_type: str = "f16"):
         if n_ctx is None or n_ctx == 0:
             n_ctx = model.hp.n_ctx_train
         if n_ctx < 0:
             raise MinferError(f"context size must be positive, got {n_ctx}")
         if n_seq < 1:
             raise MinferError(f"a context needs at least one sequence, got {n_seq}")
+        if kv_type not in KV_TYPES:
+            raise MinferError(f"KV type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         self.model = model
         self.n_ctx = int(n_ctx)        # cells per sequence
         self.n_seq = int(n_seq)
@@ -53,7 +56,8 @@ class Context:
         self.cache = GraphCache(model.weights, backends=model.backends, n_threads=model.n_threads)
         # Everything that shapes the graph besides the batch shape; a new value is a new
         # object, so the memo below can never hand out params built from an old one.
-        self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse)
+        self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
+                               kv_type=kv_type)
         self._params: dict = {}        # (n_tokens, n_out) -> GraphParams for self.cparams
         self._installed = None         # the params of the graph whose plans are current
         self._out = None               # (pool, buffer id, n_vocab, rows) of the logits
@@ -235,9 +239,9 @@ class GenerationResult:
 
 class Session:
     def __init__(self, model, n_ctx: int | None = None, *, fuse: bool = True, reuse: bool = True,
-                 context: Context | None = None, seq: int = 0):
+                 context: Context | None = None, seq: int = 0, kv_type: str = "f16"):
         if context is None:
-            context = Context(model, n_ctx=n_ctx, n_seq=1, fuse=fuse, reuse=reuse)
+            context = Context(model, n_ctx=n_ctx, n_seq=1, fuse=fuse, reuse=reuse, kv_type=kv_type)
         elif not 0 <= seq < context.n_seq:
             raise MinferError(f"sequence {seq} is outside the context's {context.n_seq} sequences")
         self.model = model
@@ -257,6 +261,10 @@ class Session:
     @property
     def n_ctx(self) -> int:
         return self.context.n_ctx
+
+    @property
+    def kv_type(self) -> str:
+        return self.context.cparams.kv_type
 
     @property
     def n_past(self) -> int:

@@ -50,6 +50,9 @@ def supports_attn_span() -> bool:
 
 
 _OPS: dict = {}
+# The plan's kv_type field is the GGML type id of the K/V elements.
+_KV_CODE = {DType.F32: 0, DType.F16: 1}
+KV_TYPES = ("f16", "f32")
 
 
 def _code(name: str) -> int:
@@ -106,7 +109,7 @@ def lower_node(node, graph, ctx) -> list:
         k_id, v_id = ctx.kv(node, m.layer)
         k = graph.nodes[src[0]]
         return [(_code("kv_store"), [k_id, ctx.src(node, 0), ctx.src(node, 1), ctx.src(node, 2), v_id],
-                 [k.n_rows, m.kv_dim, m.n_ctx], [], [])]
+                 [k.n_rows, m.kv_dim, m.n_ctx, _KV_CODE[m.kv_type]], [], [])]
     if op is Op.Attn:
         m = node.meta
         q = graph.nodes[src[0]]
@@ -116,7 +119,7 @@ def lower_node(node, graph, ctx) -> list:
             raise GraphError(f"node {node.id} ({node.name}): kv source {kv_node.name!r} is not layer {m.layer}'s K region")
         span = ctx.src(node, 3) if len(src) > 3 else -1
         return [(_code("attn"), [y, ctx.src(node, 0), k_id, v_id, ctx.src(node, 2), span],
-                 [nt, m.n_head, m.n_head_kv, m.hd, m.n_ctx, q.out_shape[0]], [m.scale], [])]
+                 [nt, m.n_head, m.n_head_kv, m.hd, m.n_ctx, q.out_shape[0], _KV_CODE[m.kv_type]], [m.scale], [])]
     raise GraphError(f"node {node.id} ({node.name}): op {op} has no CPU lowering")
 
 
@@ -151,7 +154,7 @@ def make_entry(name: str = "cpu", id: int = CPU_ID, priority: int = 100,
         supports_fused=supports_fused_fn or supports_fused,
         supports_attn_span=supports_attn_span_fn or supports_attn_span,
         make_pool=make_pool, lower_node=lower_node, run_plan=run_plan,
-        copy_cross=copy_cross, await_cross=await_cross,
+        copy_cross=copy_cross, await_cross=await_cross, kv_types=KV_TYPES,
     )
 
 

@@ -7,8 +7,10 @@ regions that survive rebuilds, and fresh staging buffers for split boundaries.
 
 KV sizing rule: a layer's regions are created once, by the first graph that uses
 the layer, on that graph's backend for the layer. A later graph asking for the
-same layer with a different kv_dim or n_ctx is an error (the KV holds the
-conversation; silently resizing would drop it). Call `reset_kv()` to start over.
+same layer with a different kv_dim, n_ctx or element type is an error (the KV
+holds the conversation; silently resizing would drop it). Call `reset_kv()` to
+start over. A graph's new regions are sized and allocated together, before any
+work: if they cannot all be had, the error names the bytes the KV needs.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class KvRegion:
     v: int
     kv_dim: int
     n_ctx: int
+    kv_type: DType = DType.F32
+
+
+def _kv_type(meta) -> DType:
+    # The fused decode writers carry no element type yet: their regions are f32.
+    return getattr(meta, "kv_type", DType.F32)
 
 
 class _Cross:
@@ -185,31 +193,60 @@ class GraphAllocator:
         slot_ids = [self.pools[b].alloc(nbytes) for b, nbytes in slots]
         for nid, s in slot_of.items():
             self.node_to_buf[nid] = BufRef(slots[s][0], slot_ids[s])
-        for node in graph.nodes:
-            if node.id in graph.dead:
-                continue
+        kv_nodes = [n for n in graph.nodes if n.id not in graph.dead and (n.op in KV_BOUND or n.op in KV_WRITERS)]
+        self._reserve_kv(kv_nodes)
+        for node in kv_nodes:
+            m = node.meta
+            r = self.ensure_kv(m.layer, node.backend, m.kv_dim, m.n_ctx, _kv_type(m))
             if node.op in KV_BOUND:
-                r = self.ensure_kv(node.meta.layer, node.backend, node.meta.kv_dim, node.meta.n_ctx)
                 self.node_to_buf[node.id] = BufRef(r.backend, r.k)
-            elif node.op in KV_WRITERS:
-                m = node.meta
-                self.ensure_kv(m.layer, node.backend, m.kv_dim, m.n_ctx)
         for nid in pinned_inputs(graph):
             node = graph.nodes[nid]
             ref = self.node_to_buf[nid]
             self._inputs[node.name] = (node, self.pools[ref.backend], ref.id)
         self._graph = graph
 
-    def ensure_kv(self, layer: int, backend: int, kv_dim: int, n_ctx: int) -> KvRegion:
+    def _reserve_kv(self, kv_nodes: list) -> None:
+        """Check and allocate every layer the graph adds at once, so an impossible KV is
+        one error naming the total bytes, raised before any region or work."""
+        new: dict = {}
+        for node in kv_nodes:
+            m = node.meta
+            if m.layer not in self.kv:
+                new.setdefault(m.layer, (node.backend, m.kv_dim, m.n_ctx, _kv_type(m)))
+        for layer, (backend, _, _, kv_type) in new.items():
+            entry = self.entries[backend]
+            if kv_type.value not in entry.kv_types:
+                supported = ", ".join(entry.kv_types) or "none"
+                raise GraphError(f"backend {entry.name!r} cannot hold {kv_type.value} KV (supports: {supported})")
+        total = sum(2 * kv_type.nbytes(kv_dim * n_ctx) for _, kv_dim, n_ctx, kv_type in new.values())
+        done = []
+        try:
+            for layer, (backend, kv_dim, n_ctx, kv_type) in new.items():
+                done.append(self.ensure_kv(layer, backend, kv_dim, n_ctx, kv_type))
+        except (MemoryError, RuntimeError) as e:
+            for r in done:
+                self._drop_kv(r)
+            raise GraphError(f"cannot allocate the KV cache: {len(new)} layers need {total} bytes "
+                             f"({total / 2**20:.0f} MiB) ({e})") from None
+
+    def ensure_kv(self, layer: int, backend: int, kv_dim: int, n_ctx: int, kv_type: DType = DType.F32) -> KvRegion:
         r = self.kv.get(layer)
         if r is not None:
-            if (r.kv_dim, r.n_ctx) != (kv_dim, n_ctx):
-                raise GraphError(f"layer {layer} KV was created as [{r.kv_dim}, {r.n_ctx}] and a graph now asks for "
-                                 f"[{kv_dim}, {n_ctx}]; size the context once per conversation or call reset_kv()")
+            if (r.kv_dim, r.n_ctx, r.kv_type) != (kv_dim, n_ctx, kv_type):
+                raise GraphError(f"layer {layer} KV was created as [{r.kv_dim}, {r.n_ctx}] {r.kv_type.value} and a "
+                                 f"graph now asks for [{kv_dim}, {n_ctx}] {kv_type.value}; size the context once per "
+                                 f"conversation or call reset_kv()")
             return r
-        nbytes = kv_dim * n_ctx * 4
+        nbytes = kv_type.nbytes(kv_dim * n_ctx)
         pool = self.pools[backend]
-        r = KvRegion(layer, backend, pool.alloc_fresh(nbytes), pool.alloc_fresh(nbytes), kv_dim, n_ctx)
+        k = pool.alloc_fresh(nbytes)
+        try:
+            v = pool.alloc_fresh(nbytes)
+        except BaseException:
+            pool.free(k)
+            raise
+        r = KvRegion(layer, backend, k, v, kv_dim, n_ctx, kv_type)
         self.kv[layer] = r
         self.persistent += [(f"kv.{layer}.k", BufRef(backend, r.k)), (f"kv.{layer}.v", BufRef(backend, r.v))]
         return r
@@ -220,13 +257,17 @@ class GraphAllocator:
             raise GraphError(f"layer {layer} has no KV regions (no KV store/load node for it was allocated)")
         return r
 
+    def _drop_kv(self, r: KvRegion) -> None:
+        self.pools[r.backend].free(r.k)
+        self.pools[r.backend].free(r.v)
+        del self.kv[r.layer]
+        names = (f"kv.{r.layer}.k", f"kv.{r.layer}.v")
+        self.persistent = [p for p in self.persistent if p[0] not in names]
+
     def reset_kv(self) -> None:
         """Drop every layer's K/V (a new conversation with a different context size)."""
-        for r in self.kv.values():
-            self.pools[r.backend].free(r.k)
-            self.pools[r.backend].free(r.v)
-        self.kv.clear()
-        self.persistent = [p for p in self.persistent if not p[0].startswith("kv.")]
+        for r in list(self.kv.values()):
+            self._drop_kv(r)
 
     def buffer(self, node_id: int) -> BufRef:
         try:
@@ -337,9 +378,9 @@ class GraphAllocator:
         return out.reshape(node.n_rows, node.out_shape[0])
 
     def copy_kv_to_host(self, layer: int) -> tuple:
-        """(K, V) of a layer, each [n_ctx, kv_dim]."""
+        """(K, V) of a layer, each [n_ctx, kv_dim] float32 whatever the stored type."""
         r = self.kv_pair(layer)
         pool = self.pools[r.backend]
         n = r.kv_dim * r.n_ctx
-        return (pool.read(r.k, "float32", n).reshape(r.n_ctx, r.kv_dim),
-                pool.read(r.v, "float32", n).reshape(r.n_ctx, r.kv_dim))
+        return tuple(pool.read(b, r.kv_type.numpy, n).astype(np.float32, copy=False).reshape(r.n_ctx, r.kv_dim)
+                     for b in (r.k, r.v))

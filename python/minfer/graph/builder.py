@@ -17,6 +17,15 @@ from minfer.graph.ir import (
 )
 
 
+_KV_DTYPES = (DType.F32, DType.F16)
+
+
+def _kv_meta(layer: int, kv_dim: int, n_ctx: int, kv_type: DType) -> KvcacheMeta:
+    if kv_type not in _KV_DTYPES:
+        raise GraphError(f"layer {layer}: KV element type {kv_type} is not f32 or f16")
+    return KvcacheMeta(layer, kv_dim, n_ctx, kv_type)
+
+
 def shape4(shape: Sequence[int]) -> tuple:
     shape = tuple(int(d) for d in shape)
     if not 1 <= len(shape) <= 4 or any(d <= 0 for d in shape):
@@ -188,7 +197,8 @@ class GraphBuilder:
         if self._nodes[kv_k].op not in (Op.KvcacheLoad, Op.KvcacheStore):
             raise GraphError("attn: the kv source must be a kvcache_load (or kvcache_store) node")
         kvm = self._nodes[kv_k].meta
-        if kvm.layer != meta.layer or kvm.kv_dim != meta.n_head_kv * meta.hd or kvm.n_ctx != meta.n_ctx:
+        if (kvm.layer != meta.layer or kvm.kv_dim != meta.n_head_kv * meta.hd or kvm.n_ctx != meta.n_ctx
+                or kvm.kv_type != meta.kv_type):
             raise GraphError(f"attn layer {meta.layer}: KV node {self._nodes[kv_k].name!r} does not match its meta")
         src = [q, kv_k, pos]
         if span is not None:
@@ -200,7 +210,7 @@ class GraphBuilder:
                          meta=meta)
 
     def kvcache_store(self, layer: int, k: int, v: int, cells: int, kv_dim: int, n_ctx: int,
-                      name: Optional[str] = None) -> int:
+                      name: Optional[str] = None, kv_type: DType = DType.F32) -> int:
         """Write k/v rows into the layer's persistent regions at the rows given by `cells` (data, not topology)."""
         self._check_f32("kvcache_store", k, v)
         nt = self._rows(k)
@@ -209,11 +219,12 @@ class GraphBuilder:
                 raise GraphError(f"kvcache_store layer {layer}: {self._nodes[t].name!r} is not [{kv_dim}, {nt}]")
         self._check_i32("kvcache_store", cells, nt)
         return self.node(name or self._auto(f"kv_store.{layer}"), Op.KvcacheStore, [k, v, cells], (kv_dim, n_ctx),
-                         meta=KvcacheMeta(layer, kv_dim, n_ctx))
+                         meta=_kv_meta(layer, kv_dim, n_ctx, kv_type))
 
-    def kvcache_load(self, layer: int, kv_dim: int, n_ctx: int, name: Optional[str] = None) -> int:
+    def kvcache_load(self, layer: int, kv_dim: int, n_ctx: int, name: Optional[str] = None,
+                     kv_type: DType = DType.F32) -> int:
         return self.node(name or self._auto(f"kv_load.{layer}"), Op.KvcacheLoad, [], (kv_dim, n_ctx),
-                         meta=KvcacheMeta(layer, kv_dim, n_ctx))
+                         meta=_kv_meta(layer, kv_dim, n_ctx, kv_type))
 
     # ---- layout ops (vocabulary only: no supported architecture emits them) ----
 

@@ -145,6 +145,7 @@ class AttnMeta:
     n_ctx: int
     explicit_span: bool = False
     mode: AttnMode = AttnMode.Gqa
+    kv_type: DType = DType.F32   # element type of the K/V regions it reads
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class KvcacheMeta:
     layer: int
     kv_dim: int
     n_ctx: int
+    kv_type: DType = DType.F32   # element type of the regions (F32 or F16)
 
 
 @dataclass(frozen=True)

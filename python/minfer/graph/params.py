@@ -15,6 +15,9 @@ class GraphType(enum.Enum):
     Decode = "decode"
 
 
+KV_TYPES = ("f16", "f32")  # KV element types a graph may ask for; a backend says which it holds
+
+
 @dataclass(frozen=True)
 class CParams:
     n_ctx: int
@@ -24,6 +27,7 @@ class CParams:
     fuse_ffn: bool = False       # decode FFN fusion; same reason
     explicit_span: bool = False  # attention reads an explicit per-token span input (several sequences)
     fuse_swiglu: bool = True     # the peephole pass folds silu*mul into SwiGLU where the backend can
+    kv_type: str = "f16"         # KV element type ("f16" | "f32"): sizes the KV regions, picks the kernels
 
 
 @dataclass(frozen=True)

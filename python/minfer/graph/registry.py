@@ -37,6 +37,7 @@ class BackendEntry:
     run_plan: Optional[Callable] = None         # (plan, pool, store, n_threads, begin, end) -> None
     copy_cross: Optional[Callable] = None       # (src_pool, src_id, dst_pool, dst_id, nbytes) -> ticket
     await_cross: Optional[Callable] = None      # (ticket) -> None; one call per copy
+    kv_types: tuple = ()                        # KV element types it can hold ("f16", "f32"), default first
 
     @property
     def order_key(self) -> tuple:

@@ -54,6 +54,7 @@ class Qwen2Model(ModelDef):
         nt, n_out, n_ctx = params.n_tokens, params.n_out, params.cparams.n_ctx
         b = GraphBuilder()
         span_on = params.cparams.explicit_span
+        kvt = DType(params.cparams.kv_type)
         tokens = b.input("token_ids", (nt,), DType.I32)
         # positions: a token's index in its sequence (RoPE, and the causal bound of one
         # sequence); cells: its KV row in the arena. Apart, so one graph can hold several
@@ -83,10 +84,10 @@ class Qwen2Model(ModelDef):
                 k = b.qk_norm(k, p + "attn_k_norm.weight", hp.head_dim, hp.n_head_kv, hp.eps, name=p + "k_norm")
             q = b.rope(q, pos, rope(hp.n_head), name=p + "q_rope")
             k = b.rope(k, pos, rope(hp.n_head_kv), name=p + "k_rope")
-            b.kvcache_store(il, k, v, cells, hp.kv_dim, n_ctx, name=p + "kv_store")
-            kv = b.kvcache_load(il, hp.kv_dim, n_ctx, name=p + "kv_load")
+            b.kvcache_store(il, k, v, cells, hp.kv_dim, n_ctx, name=p + "kv_store", kv_type=kvt)
+            kv = b.kvcache_load(il, hp.kv_dim, n_ctx, name=p + "kv_load", kv_type=kvt)
             a = b.attn(q, kv, pos, AttnMeta(layer=il, n_head=hp.n_head, n_head_kv=hp.n_head_kv, hd=hp.head_dim,
-                                            scale=scale, n_ctx=n_ctx, explicit_span=span_on), span=span,
+                                            scale=scale, n_ctx=n_ctx, explicit_span=span_on, kv_type=kvt), span=span,
                        name=p + "attn")
             wo = self._mm(b, a, p + "attn_output.weight")
             if tail is not None and il == hp.n_layer - 1:

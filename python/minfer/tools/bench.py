@@ -109,8 +109,8 @@ class BenchResult:
     samples_ns: list[int]
     n_batch: int = 0
     n_ubatch: int = 0
-    type_k: str = "f32"  # minfer's KV cache holds F32 (graph/alloc.py sizes it 4 bytes/elt)
-    type_v: str = "f32"
+    type_k: str = "f16"  # the KV element type the session ran with (--kv-type)
+    type_v: str = "f16"
     n_gpu_layers: int = 0
     flash_attn: int = 0  # llama-bench's integer flash_attn_type; minfer has one attention path
     build_commit: str = "unknown"
@@ -187,6 +187,7 @@ _MD_COLUMNS = [
     ("test", 15), ("t/s", 20),
 ]
 _MD_EXTRA_COLUMNS = [("peak RSS", 10), ("mem bw", 7)]
+_MD_KV_COLUMNS = [("type_k", -6), ("type_v", -6)]
 
 
 def _md_row(cells: Sequence[str], cols: Sequence[tuple[str, int]]) -> str:
@@ -195,7 +196,9 @@ def _md_row(cells: Sequence[str], cols: Sequence[tuple[str, int]]) -> str:
 
 
 def _format_md(results: Sequence[BenchResult], extras: bool) -> str:
-    cols = _MD_COLUMNS + (_MD_EXTRA_COLUMNS if extras else [])
+    # As llama-bench: the KV type columns appear when some test ran with a non-default type.
+    kv_cols = any((r.type_k, r.type_v) != ("f16", "f16") for r in results)
+    cols = _MD_COLUMNS[:5] + (_MD_KV_COLUMNS if kv_cols else []) + _MD_COLUMNS[5:] + (_MD_EXTRA_COLUMNS if extras else [])
     lines = [
         _md_row([h for h, _ in cols], cols),
         "|" + "".join(f" {'-' * (abs(w) - 1)}{':' if w > 0 else '-'} |" for _, w in cols),
@@ -203,7 +206,8 @@ def _format_md(results: Sequence[BenchResult], extras: bool) -> str:
     for r in results:
         cells = [
             r.model_type, _fmt_size(r.model_size), _fmt_params(r.model_n_params), r.backends,
-            str(r.n_threads), r.test_name, f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}",
+            str(r.n_threads), *([r.type_k, r.type_v] if kv_cols else []), r.test_name,
+            f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}",
         ]
         if extras:
             frac = r.mem_bw_frac
@@ -342,9 +346,9 @@ def _model_type(info: dict) -> str:
     return str(info.get("arch", "unknown"))
 
 
-def _default_engine_loader(path, *, n_ctx, n_threads, backends):
+def _default_engine_loader(path, *, n_ctx, n_threads, backends, kv_type="f16"):
     from minfer.session import Session
-    return Session.open(path, n_ctx=n_ctx, n_threads=n_threads, backends=backends)
+    return Session.open(path, n_ctx=n_ctx, n_threads=n_threads, backends=backends, kv_type=kv_type)
 
 
 def _now_rfc3339() -> str:
@@ -365,6 +369,7 @@ def run_bench(
     n_ctx: int | None = None,
     mem_bandwidth: float | bool | None = None,
     engine_loader: Callable | None = None,
+    kv_type: str = "f16",
 ) -> list[BenchResult]:
     """Runs every pp test in n_prompt and tg test in n_gen for each thread count.
 
@@ -387,7 +392,7 @@ def run_bench(
     if not model_path.is_file():
         raise MinferError(f"model file not found: {model_path}")
     say = progress or (lambda s: None)
-    load = engine_loader or _default_engine_loader
+    load = engine_loader or functools.partial(_default_engine_loader, kv_type=kv_type)
     if not pps and not tgs:
         return []
 
@@ -422,8 +427,8 @@ def run_bench(
                 model_n_params=int(info.get("n_params", 0) or 0),
                 backends=",".join(getattr(eng, "backend_names", None) or ["CPU"]),
                 n_threads=n_threads,
-                type_k=str(info.get("type_k", "f32")),
-                type_v=str(info.get("type_v", "f32")),
+                type_k=str(getattr(eng, "kv_type", kv_type)),
+                type_v=str(getattr(eng, "kv_type", kv_type)),
                 build_commit=commit, build_number=build_number,
                 cpu_info=cpu_info(),
                 mem_bw_bytes_per_s=bw,
