@@ -1,7 +1,7 @@
 """Microbenchmark of the CPU attention kernel through minfer._core (one ATTN step per run).
 
 Shapes are the real model's (Qwen2.5-Coder-0.5B: 14 heads, 2 KV heads, head dim 64).
-Usage: PYTHONPATH=python MINFER_CORE_DIR=<build dir> python3 bench/attention.py [--threads N]
+Usage: PYTHONPATH=python MINFER_CORE_DIR=<build dir> python3 bench/attention.py [--threads N] [--kv-type f16|f32]
 """
 
 import argparse
@@ -13,7 +13,7 @@ import numpy as np
 from minfer import _core
 
 
-def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None):
+def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None, kv_type="f32"):
     """Attention of nt new tokens at positions n_past..n_past+nt-1 over a filled KV region."""
     n_ctx = n_past + nt
     rng = np.random.default_rng(0)
@@ -25,13 +25,14 @@ def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None):
         return b
 
     kv_dim = nkv * hd
-    K = buf(rng.standard_normal((n_ctx, kv_dim)).astype(np.float32))
-    V = buf(rng.standard_normal((n_ctx, kv_dim)).astype(np.float32))
+    kv_np, kv_code = {"f32": (np.float32, 0), "f16": (np.float16, 1)}[kv_type]
+    K = buf(rng.standard_normal((n_ctx, kv_dim)).astype(kv_np))
+    V = buf(rng.standard_normal((n_ctx, kv_dim)).astype(kv_np))
     q = buf(rng.standard_normal((nt, nh * hd)).astype(np.float32))
     pos = buf(np.arange(n_past, n_past + nt, dtype=np.int32))
     y = pool.alloc(nt * nh * hd * 4)
     plan = _core.Plan(label)
-    plan.add(_core.OPS["attn"], 0, [y, q, K, V, pos, -1], [nt, nh, nkv, hd, n_ctx, nh * hd], [hd ** -0.5])
+    plan.add(_core.OPS["attn"], 0, [y, q, K, V, pos, -1], [nt, nh, nkv, hd, n_ctx, nh * hd, kv_code], [hd ** -0.5])
 
     _core.run(plan, pool, weights, n_threads)  # warm-up: scratch growth, page faults
     # Visible (query, cell) pairs: causal triangle for prefill.
@@ -46,7 +47,7 @@ def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None):
         cpu.append(time.process_time() - c0)
     med = statistics.median(times)
     gflops = pairs * hd * 4 / med / 1e9  # q.k and p.v: 2 flops each per dim
-    kv_mb = 2 * n_ctx * kv_dim * 4 / 1e6
+    kv_mb = 2 * n_ctx * kv_dim * np.dtype(kv_np).itemsize / 1e6
     # min and CPU time alongside the median: on a shared box the median mostly measures the neighbours.
     print(f"{label:<22} threads={n_threads}  median {med * 1e3:8.3f} ms  min {min(times) * 1e3:8.3f} ms  "
           f"cpu-median {statistics.median(cpu) * 1e3:8.3f} ms  ({gflops:5.1f} GFLOP/s at median, "
@@ -57,12 +58,14 @@ def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=_core.default_threads())
+    ap.add_argument("--kv-type", choices=["f32", "f16"], default="f16")
     args = ap.parse_args()
     print(f"simd path: {_core.testing.cpu_features()['simd_path']}, kernel path: {_core.testing.kernel_path()}")
     for nth in sorted({1, args.threads}):
-        bench_case("decode, 512 cached", 1, 512, n_threads=nth)
-        bench_case("decode, 4096 cached", 1, 4096, n_threads=nth)
-        bench_case("prefill 512", 512, 0, n_threads=nth)
+        kw = dict(n_threads=nth, kv_type=args.kv_type)
+        bench_case(f"decode, 512 cached {args.kv_type}", 1, 512, **kw)
+        bench_case(f"decode, 4096 cached {args.kv_type}", 1, 4096, **kw)
+        bench_case(f"prefill 512 {args.kv_type}", 512, 0, **kw)
 
 
 if __name__ == "__main__":
