@@ -180,6 +180,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 @pytest.mark.parametrize("body,param,status", [
     (b"{not json", None, 400),
     (b"[1, 2]", None, 400),
+    (b'{"max_tokens": 1' + b"0" * 5000 + b"}", None, 400),
+    (b"[" * 60000, None, 400),
     (b'{"messages": "hi"}', "messages", 400),
     (json.dumps({**CHAT, "max_tokens": "5"}).encode(), "max_tokens", 400),
     (json.dumps({**CHAT, "temperature": "hot"}).encode(), "temperature", 400),
@@ -194,6 +196,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     (json.dumps({**CHAT, "n": 3}).encode(), "n", 400),
     (json.dumps({"max_tokens": 2}).encode(), "messages", 400),
     (b'{"messages": [{"role": "user", "content": "\xff\xfe bad utf-8"}], "max_tokens": 2}', None, 400),
+    (b'{"messages": [{"role": "user", "content": "lone \\ud800 surrogate"}], "max_tokens": 2}', "messages", 400),
     (json.dumps({**CHAT, "messages": [{"role": "user", "content": "word " * 400}]}).encode(), "messages", 400),
     (json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 70000}]}).encode(), None, 413),
 ])

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from minfer.server.metrics import Metrics
 from minfer.server.protocol import ApiError, GenRequest, bad, error_body, parse_chat, parse_completion, parse_json
 from minfer.server.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
+from minfer.tokenizer import TokenizerError
 
 log = logging.getLogger("minfer.server")
 
@@ -105,6 +106,13 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
         return b"".join(parts)
 
     def tokenize(req: GenRequest) -> list[int]:
+        try:
+            return _tokenize(req)
+        except TokenizerError as e:  # e.g. a lone surrogate (JSON "\ud800") is no UTF-8 text
+            raise bad(f"the prompt cannot be tokenized: {e}", param="messages" if req.kind == "chat" else "prompt",
+                      code="invalid_encoding") from None
+
+    def _tokenize(req: GenRequest) -> list[int]:
         if req.kind == "chat":
             try:
                 text = tok.render_chat(req.messages, add_generation_prompt=True)

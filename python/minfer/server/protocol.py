@@ -83,6 +83,8 @@ def parse_json(body: bytes) -> dict:
                   code="invalid_json") from None
     except RecursionError:
         raise bad("the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # e.g. an integer literal over Python's digit limit
+        raise bad(f"the request body is not acceptable JSON: {e}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")
     return obj
