@@ -160,6 +160,24 @@ def test_page_in_headless_chromium(server):
         assert target["op"] in detail and target["detail"] in detail
         assert "[" + ", ".join(str(x) for x in target["shape"]) + "]" in detail
         assert target["meta"]["weight_name"] in detail and "ms/step" in detail    # meta and the profile's time
+        # A live run from the page: per-node data streams in over SSE and marks each
+        # executed node; the detail panel then shows the selected node's stats.
+        driver.find_element(By.ID, "n").clear()
+        driver.find_element(By.ID, "n").send_keys("2")
+        driver.find_element(By.ID, "run").click()
+        WebDriverWait(driver, 120).until(lambda d: d.find_element(By.ID, "status").text.startswith("done"))
+        live = driver.execute_script("return S.graph")
+        executed = [n for n in live["nodes"] if not n["dead"] and n["op"] not in ("KvcacheStore", "KvcacheLoad")]
+        marked = driver.execute_script(
+            "return [...document.querySelectorAll('g.node')].filter(g => g.querySelector('.dot').getAttribute('fill') !== 'none')"
+            ".map(g => +g.getAttribute('data-id'))")
+        assert live["kind"] == "decode" and sorted(marked) == sorted(n["id"] for n in executed)
+        live_target = next(n for n in live["nodes"] if n["name"] == target["name"])
+        el = driver.find_element(By.CSS_SELECTOR, f'g.node[data-id="{live_target["id"]}"]')
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", el)
+        el.click()
+        wait.until(lambda d: d.find_element(By.ID, "dname").text == target["name"] and d.find_elements(By.ID, "stats"))
+        assert "mean" in driver.find_element(By.ID, "stats").text
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "viz_page.png"
         assert driver.save_screenshot(str(shot))

@@ -5,7 +5,9 @@ the scheduler's on_step hook and records, after every executed node, its output 
 (min, max, mean, std over the finite values, NaN/Inf counts) and a strided sample of
 its values. Reading is backend-aware: a host pool is read in place between steps (a
 view, no copy, nothing flushed); a device pool has no per-step host view, and tracing
-it is refused with a clear error until its backend provides split-boundary capture.
+it is refused with a clear error until its backend provides split-boundary capture
+(stream-ordered copies into staging, drained once per split; CUDA must also turn off
+graph replay while capturing, since a replayed split has no per-node steps to read).
 KV-bound nodes (the layer's K/V regions) are skipped: a full region per layer would
 dominate the trace, so the page shows them as "no data". Nodes a step does not execute
 (fused away) have no entry either.
