@@ -58,6 +58,18 @@ def test_diff_finds_the_perturbed_node(synth_model_path, perturbed_model, tmp_pa
     assert format_report(rep, "a.json", "b.json") in out
 
 
+def test_diff_f32_against_f16_kv(synth_model_path, tmp_path, capsys, monkeypatch):
+    """Same weights, KV stored as f32 vs f16: everything before the first read of the
+    cache is the same bits; layer 0's attention is the first node that differs."""
+    a = _trace(capsys, monkeypatch, synth_model_path, tmp_path / "f32.json", "--kv-type", "f32")
+    b = _trace(capsys, monkeypatch, synth_model_path, tmp_path / "f16.json", "--kv-type", "f16")
+    rep = diff_traces(a, b, tol=0.0)
+    d = rep.first
+    assert d is not None and (d.phase, d.step, d.name, d.op, d.layer) == ("prefill", 0, "blk.0.attn", "Attn", 0)
+    assert 0 < d.gap < 1e-2          # f16 rounding, not a different computation
+    assert rep.layers[0].first == "prefill step 0: blk.0.attn"
+
+
 def test_fused_and_unfused_traces_match_by_name(synth_model_path, tmp_path):
     docs = []
     for fuse in (True, False):

@@ -378,6 +378,7 @@ def profile(
     ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size in tokens.")] = 4096,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
+    kv_type: KvTypeOpt = "f16",
     top: Annotated[int, typer.Option("--top", help="Nodes listed per phase (0 = all).")] = 25,
     as_json: Annotated[bool, typer.Option("--json", help="Print the minfer-profile JSON (for minfer viz --profile).")] = False,
 ) -> None:
@@ -389,7 +390,7 @@ def profile(
         raise click_exc.UsageError("--top must be >= 0")
     from minfer.tools.profile import format_profile, run_profile
 
-    session = _open_session(model, ctx, threads, backend)
+    session = _open_session(model, ctx, threads, backend, kv_type)
     ids = session.tokenizer.encode(prompt)
     session.check_fits(len(ids), n_predict)
     doc = run_profile(session, ids, n_predict, prompt)
@@ -403,6 +404,7 @@ def viz(
     trace: Annotated[Optional[Path], typer.Option("--trace", help="Open this MINFER_TRACE file in the page.")] = None,
     profile_file: Annotated[Optional[Path], typer.Option("--profile", help="Colour nodes by this minfer-profile JSON.")] = None,
     ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size for live runs.")] = 512,
+    kv_type: KvTypeOpt = "f16",
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
 ) -> None:
@@ -412,7 +414,7 @@ def viz(
     from minfer.tools.viz.server import serve
 
     serve(_resolve_model(model), port=port, trace=trace, profile=profile_file, n_ctx=ctx, n_threads=threads,
-          backends=_backends(backend))
+          backends=_backends(backend), kv_type=_kv_type(kv_type))
 
 
 @app.command()

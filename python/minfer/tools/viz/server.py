@@ -280,7 +280,8 @@ def _check_port(port: int) -> None:
 
 
 def serve(model_path: Path, port: int = 8081, trace: Optional[Path] = None, profile: Optional[Path] = None,
-          n_ctx: int = 512, n_threads: Optional[int] = None, backends: Optional[list] = None) -> None:
+          n_ctx: int = 512, n_threads: Optional[int] = None, backends: Optional[list] = None,
+          kv_type: str = "f16") -> None:
     import uvicorn
 
     from minfer.session import Session
@@ -290,7 +291,7 @@ def serve(model_path: Path, port: int = 8081, trace: Optional[Path] = None, prof
     trace_doc = load_trace(str(trace)) if trace is not None else None
     profile_doc = load_profile(str(profile)) if profile is not None else None
     _check_port(port)
-    session = Session.open(model_path, n_ctx=n_ctx, n_threads=n_threads, backends=backends)
+    session = Session.open(model_path, n_ctx=n_ctx, n_threads=n_threads, backends=backends, kv_type=kv_type)
     state = VizState(session, trace_doc, profile_doc)
     state.graph("prefill", DEFAULT_PREFILL_TOKENS)      # fail before serving if the graph cannot build
     sys.stderr.write(f"minfer viz: serving {session.model_name} at http://127.0.0.1:{port}/\n")
