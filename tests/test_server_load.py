@@ -63,7 +63,9 @@ async def _load(url: str, n: int, conc: int, rss_probe, stream_every: int = 5) -
 
 
 def test_thousand_requests_at_32_concurrent(model_path):
-    srv = ServerProcess.custom(model_path, slots=8, ctx=128, max_queue=16, chunk=64)
+    # Connection deadlines far above any pause of a client under load: a kept-alive
+    # connection closed by the server just as the client reuses it would lose a request.
+    srv = ServerProcess.custom(model_path, slots=8, ctx=128, max_queue=16, chunk=64, timeout=60)
     try:
         t0 = time.monotonic()
         statuses, bad, rss_100 = asyncio.run(_load(srv.url, N_REQUESTS, CONCURRENCY, srv.rss_kib))
