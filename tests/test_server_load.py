@@ -134,3 +134,18 @@ def test_sigint_on_an_idle_server_exits_0(model_path):
     srv.proc.send_signal(signal.SIGINT)
     code, err = srv.terminate(timeout=20)
     assert code == 0 and "Traceback" not in err, err
+
+
+def test_busy_port_is_one_line_and_exit_1(model_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "minfer.cli", "serve", model_path, "--port", str(port), "--ctx", "64"],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"minfer: error: cannot listen on 127.0.0.1:{port}: Address already in use"]

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from minfer.errors import MinferError
 from minfer.server.app import Limits, create_app
 from minfer.server.metrics import Metrics
 from minfer.server.scheduler import Scheduler
@@ -120,15 +122,30 @@ def uvicorn_server(app, cfg: ServeConfig, sched: Scheduler | None = None) -> uvi
     return _Server(config, sched, drain_s=cfg.shutdown_timeout)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """Bind here rather than in uvicorn, so a busy port is one line and exit 1."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(512)
+    except OSError as e:
+        raise MinferError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(model, cfg: ServeConfig) -> None:
     """Serve until SIGTERM/SIGINT; returns normally after a graceful shutdown."""
+    sock = listen(cfg.host, cfg.port)
     app, sched, _ = build(model, cfg)
     server = uvicorn_server(app, cfg, sched)
     sys.stderr.write(f"minfer serve: {model.path.name} on http://{cfg.host}:{cfg.port} "
                      f"({cfg.slots} slots x {sched.n_ctx} tokens, batch up to {sched.max_batch}, "
                      f"{model.n_threads} threads)\n")
     sys.stderr.flush()
-    server.run()
+    server.run(sockets=[sock])
     if threading.current_thread() is threading.main_thread():
         # A second signal during the last cleanup must not kill the process with it.
         for s in (signal.SIGINT, signal.SIGTERM):
