@@ -5,6 +5,7 @@ bounds the sequences per step; prefix routing picks the slot holding the convers
 from __future__ import annotations
 
 import queue
+import time
 
 import numpy as np
 import pytest
@@ -111,6 +112,21 @@ def test_cancel_and_queue_bound(model):
             evs.append(q.get(timeout=30))
         assert evs[-1].reason == "cancelled" and len(evs) < 10  # within a step or two
         assert sched.slots_busy == 0
+        # A waiting job whose client left gives its queue place back at the next step,
+        # even while every slot is busy.
+        busy = Job(prompt_ids=[5, 6, 7], n_predict=CTX - 10, sampling=SamplingParams(temperature=0.0),
+                   stop_at_eog=False, emit=lambda ev: None)
+        sched.submit(busy)
+        end = time.monotonic() + 30
+        while sched.slots_busy == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        waiting = Job(prompt_ids=[8, 9], n_predict=2, sampling=SamplingParams(), emit=q.put)
+        sched.submit(waiting)
+        waiting.cancel()
+        ev = q.get(timeout=30)
+        assert ev.kind == "done" and ev.reason == "cancelled" and sched.queue_depth == 0
+        assert busy.cancelled.is_set() is False and sched.slots_busy == 1
+        busy.cancel()
     finally:
         assert sched.stop()
     with pytest.raises(ShuttingDown):

@@ -222,6 +222,13 @@ class Scheduler:
         for s in self.slots:
             if s.busy and s.job.cancelled.is_set():
                 self._finish(s, "cancelled")
+        # Waiting jobs whose clients left must not hold queue places until a slot frees.
+        with self._cv:
+            gone = [j for j in self._waiting if j.cancelled.is_set()]
+            if gone:
+                self._waiting = collections.deque(j for j in self._waiting if not j.cancelled.is_set())
+        for job in gone:
+            _send(job, Event("done", reason="cancelled", usage=_usage(len(job.prompt_ids), 0, 0)))
 
     def _batch(self) -> list[tuple[Slot, list[int]]]:
         active = [s for s in self.slots if s.busy]
