@@ -185,3 +185,24 @@ def test_a_failing_step_fails_its_jobs_and_the_loop_goes_on(model, monkeypatch):
         assert len(r["ids"]) == 3 and sched.alive and sched.slots_busy == 0
     finally:
         assert sched.stop()
+
+
+def test_steady_batches_reuse_their_graph(model):
+    """Three jobs arriving together: one prefill graph (24 tokens, 3 outputs) and one
+    decode graph (3, 3), reused for every later step; not a build per step."""
+    ps = [p[:8] for p in prompts(3, seed=7) if len(p) >= 8][:3]
+    assert len(ps) == 3
+    sched = Scheduler(model, n_slots=3, n_ctx=CTX, chunk=64)
+    # Submit before the thread starts, so all three are admitted into the same first step.
+    q: queue.Queue = queue.Queue()
+    for p in ps:
+        sched.submit(Job(prompt_ids=p, n_predict=10, sampling=SamplingParams(temperature=0.0), stop_at_eog=False,
+                         emit=q.put))
+    sched.start()
+    try:
+        done = 0
+        while done < 3:
+            done += q.get(timeout=60).kind == "done"
+    finally:
+        assert sched.stop()
+    assert sched.steps == 10 and sched.ctx.builds == 2

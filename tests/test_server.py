@@ -113,7 +113,8 @@ def test_models_health_and_metrics(client, server):
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["slots_idle"] + h["slots_busy"] == 4
     text = httpx.get(server.url + "/metrics").text
-    for name in ("requests_total", "generated_tokens_total", "queue_depth", "slots_busy", "tokens_per_second"):
+    for name in ("requests_total", "generated_tokens_total", "queue_depth", "slots_busy", "tokens_per_second",
+                 "graph_builds_total"):
         assert f"# TYPE minfer_{name} " in text
     assert 'minfer_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
 

@@ -293,7 +293,8 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
             check_auth(request)
         except ApiError as e:
             return respond_error("/metrics", e)
-        return PlainTextResponse(metrics.render(scheduler.queue_depth, scheduler.slots_busy, len(scheduler.slots)),
+        return PlainTextResponse(metrics.render(scheduler.queue_depth, scheduler.slots_busy, len(scheduler.slots),
+                                                scheduler.ctx.builds),
                                  media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:

@@ -71,7 +71,7 @@ class Metrics:
             self._trim(now)
             return sum(n for _, n in self._recent) / self.WINDOW_S
 
-    def render(self, queue_depth: int, slots_busy: int, n_slots: int) -> str:
+    def render(self, queue_depth: int, slots_busy: int, n_slots: int, graph_builds: int = 0) -> str:
         tps = self.tokens_per_second()
         with self._lock:
             lines = []
@@ -97,6 +97,8 @@ class Metrics:
             metric("batch_tokens_total", "counter", "Token rows summed over steps.", [({}, self.batch_tokens)])
             metric("queue_wait_seconds_total", "counter", "Time requests waited for a slot.",
                    [({}, round(self.queue_wait_s, 6))])
+            metric("graph_builds_total", "counter", "Graphs built (one per new batch shape; the rest are reused).",
+                   [({}, graph_builds)])
             metric("queue_depth", "gauge", "Requests waiting for a slot.", [({}, queue_depth)])
             metric("slots_busy", "gauge", "Slots generating now.", [({}, slots_busy)])
             metric("slots_total", "gauge", "Slots (sequences of the KV arena).", [({}, n_slots)])
