@@ -112,6 +112,7 @@ def test_models_health_and_metrics(client, server):
     assert [m.id for m in ms.data] == ["tiny.gguf"]
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["slots_idle"] + h["slots_busy"] == 4
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     text = httpx.get(server.url + "/metrics").text
     for name in ("requests_total", "generated_tokens_total", "queue_depth", "slots_busy", "tokens_per_second",
                  "graph_builds_total"):
