@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from minfer import _core
+from minfer.backends import default_threads
 
 
 def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None, kv_type="f32"):
@@ -57,7 +58,7 @@ def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None, k
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=_core.default_threads())
+    ap.add_argument("--threads", type=int, default=default_threads())
     ap.add_argument("--kv-type", choices=["f32", "f16"], default="f16")
     args = ap.parse_args()
     print(f"simd path: {_core.testing.cpu_features()['simd_path']}, kernel path: {_core.testing.kernel_path()}")

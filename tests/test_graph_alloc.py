@@ -12,6 +12,7 @@ import pytest
 from minfer.errors import MinferError
 from minfer.graph.alloc import liveness, plan_buffers
 from minfer.graph.builder import GraphBuilder
+from minfer.backends import select_backends
 from minfer.graph.cache import GraphCache
 from minfer.graph.ir import AttnMeta, DType, GraphError
 from minfer.graph.params import CParams, GraphParams, GraphType
@@ -21,7 +22,7 @@ RNG = np.random.default_rng(99)
 
 
 def cache_for(weights=None) -> GraphCache:
-    return GraphCache(weights or WeightRegistry(), backends=["cpu"], n_threads=2)
+    return GraphCache(select_backends(["cpu"]), weights or WeightRegistry(), {"threads": 2})
 
 
 def p(nt: int, n_ctx: int = 16) -> GraphParams:
@@ -252,7 +253,7 @@ def test_f16_kv_regions_are_half_size_and_read_back_as_f32(attn_weights):
     c.install(g, p(3))
     r = c.alloc.kv[0]
     assert r.kv_type is DType.F16
-    assert c.alloc.pools[r.backend].size(r.k) == NCTX * KVD * 2
+    assert c.alloc.devices[r.backend].size(r.k) == NCTX * KVD * 2
     c.alloc.fill_input(g, "x", X)
     c.alloc.fill_input(g, "positions", [0, 1, 2])
     c.execute()
@@ -269,7 +270,7 @@ def test_f16_kv_regions_are_half_size_and_read_back_as_f32(attn_weights):
 
 def test_kv_type_change_and_unsupported_kv_type_are_refused(attn_weights):
     from minfer.backends import cpu
-    from minfer.graph.registry import default_registry
+    from minfer.backends import default_registry
 
     w, _ = attn_weights
     c = cache_for(w)
@@ -278,7 +279,7 @@ def test_kv_type_change_and_unsupported_kv_type_are_refused(attn_weights):
         c.install(attn_graph(1, DType.F16)[0], p(1))
     reg = default_registry().copy()
     reg.register(dataclasses.replace(cpu.make_entry("cpu32", id=5, priority=150), kv_types=("f32",)))
-    c2 = GraphCache(w, backends=["cpu32"], registry=reg, n_threads=2)
+    c2 = GraphCache(select_backends(["cpu32"], reg), w, {"threads": 2})
     with pytest.raises(GraphError, match="backend 'cpu32' cannot hold f16 KV .supports: f32."):
         c2.install(attn_graph(2, DType.F16)[0], p(2))
     assert not c2.alloc.kv
@@ -302,6 +303,6 @@ def test_fill_input_checks():
         c.alloc.fill_input(g, "nope", [1])
     c.alloc.fill_input(g, "ids", np.array([1, 0], dtype=np.int64))
     ref = c.alloc.buffer(ids)
-    assert c.alloc.pools[ref.backend].read(ref.id, "int32", 2).tolist() == [1, 0]   # real int32, not f32 bits
+    assert c.alloc.devices[ref.backend].read(ref.id, "int32", 2).tolist() == [1, 0]   # real int32, not f32 bits
     with pytest.raises(MinferError, match="no buffer"):
         c.alloc.buffer(999)

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from minfer.backends import select_backends
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.cache import GraphCache, verify_structural
 from minfer.graph.ir import DType
@@ -54,7 +55,7 @@ def changed_params():
 
 
 def test_equal_params_reuse_and_any_change_rebuilds(weights):
-    c = GraphCache(weights, backends=["cpu"], n_threads=1)
+    c = GraphCache(select_backends(["cpu"]), weights, {"threads": 1})
     assert not c.try_reuse(BASE)
     c.install(build(BASE), BASE)
     assert c.try_reuse(GraphParams(4, 1, GraphType.Prefill, CParams(n_ctx=64)))
@@ -66,7 +67,7 @@ def test_equal_params_reuse_and_any_change_rebuilds(weights):
 
 @pytest.mark.parametrize("flag", ["fuse_qkv", "fuse_ffn"])
 def test_fusion_flags_are_part_of_the_identity(weights, flag):
-    c = GraphCache(weights, backends=["cpu"], n_threads=1)
+    c = GraphCache(select_backends(["cpu"]), weights, {"threads": 1})
     on = dataclasses.replace(BASE, cparams=dataclasses.replace(BASE.cparams, **{flag: True}))
     c.install(build(BASE), BASE)
     assert not c.try_reuse(on)
@@ -75,7 +76,7 @@ def test_fusion_flags_are_part_of_the_identity(weights, flag):
 
 
 def test_uid_is_monotonic_and_kept_on_reuse(weights):
-    c = GraphCache(weights, backends=["cpu"], n_threads=1)
+    c = GraphCache(select_backends(["cpu"]), weights, {"threads": 1})
     g1 = c.install(build(BASE), BASE)
     assert g1.uid >= 1
     assert c.try_reuse(BASE) and c.current() is g1 and g1.uid == c.graph.uid
@@ -85,7 +86,7 @@ def test_uid_is_monotonic_and_kept_on_reuse(weights):
 
 def test_reused_graph_output_is_bitwise_a_fresh_build(weights):
     xs = [RNG.standard_normal((4, D)).astype(np.float32) for _ in range(3)]
-    c = GraphCache(weights, backends=["cpu"], n_threads=2)
+    c = GraphCache(select_backends(["cpu"]), weights, {"threads": 2})
     c.install(build(BASE), BASE)
     plans = [ls.plan for ls in c.lowered.splits]
     for x in xs:
@@ -95,7 +96,7 @@ def test_reused_graph_output_is_bitwise_a_fresh_build(weights):
         c.execute()
     reused = c.alloc.copy_to_host(c.graph.outputs[0])
     assert [ls.plan for ls in c.lowered.splits] == plans         # re-run, not re-lowered
-    fresh = GraphCache(weights, backends=["cpu"], n_threads=2)
+    fresh = GraphCache(select_backends(["cpu"]), weights, {"threads": 2})
     g = fresh.install(build(BASE), BASE)
     fresh.alloc.fill_input(g, "x", xs[-1])
     fresh.alloc.fill_input(g, "tail", [3])
@@ -113,5 +114,5 @@ def test_structural_check(weights):
     assert not verify_structural(a, bigger.build())
     # Both sides prepared (assigned + fused) stay equal.
     for g in (a, b):
-        GraphCache(weights, backends=["cpu"], n_threads=1).preview(g)
+        GraphCache(select_backends(["cpu"]), weights, {"threads": 1}).preview(g)
     assert a.dead and verify_structural(a, b)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minfer.backends import cpu
+from minfer.backends import cpu, default_registry, select_backends
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.cache import GraphCache
 from minfer.graph.fusion import FusionPass
 from minfer.graph.ir import DType, Op
 from minfer.graph.params import CParams, GraphParams, GraphType
-from minfer.graph.registry import default_registry
 from minfer.graph.weights import WeightRegistry
 
 RNG = np.random.default_rng(1234)
@@ -23,7 +22,7 @@ def params(nt: int = 1) -> GraphParams:
 
 
 def run(graph, weights, feeds: dict, backends=("cpu",), registry=None):
-    cache = GraphCache(weights, backends=list(backends), registry=registry, n_threads=2)
+    cache = GraphCache(select_backends(list(backends), registry), weights, {"threads": 2})
     cache.install(graph, params())
     for name, arr in feeds.items():
         cache.alloc.fill_input(graph, name, arr)
@@ -157,7 +156,7 @@ def ffn_weights():
 def test_fusion_rewrites_silu_on_either_side(ffn_weights, gate_first):
     w, X, ref = ffn_weights
     g, out = _ffn(gate_first)
-    cache = GraphCache(w, backends=["cpu"], n_threads=2)
+    cache = GraphCache(select_backends(["cpu"]), w, {"threads": 2})
     cache.scheduler.assign_backends(g)
     assert FusionPass().run(g, cache.scheduler.by_id) == 1
     act, silu_node = g.node_by_name("act"), g.node_by_name("silu")

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 
+from minfer.backends import select_backends
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.cache import GraphCache
 from minfer.graph.export import write_dot
@@ -28,7 +29,7 @@ def test_dot_structure(tmp_path):
     unassigned = io.StringIO()
     write_dot(g, unassigned)
     assert unassigned.getvalue().count('fillcolor="white"') == len(g.nodes)
-    c = GraphCache(WeightRegistry(), backends=["cpu"], n_threads=1)
+    c = GraphCache(select_backends(["cpu"]), WeightRegistry(), {"threads": 1})
     c.preview(g)
     path = tmp_path / "g.dot"
     write_dot(g, str(path))
@@ -51,7 +52,7 @@ def test_dot_renders_with_graphviz(tmp_path):
         import pytest
         pytest.fail("graphviz `dot` is not installed (apt-get install graphviz)")
     g = small_graph()
-    GraphCache(WeightRegistry(), backends=["cpu"], n_threads=1).preview(g)
+    GraphCache(select_backends(["cpu"]), WeightRegistry(), {"threads": 1}).preview(g)
     path = tmp_path / "g.dot"
     write_dot(g, str(path))
     r = subprocess.run(["dot", "-Tsvg", str(path)], capture_output=True, text=True, timeout=60)
@@ -61,7 +62,7 @@ def test_dot_renders_with_graphviz(tmp_path):
 
 def test_trace_summary(monkeypatch):
     g = small_graph()
-    c = GraphCache(WeightRegistry(), backends=["cpu"], n_threads=1)
+    c = GraphCache(select_backends(["cpu"]), WeightRegistry(), {"threads": 1})
     c.install(g, None)
     text = trace_summary(g, c.splits)
     assert "1 splits" in text and "split 0: cpu nodes [0, 5)" in text

@@ -70,7 +70,7 @@ def _live(engine, ids):
     engine.forward(ids)
     g = engine.context.cache.graph
     return graph_json(g, engine.model_name, "decode" if len(ids) == 1 else "prefill",
-                      engine.context.cache.registry.name_of)
+                      engine.context.cache.name_of)
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -9,13 +9,12 @@ import math
 import numpy as np
 import pytest
 
-from minfer.backends import cpu
+from minfer.backends import CPU_ID, cpu, default_registry, select_backends
 from minfer.errors import BackendError
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.cache import GraphCache
 from minfer.graph.ir import AttnMeta, DType, GraphError, Op
 from minfer.graph.params import CParams, GraphParams, GraphType
-from minfer.graph.registry import CPU_ID, default_registry
 from minfer.graph.weights import WeightRegistry
 
 RNG = np.random.default_rng(7)
@@ -67,7 +66,7 @@ def reference(X, W, nw):
 
 def installed(reg, weights, backends):
     w = weights[0]
-    c = GraphCache(w, backends=backends, registry=reg, n_threads=2)
+    c = GraphCache(select_backends(backends, reg), w, {"threads": 2})
     g, o = graph()
     c.install(g, PARAMS)
     return c, g, o
@@ -102,7 +101,7 @@ def test_staging_is_reused_by_a_re_executed_graph(reg, weights):
     w, W, nw = weights
     c, g, o = installed(reg, weights, ["cpu", "cpu2"])
     staged = {k: v.dst for k, v in c.alloc.cross.items()}
-    counts = {b: pool.count() for b, pool in c.alloc.pools.items()}
+    counts = {b: pool.count() for b, pool in c.alloc.devices.items()}
     for step in range(3):
         X = RNG.standard_normal((2, D)).astype(np.float32)
         assert c.try_reuse(PARAMS)
@@ -110,7 +109,7 @@ def test_staging_is_reused_by_a_re_executed_graph(reg, weights):
         c.execute()
         np.testing.assert_allclose(c.alloc.copy_to_host(o), reference(X, W, nw), rtol=1e-4, atol=1e-4)
     assert {k: v.dst for k, v in c.alloc.cross.items()} == staged
-    assert {b: pool.count() for b, pool in c.alloc.pools.items()} == counts
+    assert {b: pool.count() for b, pool in c.alloc.devices.items()} == counts
     assert c.alloc.stats == {"copies": 6, "waits": 6}
 
 
@@ -149,7 +148,7 @@ def test_per_node_path_waits_at_first_read(reg, weights):
 
 def test_no_backend_for_a_node_is_an_error_naming_it(reg, weights):
     w = weights[0]
-    c = GraphCache(w, backends=["cpu2"], registry=reg, n_threads=2)
+    c = GraphCache(select_backends(["cpu2"], reg), w, {"threads": 2})
     g, _ = graph()
     with pytest.raises(BackendError, match=r"node 2 \(s\).*Silu"):
         c.install(g, PARAMS)
@@ -168,7 +167,7 @@ def test_node_on_another_backend_than_its_kv_is_an_error_naming_both(reg):
     g.node_by_name("kv_store").backend = CPU2       # creates layer 0's KV on cpu2
     for name in ("kv_load", "attn"):
         g.node_by_name(name).backend = CPU_ID
-    c = GraphCache(WeightRegistry(), backends=["cpu", "cpu2"], registry=reg, n_threads=2)
+    c = GraphCache(select_backends(["cpu", "cpu2"], reg), WeightRegistry(), {"threads": 2})
     with pytest.raises(BackendError, match=r"node 4 \(kv_load\) runs in a cpu split but its buffer lives on backend cpu2"):
         c.install(g, PARAMS)
 

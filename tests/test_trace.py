@@ -108,7 +108,7 @@ def test_trace_across_backend_splits():
     from minfer.graph.cache import GraphCache
     from minfer.graph.ir import Op
     from minfer.graph.params import CParams, GraphParams, GraphType
-    from minfer.graph.registry import default_registry
+    from minfer.backends import default_registry, select_backends
     from minfer.graph.weights import WeightRegistry
 
     reg = default_registry().copy()
@@ -127,7 +127,7 @@ def test_trace_across_backend_splits():
         m = b.mul(s, a, name="m")
         b.output(b.matmul(m, "W", 0, 16, 8, name="o"))
         g = b.build()
-        c = GraphCache(w, backends=["cpu", "cpu2"], registry=reg, n_threads=1)
+        c = GraphCache(select_backends(["cpu", "cpu2"], reg), w, {"threads": 1})
         c.install(g, GraphParams(2, 2, GraphType.Prefill, CParams(16)))
         assert len(c.splits) == 3
         c.alloc.fill_input(g, "x", X)
@@ -149,7 +149,7 @@ def test_trace_refuses_a_device_pool():
     """A pool with no host view (a GPU's) is refused up front, never read per node."""
     from types import SimpleNamespace
 
-    split = SimpleNamespace(pool=object(), entry=SimpleNamespace(name="cuda"))
+    split = SimpleNamespace(device=object(), entry=SimpleNamespace(name="cuda", memory="cuda"))
     cache = SimpleNamespace(lowered=SimpleNamespace(splits=[split]), graph=None, alloc=None)
     with pytest.raises(MinferError, match="'cuda'.*--backend cpu"):
         Tracer("m").execute(cache)

@@ -1,7 +1,8 @@
 """Model: what every conversation over one GGUF shares, read-only.
 
-The GGUF mmap, the architecture definition, the tokenizer and the weights registered
-with the compiled core (once per process, by reference into the mmap). Sessions
+The GGUF mmap, the architecture definition, the tokenizer, the selected backends and
+the weights by name (views into the mmap; each backend registers them in its own
+store once, shared by every session). Sessions
 (session.py) hold everything per conversation: graph cache, KV, positions. Opening a
 model never touches the network: resolving the default model is the CLI's decision.
 """
@@ -20,12 +21,14 @@ from minfer.models import load_model
 
 class Model:
     def __init__(self, gguf: GGUFFile, backends: list[str] | None = None, n_threads: int | None = None):
-        from minfer.backends import default_threads
+        from minfer.backends import default_threads, select_backends
 
         self.gguf = gguf
         self.defn = load_model(gguf)
         self.hp = self.defn.hp
         self.backends = backends
+        # The registry is the composition root: it picks the backends; sessions get them.
+        self.entries = select_backends(backends)
         if n_threads is not None and n_threads <= 0:
             raise MinferError(f"threads must be positive, got {n_threads}")
         self.n_threads = n_threads or default_threads()
@@ -35,6 +38,8 @@ class Model:
             ne0 = int(t.shape[0])
             ne1 = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
             self.weights.add(name, gguf.tensor_data(name), t.type, ne0, ne1)
+        # Which weight types can run is the backends' call: refuse here, before any work.
+        self.weights.check_types(self.entries)
         self._tokenizer = None
 
     @classmethod
@@ -52,11 +57,6 @@ class Model:
 
             self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         return self._tokenizer
-
-    def session(self, n_ctx: int | None = None, **kw):
-        from minfer.session import Session
-
-        return Session(self, n_ctx=n_ctx, **kw)
 
     def check_tokens(self, ids: np.ndarray) -> None:
         """Token ids are bounded here, on the fill side, so no backend ever reads past

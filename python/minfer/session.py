@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-from minfer import _core
 from minfer.errors import ContextError, MinferError
 from minfer.graph.cache import GraphCache
 from minfer.graph.params import KV_TYPES, CParams, GraphParams, GraphType
@@ -53,21 +52,22 @@ class Context:
         self.n_ctx = int(n_ctx)        # cells per sequence
         self.n_seq = int(n_seq)
         self.reuse = reuse
-        self.cache = GraphCache(model.weights, backends=model.backends, n_threads=model.n_threads)
+        # The backends the model selected (the registry's choice); threads are the CPU device's setting.
+        self.cache = GraphCache(model.entries, model.weights, {"threads": model.n_threads})
         # Everything that shapes the graph besides the batch shape; a new value is a new
         # object, so the memo below can never hand out params built from an old one.
         self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
                                kv_type=kv_type)
         self._params: dict = {}        # (n_tokens, n_out) -> GraphParams for self.cparams
         self._installed = None         # the params of the graph whose plans are current
-        self._out = None               # (pool, buffer id, n_vocab, rows) of the logits
+        self._out = None               # (device, buffer id, n_vocab, rows) of the logits
         self.builds = 0                # graph builds so far (reuse is observable in tests)
         self.lock = threading.Lock()   # one forward at a time per context
         self.tracer = None             # a tools.trace.Tracer (or Profiler) replaces execute() when set
 
     @property
     def backend_names(self) -> list[str]:
-        return [self.cache.registry.name_of(e.id).upper() for e in self.cache.scheduler.entries]
+        return [e.name.upper() for e in self.cache.entries]
 
     def params(self, n_tokens: int, n_out: int) -> GraphParams:
         p = self._params.get((n_tokens, n_out))
@@ -86,12 +86,12 @@ class Context:
             graph = cache.install(self.model.defn.build_graph(params), params)
             self.builds += 1
             if trace_enabled():
-                sys.stderr.write(trace_summary(graph, cache.splits, cache.registry) + "\n")
+                sys.stderr.write(trace_summary(graph, cache.splits, cache.entries) + "\n")
         self._installed = params
         g = cache.graph
         out = g.nodes[g.outputs[0]]
         ref = cache.alloc.buffer(out.id)
-        self._out = (cache.alloc.pools[ref.backend], ref.id, out.out_shape[0], out.n_rows)
+        self._out = (cache.alloc.devices[ref.backend], ref.id, out.out_shape[0], out.n_rows)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, cells: np.ndarray, span: np.ndarray | None,
             tail: np.ndarray | None, n_out: int, copy: bool = True) -> np.ndarray:
@@ -117,11 +117,12 @@ class Context:
         return alloc.copy_to_host(g.outputs[0]) if copy else alloc.host_view(g.outputs[0])
 
     def argmax_last(self) -> int:
-        """Greedy pick from the last logits row, scanned in C++ by the threads that wrote it."""
-        pool, buf, n, rows = self._out
-        if rows != 1 or not hasattr(pool, "view"):
+        """Greedy pick from the last logits row, taken by the backend that holds it (the
+        CPU scans it in C++ with the threads that wrote it)."""
+        dev, buf, n, rows = self._out
+        if rows != 1:
             return int(np.argmax(self.cache.alloc.copy_to_host(self.cache.graph.outputs[0])[-1]))
-        return int(_core.argmax(pool, buf, n, self.cache.n_threads))
+        return int(dev.argmax(buf, n))
 
     def decode_batch(self, items: list[tuple["Session", list[int]]], copy: bool = True) -> np.ndarray:
         """Append each item's tokens to its session's sequence in one forward; returns
@@ -163,7 +164,7 @@ class Context:
     def dump_graph(self, path: str | Path, n_tokens: int) -> None:
         from minfer.graph.export import write_dot
 
-        write_dot(self.preview_graph(n_tokens), str(path), self.cache.registry)
+        write_dot(self.preview_graph(n_tokens), str(path), self.cache.entries)
 
 
 @dataclass
@@ -448,7 +449,7 @@ class Session:
         from minfer.graph.export import graph_json
 
         g = self.context.preview_graph(1 if decode else n_tokens)
-        return graph_json(g, self.model_name, "decode" if decode else "prefill", self.context.cache.registry.name_of)
+        return graph_json(g, self.model_name, "decode" if decode else "prefill", self.context.cache.name_of)
 
 
 class TextState:

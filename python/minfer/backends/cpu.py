@@ -1,5 +1,7 @@
-"""The CPU backend as the graph sees it: its capability matrix and the lowering of
-one node to `_core.Plan` steps (op code, buffer ids, int/float params, weights).
+"""The CPU backend: its capability matrix, the lowering of one node to plan steps
+(op code, buffer ids, int/float params, weights), its device (a `_core.Pool` plus
+the thread count it runs with), its weight store (zero-copy references into the
+GGUF mmap) and host-memory copies.
 
 Step field meanings are the contract in csrc/common/plan.h. `make_entry` lets tests
 register a second CPU-backed backend (own pool, restricted matrix) to exercise the
@@ -8,20 +10,27 @@ multi-backend machinery without a GPU.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import functools
+from typing import Callable, Mapping, Optional
 
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from minfer import _core
+from minfer.backends import default_threads
+from minfer.errors import UnsupportedModelError
+from minfer.graph.backend import CPU_ID, BackendEntry, CopyRoute
 from minfer.graph.ir import AttnMode, DType, EmbedMeta, GraphError, Op, RopeStyle
-from minfer.graph.registry import CPU_ID, BackendEntry
+from minfer.io.gguf_file import ggml_type_name
+
+# The GGUF types the compiled kernels execute (the core is the one source of truth).
+WEIGHT_TYPES = frozenset(int(t) for t in GGMLQuantizationType if _core.weight_type_supported(int(t)))
+KV_TYPES = ("f16", "f32")   # KV element types the kernels store and attend over; default first
 
 _ELEMENTWISE = {Op.Add, Op.Mul, Op.Silu, Op.SwiGLU}
 
 
-def _weight_type_ok(wtype: int) -> bool:
-    from minfer import _core
-    return bool(_core.weight_type_supported(int(wtype)))
-
-
-def supports_op(node) -> bool:
+def supports_op(node, weight_types: frozenset = WEIGHT_TYPES) -> bool:
     op = node.op
     if op is Op.Input:
         return node.out_dtype in (DType.F32, DType.I32)
@@ -30,9 +39,9 @@ def supports_op(node) -> bool:
     if op in _ELEMENTWISE or op in (Op.RmsNorm, Op.QkNorm, Op.KvcacheStore, Op.KvcacheLoad):
         return True
     if op is Op.MatMul:
-        return not node.meta.transpose_b and _weight_type_ok(node.meta.wtype)
+        return not node.meta.transpose_b and int(node.meta.wtype) in weight_types
     if op is Op.GetRows:
-        return not isinstance(node.meta, EmbedMeta) or _weight_type_ok(node.meta.wtype)
+        return not isinstance(node.meta, EmbedMeta) or int(node.meta.wtype) in weight_types
     if op is Op.RoPE:
         return node.meta.style is RopeStyle.Neox
     if op is Op.Attn:
@@ -49,16 +58,12 @@ def supports_attn_span() -> bool:
     return True
 
 
-_OPS: dict = {}
+_OPS: dict = dict(_core.OPS)
 # The plan's kv_type field is the GGML type id of the K/V elements.
 _KV_CODE = {DType.F32: 0, DType.F16: 1}
-KV_TYPES = ("f16", "f32")
 
 
 def _code(name: str) -> int:
-    if not _OPS:
-        from minfer import _core
-        _OPS.update(_core.OPS)
     return _OPS[name]
 
 
@@ -123,38 +128,93 @@ def lower_node(node, graph, ctx) -> list:
     raise GraphError(f"node {node.id} ({node.name}): op {op} has no CPU lowering")
 
 
-def run_plan(plan, pool, store, n_threads: int, begin: int = 0, end: int = -1) -> None:
-    from minfer import _core
-    _core.run(plan, pool, store, n_threads, begin, end)
+class CpuDevice:
+    """One GraphCache's CPU state: a buffer pool and the thread count plans run with.
+    The pool's own methods are bound directly, so host I/O adds no Python frame."""
+
+    def __init__(self, name: str, options: Mapping) -> None:
+        self.pool = pool = _core.Pool(name)
+        self.n_threads = max(1, int(options.get("threads") or default_threads()))
+        self.alloc, self.alloc_fresh, self.free = pool.alloc, pool.alloc_fresh, pool.free
+        self.count, self.bytes_total, self.size = pool.count, pool.bytes_total, pool.size
+        self.write, self.read, self.view = pool.write, pool.read, pool.view
+        # argmax(buf, n): the greedy pick over n f32 values, scanned by the threads that
+        # wrote them (a partial, not a method: one Python frame less per decode step).
+        self.argmax = functools.partial(_core.argmax, pool, n_threads=self.n_threads)
+
+    def new_plan(self, label: str):
+        return _core.Plan(label)
+
+    def validate(self, plan, weights: "CpuWeights") -> None:
+        _core.validate(plan, self.pool, weights.core)
+
+    def bind(self, plan, weights: "CpuWeights") -> Callable:
+        """run(begin=0, end=-1): one GIL-free core call, with this device's threads."""
+        return functools.partial(_core.run, plan, self.pool, weights.core, self.n_threads)
 
 
-def copy_cross(src_pool, src_id: int, dst_pool, dst_id: int, nbytes: int):
+class CpuWeights:
+    """Weights for CPU plans: registered by reference (the GGUF mmap), never copied,
+    except derived row concatenations, which are built once."""
+
+    def __init__(self, backend: str = "cpu", types: frozenset = WEIGHT_TYPES) -> None:
+        self.core = _core.WeightStore()
+        self.backend, self.types = backend, types
+
+    def _check(self, name: str, ggml_type: int) -> None:
+        if int(ggml_type) not in self.types:
+            raise UnsupportedModelError(f"tensor {name} has type {ggml_type_name(int(ggml_type))}, which backend "
+                                        f"{self.backend} does not run")
+
+    def add(self, name: str, data: np.ndarray, ggml_type: int, ne0: int, ne1: int) -> int:
+        self._check(name, ggml_type)
+        return self.core.add(name, data, int(ggml_type), int(ne0), int(ne1))
+
+    def add_concat_rows(self, name: str, parts: list) -> int:
+        """parts: (data, ggml_type, ne0, ne1) of one type and row width, stacked in order."""
+        t, ne0 = int(parts[0][1]), int(parts[0][2])
+        if any((int(p[1]), int(p[2])) != (t, ne0) for p in parts):
+            raise GraphError(f"derived weight {name!r}: parts differ in type or row width")
+        self._check(name, t)
+        data = np.concatenate([p[0] for p in parts])   # rows are contiguous in GGUF layout [out][in]
+        return self.core.add(name, data, t, ne0, sum(int(p[3]) for p in parts))
+
+
+def _host_copy(src_dev: CpuDevice, src_buf: int, dst_dev: CpuDevice, dst_buf: int, nbytes: int):
     """A host memcpy: complete when it returns, so the ticket needs no wait."""
-    from minfer import _core
-    _core.copy_buffer(src_pool, src_id, dst_pool, dst_id, nbytes)
-    return None
+    _core.copy_buffer(src_dev.pool, src_buf, dst_dev.pool, dst_buf, nbytes)
 
 
-def await_cross(ticket) -> None:
-    """No-op for a CPU source: the copy already finished. Still called once per copy
-    so the boundary protocol is the same for every backend."""
-    return None
+def _host_wait(ticket) -> None:
+    """Nothing to wait for: the copy already finished. Still called once per copy so the
+    boundary protocol is the same for every route."""
+
+
+HOST_COPY = CopyRoute("host memcpy", _host_copy, _host_wait)
+
+
+def _host_route(other: BackendEntry) -> Optional[CopyRoute]:
+    # Host to host only: a device backend offers its own routes to and from host memory.
+    return HOST_COPY if other.memory == "host" else None
 
 
 def make_entry(name: str = "cpu", id: int = CPU_ID, priority: int = 100,
                supports_op_fn: Optional[Callable] = None, supports_fused_fn: Optional[Callable] = None,
-               supports_attn_span_fn: Optional[Callable] = None) -> BackendEntry:
-    def make_pool():
-        from minfer import _core
-        return _core.Pool(name)
-
+               supports_attn_span_fn: Optional[Callable] = None, weight_types: frozenset = WEIGHT_TYPES,
+               copy_to: Optional[Callable] = None, copy_from: Optional[Callable] = None) -> BackendEntry:
+    """A CPU-backed entry. Tests make restricted ones (fewer ops, fewer weight types,
+    other copy routes) to exercise the multi-backend machinery without a device."""
+    weight_types = frozenset(weight_types)
     return BackendEntry(
         name=name, id=id, priority=priority, compiled=True, usable=True, unusable_reason="",
-        supports_op=supports_op_fn or supports_op,
+        supports_op=supports_op_fn or (lambda node: supports_op(node, weight_types)),
         supports_fused=supports_fused_fn or supports_fused,
         supports_attn_span=supports_attn_span_fn or supports_attn_span,
-        make_pool=make_pool, lower_node=lower_node, run_plan=run_plan,
-        copy_cross=copy_cross, await_cross=await_cross, kv_types=KV_TYPES,
+        weight_types=weight_types, kv_types=KV_TYPES,
+        open_device=lambda options: CpuDevice(name, options),
+        open_weights=lambda: CpuWeights(name, weight_types),
+        lower_node=lower_node, copy_to=copy_to or _host_route, copy_from=copy_from or _host_route,
+        memory="host",
     )
 
 

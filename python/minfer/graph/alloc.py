@@ -1,6 +1,7 @@
 """GraphAllocator: the single owner of every buffer.
 
-One pool per participating backend (pools live in `_core`). A graph build plans its
+One device per participating backend (its pool of buffers; see graph/backend.py). A
+graph build plans its
 buffers here: liveness in build order (the order the scheduler executes), inputs
 and outputs pinned, in-place aliasing where it is safe, persistent per-layer K/V
 regions that survive rebuilds, and fresh staging buffers for split boundaries.
@@ -21,6 +22,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from minfer.graph.backend import copy_route
 from minfer.graph.ir import KV_BOUND, KV_WRITERS, ComputeGraph, DType, GraphError, Op
 
 # Ops that may write their output over their first input (same shape, elementwise
@@ -53,11 +55,13 @@ def _kv_type(meta) -> DType:
 
 
 class _Cross:
-    """One split-boundary staging buffer: a node's value copied to another backend."""
-    __slots__ = ("node", "src", "dst", "nbytes", "state", "ticket")
+    """One split-boundary staging buffer: a node's value copied to another backend, by
+    the route chosen for that (source, destination) pair when the buffer was staged."""
+    __slots__ = ("node", "src", "dst", "nbytes", "state", "ticket", "route", "src_dev", "dst_dev")
 
-    def __init__(self, node: int, src: BufRef, dst: BufRef, nbytes: int) -> None:
+    def __init__(self, node: int, src: BufRef, dst: BufRef, nbytes: int, route, src_dev, dst_dev) -> None:
         self.node, self.src, self.dst, self.nbytes = node, src, dst, nbytes
+        self.route, self.src_dev, self.dst_dev = route, src_dev, dst_dev
         self.state = "idle"      # idle -> enqueued -> ready, once per execute
         self.ticket = None
 
@@ -151,16 +155,16 @@ def plan_buffers(graph: ComputeGraph, order: Iterable[int]):
 
 
 class GraphAllocator:
-    def __init__(self, entries: list) -> None:
+    def __init__(self, entries: list, devices: dict) -> None:
+        """entries: the participating backends; devices: backend id -> its opened device."""
         self.entries = {e.id: e for e in entries}
-        self.pools = {e.id: e.make_pool() for e in entries}
+        self.devices = devices
         self.node_to_buf: dict = {}
         self.cross: dict = {}            # (node, dst backend) -> _Cross
         self.kv: dict = {}               # layer -> KvRegion
-        self.persistent: list = []       # (name, BufRef): never freed by a rebuild
         self.stats = {"copies": 0, "waits": 0}
         self._graph: Optional[ComputeGraph] = None
-        self._inputs: dict = {}          # name -> (node, pool, id)
+        self._inputs: dict = {}          # name -> (node, device, buffer id)
 
     # ---- build time ----
 
@@ -173,9 +177,9 @@ class GraphAllocator:
             if key in kv_ids or key in seen:
                 continue
             seen.add(key)
-            self.pools[ref.backend].free(ref.id)
+            self.devices[ref.backend].free(ref.id)
         for c in self.cross.values():
-            self.pools[c.dst.backend].free(c.dst.id)
+            self.devices[c.dst.backend].free(c.dst.id)
         self.node_to_buf.clear()
         self.cross.clear()
         self._inputs.clear()
@@ -186,11 +190,11 @@ class GraphAllocator:
         graph.topo_order()          # acyclicity; the order itself is not used
         graph.check_build_order()
         for node in graph.nodes:
-            if node.id not in graph.dead and node.backend not in self.pools:
+            if node.id not in graph.dead and node.backend not in self.devices:
                 raise GraphError(f"node {node.id} ({node.name}) is assigned to backend {node.backend}, "
-                                 f"which has no pool here (participating: {sorted(self.pools)})")
+                                 f"which has no pool here (participating: {sorted(self.devices)})")
         slot_of, slots = plan_buffers(graph, range(len(graph.nodes)))
-        slot_ids = [self.pools[b].alloc(nbytes) for b, nbytes in slots]
+        slot_ids = [self.devices[b].alloc(nbytes) for b, nbytes in slots]
         for nid, s in slot_of.items():
             self.node_to_buf[nid] = BufRef(slots[s][0], slot_ids[s])
         kv_nodes = [n for n in graph.nodes if n.id not in graph.dead and (n.op in KV_BOUND or n.op in KV_WRITERS)]
@@ -203,7 +207,7 @@ class GraphAllocator:
         for nid in pinned_inputs(graph):
             node = graph.nodes[nid]
             ref = self.node_to_buf[nid]
-            self._inputs[node.name] = (node, self.pools[ref.backend], ref.id)
+            self._inputs[node.name] = (node, self.devices[ref.backend], ref.id)
         self._graph = graph
 
     def _reserve_kv(self, kv_nodes: list) -> None:
@@ -239,16 +243,15 @@ class GraphAllocator:
                                  f"conversation or call reset_kv()")
             return r
         nbytes = kv_type.nbytes(kv_dim * n_ctx)
-        pool = self.pools[backend]
-        k = pool.alloc_fresh(nbytes)
+        dev = self.devices[backend]
+        k = dev.alloc_fresh(nbytes)
         try:
-            v = pool.alloc_fresh(nbytes)
+            v = dev.alloc_fresh(nbytes)
         except BaseException:
-            pool.free(k)
+            dev.free(k)
             raise
         r = KvRegion(layer, backend, k, v, kv_dim, n_ctx, kv_type)
         self.kv[layer] = r
-        self.persistent += [(f"kv.{layer}.k", BufRef(backend, r.k)), (f"kv.{layer}.v", BufRef(backend, r.v))]
         return r
 
     def kv_pair(self, layer: int) -> KvRegion:
@@ -258,11 +261,9 @@ class GraphAllocator:
         return r
 
     def _drop_kv(self, r: KvRegion) -> None:
-        self.pools[r.backend].free(r.k)
-        self.pools[r.backend].free(r.v)
+        self.devices[r.backend].free(r.k)
+        self.devices[r.backend].free(r.v)
         del self.kv[r.layer]
-        names = (f"kv.{r.layer}.k", f"kv.{r.layer}.v")
-        self.persistent = [p for p in self.persistent if p[0] not in names]
 
     def reset_kv(self) -> None:
         """Drop every layer's K/V (a new conversation with a different context size)."""
@@ -285,7 +286,10 @@ class GraphAllocator:
         if c is None:
             src = self.buffer(node_id)
             nbytes = self._graph.nodes[node_id].nbytes
-            c = _Cross(node_id, src, BufRef(dst_backend, self.pools[dst_backend].alloc_fresh(nbytes)), nbytes)
+            route = copy_route(self.entries[src.backend], self.entries[dst_backend])
+            dst_dev = self.devices[dst_backend]
+            c = _Cross(node_id, src, BufRef(dst_backend, dst_dev.alloc_fresh(nbytes)), nbytes, route,
+                       self.devices[src.backend], dst_dev)
             self.cross[key] = c
         return c.dst
 
@@ -300,9 +304,7 @@ class GraphAllocator:
         c = self.cross[key]
         if c.state == "enqueued":
             return
-        src_entry = self.entries[c.src.backend]
-        c.ticket = src_entry.copy_cross(self.pools[c.src.backend], c.src.id, self.pools[c.dst.backend], c.dst.id,
-                                        c.nbytes)
+        c.ticket = c.route.start(c.src_dev, c.src.id, c.dst_dev, c.dst.id, c.nbytes)
         c.state = "enqueued"
         self.stats["copies"] += 1
 
@@ -313,7 +315,7 @@ class GraphAllocator:
             return
         if c.state != "enqueued":
             raise GraphError(f"staged copy of node {c.node} to backend {c.dst.backend} was never enqueued")
-        self.entries[c.src.backend].await_cross(c.ticket)
+        c.route.wait(c.ticket)
         c.state = "ready"
         c.ticket = None
         self.stats["waits"] += 1
@@ -338,7 +340,7 @@ class GraphAllocator:
         if graph is not self._graph:
             raise GraphError("fill_input: this graph is not the one currently allocated")
         try:
-            node, pool, bid = self._inputs[name]
+            node, dev, bid = self._inputs[name]
         except KeyError:
             raise GraphError(f"graph has no input named {name!r} (inputs: {', '.join(self._inputs)})") from None
         arr = np.asarray(data)
@@ -355,7 +357,7 @@ class GraphAllocator:
             raise GraphError(f"input {name!r} has dtype {node.out_dtype.value}; host fill supports f32 and i32")
         if arr.size != node.n_elements:
             raise GraphError(f"input {name!r} takes exactly {node.n_elements} values, got {arr.size}")
-        pool.write(bid, np.ascontiguousarray(arr).reshape(-1))
+        dev.write(bid, np.ascontiguousarray(arr).reshape(-1))
 
     def copy_to_host(self, node_id: int) -> np.ndarray:
         """A node's value as a token-major array [rows, d]."""
@@ -366,21 +368,24 @@ class GraphAllocator:
         ref = self.buffer(node_id)
         if node.out_dtype not in (DType.F32, DType.I32):
             raise GraphError(f"copy_to_host: node {node.name!r} is {node.out_dtype.value}")
-        out = self.pools[ref.backend].read(ref.id, node.out_dtype.numpy, node.n_elements)
+        out = self.devices[ref.backend].read(ref.id, node.out_dtype.numpy, node.n_elements)
         return out.reshape(node.n_rows, node.out_shape[0])
 
     def host_view(self, node_id: int) -> np.ndarray:
-        """Like copy_to_host, but a read-only view of the pool buffer (CPU pools only):
-        valid until the next execute. The decode loop samples from it without a copy."""
+        """Like copy_to_host, but a read-only view of the buffer where the backend's memory
+        is host-addressable (else a copy): valid until the next execute. The decode loop
+        samples from it without a copy."""
         node = self._graph.nodes[node_id]
         ref = self.buffer(node_id)
-        out = self.pools[ref.backend].view(ref.id, node.out_dtype.numpy, node.n_elements)
+        out = self.devices[ref.backend].view(ref.id, node.out_dtype.numpy, node.n_elements)
+        if out is None:
+            return self.copy_to_host(node_id)
         return out.reshape(node.n_rows, node.out_shape[0])
 
     def copy_kv_to_host(self, layer: int) -> tuple:
         """(K, V) of a layer, each [n_ctx, kv_dim] float32 whatever the stored type."""
         r = self.kv_pair(layer)
-        pool = self.pools[r.backend]
+        dev = self.devices[r.backend]
         n = r.kv_dim * r.n_ctx
-        return tuple(pool.read(b, r.kv_type.numpy, n).astype(np.float32, copy=False).reshape(r.n_ctx, r.kv_dim)
+        return tuple(dev.read(b, r.kv_type.numpy, n).astype(np.float32, copy=False).reshape(r.n_ctx, r.kv_dim)
                      for b in (r.k, r.v))

@@ -11,13 +11,15 @@ import itertools
 import threading
 from typing import Callable, Optional
 
+from minfer.errors import BackendError
 from minfer.graph.alloc import GraphAllocator
+from minfer.graph.backend import name_of
 from minfer.graph.fusion import FusionPass
 from minfer.graph.ir import ComputeGraph, GraphError
 from minfer.graph.lowering import lower_graph
 from minfer.graph.params import GraphParams
-from minfer.graph.registry import Registry, default_registry
 from minfer.graph.scheduler import BackendScheduler
+from minfer.graph.weights import WeightRegistry
 
 _uid_lock = threading.Lock()
 _uids = itertools.count(1)
@@ -29,19 +31,20 @@ def next_uid() -> int:
 
 
 class GraphCache:
-    def __init__(self, weights, backends: Optional[list] = None, registry: Optional[Registry] = None,
-                 n_threads: Optional[int] = None) -> None:
-        """weights: the model's WeightRegistry. backends: names to fence to (None:
-        MINFER_BACKENDS, else every usable backend)."""
-        self.registry = registry or default_registry()
-        entries = self.registry.select_backends(backends)
+    def __init__(self, entries: list, weights: WeightRegistry, options: Optional[dict] = None) -> None:
+        """entries: the participating backends, as the registry selected them (the graph
+        never chooses). weights: the model's WeightRegistry. options: run settings each
+        backend reads for itself when it opens its device (the CPU reads "threads")."""
+        if not entries:
+            raise BackendError("no backend is available")
+        for e in entries:
+            if e.open_device is None:
+                raise BackendError(f"backend {e.name!r} cannot execute plans in this build")
+        weights.check_types(entries)
         self.scheduler = BackendScheduler(entries)
-        self.alloc = GraphAllocator(entries)
+        opts = dict(options or {})
+        self.alloc = GraphAllocator(self.scheduler.entries, {e.id: e.open_device(opts) for e in self.scheduler.entries})
         self.weights = weights
-        if n_threads is None:
-            from minfer import _core
-            n_threads = _core.default_threads()
-        self.n_threads = max(1, int(n_threads))
         self.graph: Optional[ComputeGraph] = None
         self.params: Optional[GraphParams] = None
         self.lowered = None
@@ -63,7 +66,7 @@ class GraphCache:
         self.preview(graph, fuse=params.cparams.fuse_swiglu if params is not None else True)
         self.alloc.alloc_graph(graph)
         splits = self.scheduler.split_graph(graph)
-        lowered = lower_graph(graph, splits, self.alloc, self.weights, self.registry)
+        lowered = lower_graph(graph, splits, self.alloc, self.weights)
         self.replace_graph(graph, params, lowered, splits)
         return graph
 
@@ -85,13 +88,21 @@ class GraphCache:
         self.lowered = lowered
         self.splits = list(splits or [])
 
+    @property
+    def entries(self) -> list:
+        """The participating backends in priority order."""
+        return self.scheduler.entries
+
+    def name_of(self, bid: Optional[int]) -> str:
+        return name_of(bid, self.scheduler.by_id)
+
     def current(self) -> Optional[ComputeGraph]:
         return self.graph
 
     def execute(self, on_step: Optional[Callable] = None) -> None:
         if self.graph is None or self.lowered is None:
             raise GraphError("no graph is installed (build one and call cache.install first)")
-        self.scheduler.execute(self.graph, self.alloc, self.lowered, self.weights, self.n_threads, on_step)
+        self.scheduler.execute(self.graph, self.alloc, self.lowered, on_step)
 
     def reset_kv(self) -> None:
         """Forget the KV (and the graph, whose plans point at the old regions)."""

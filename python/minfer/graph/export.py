@@ -10,8 +10,9 @@ import io
 import json
 from typing import Callable, Optional, TextIO, Union
 
+from minfer.graph.backend import CPU_ID, CUDA_ID, METAL_ID
+from minfer.graph.backend import name_of as backend_name
 from minfer.graph.ir import CNode, ComputeGraph, EmbedMeta, GraphError, Op, node_layer
-from minfer.graph.registry import CPU_ID, CUDA_ID, METAL_ID, Registry, default_registry
 
 COLORS = {CPU_ID: "lightyellow", CUDA_ID: "lightgreen", METAL_ID: "lightblue"}
 # Backends registered later (tests, future devices) still get a distinct fill.
@@ -28,8 +29,8 @@ def _q(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def dot_text(graph: ComputeGraph, registry: Optional[Registry] = None) -> str:
-    reg = registry or default_registry()
+def dot_text(graph: ComputeGraph, entries: Optional[list] = None) -> str:
+    by_id = {e.id: e for e in entries or ()}
     ends = set(graph.inputs) | set(graph.outputs)
     out = io.StringIO()
     out.write("digraph minfer {\n  rankdir=TB;\n")
@@ -38,7 +39,7 @@ def dot_text(graph: ComputeGraph, registry: Optional[Registry] = None) -> str:
     out.write("  graph [mclimit=0.1, nslimit=1, nslimit1=1, searchsize=10];\n")
     out.write("  node [style=filled, fontname=\"Helvetica\", fontsize=10];\n")
     for n in graph.nodes:
-        label = f"{n.name}\n{n.op} [{reg.name_of(n.backend)}]"
+        label = f"{n.name}\n{n.op} [{backend_name(n.backend, by_id)}]"
         attrs = [f"label={_q(label)}", f"fillcolor={_q(backend_color(n.backend))}",
                  "shape=doublecircle" if n.id in ends else "shape=box"]
         if n.id in graph.dead:
@@ -51,8 +52,8 @@ def dot_text(graph: ComputeGraph, registry: Optional[Registry] = None) -> str:
     return out.getvalue()
 
 
-def write_dot(graph: ComputeGraph, path_or_file: Union[str, TextIO], registry: Optional[Registry] = None) -> None:
-    text = dot_text(graph, registry)
+def write_dot(graph: ComputeGraph, path_or_file: Union[str, TextIO], entries: Optional[list] = None) -> None:
+    text = dot_text(graph, entries)
     if hasattr(path_or_file, "write"):
         path_or_file.write(text)
     else:
@@ -162,7 +163,7 @@ def graph_json(graph: ComputeGraph, model: str, kind: str, name_of: Optional[Cal
     if kind not in ("prefill", "decode"):
         raise ValueError(f"kind must be 'prefill' or 'decode', got {kind!r}")
     if name_of is None:
-        name_of = default_registry().name_of
+        name_of = backend_name
     nodes = []
     for n in graph.nodes:
         nodes.append({

@@ -1,8 +1,9 @@
-"""Lowering: each split becomes one `_core.Plan`, once per graph build.
+"""Lowering: each split becomes one plan on its backend's device, once per graph build.
 
 Buffer ids are resolved here through the allocator (node buffers, KV regions,
 staging buffers for cross-backend inputs) and weight names through the model's
-WeightRegistry, so a reused graph re-runs its plans with no Python per node.
+weights bound to that backend, so a reused graph re-runs its plans with no Python
+per node. The plan itself (creation, validation, execution) belongs to the backend.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minfer.errors import BackendError
+from minfer.graph.backend import name_of
 from minfer.graph.ir import KV_BOUND, ComputeGraph, GraphError
 
 
@@ -17,8 +19,9 @@ from minfer.graph.ir import KV_BOUND, ComputeGraph, GraphError
 class LoweredSplit:
     split: object
     entry: object
-    pool: object
+    device: object
     plan: object
+    run: object                                     # run(begin=0, end=-1): the plan, bound to its device
     step_nodes: list
     staged: list = field(default_factory=list)      # (node, backend) keys, in first-read order
     first_read: dict = field(default_factory=dict)  # step index -> staged keys first read there
@@ -37,6 +40,7 @@ class LowerCtx:
     """What a backend's lower_node may ask: buffer ids on its own backend."""
 
     def __init__(self, graph: ComputeGraph, alloc, weights, backend: int, names) -> None:
+        """weights: the model's weights bound to this backend (BoundWeights)."""
         self.graph, self.alloc, self.weights, self.backend, self._names = graph, alloc, weights, backend, names
         self.staged: list = []
         self.first_read: dict = {}
@@ -79,24 +83,25 @@ class LowerCtx:
         return self.weights.handle(name, node.name)
 
 
-def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, registry) -> Lowered:
-    from minfer import _core
-
+def lower_graph(graph: ComputeGraph, splits: list, alloc, weights) -> Lowered:
+    """weights: the model's WeightRegistry; each split resolves names on its own backend."""
     out = []
+    names = lambda bid: name_of(bid, alloc.entries)  # noqa: E731
     for k, sp in enumerate(splits):
         entry = alloc.entries[sp.backend]
         if entry.lower_node is None:
             raise BackendError(f"backend {entry.name!r} cannot execute plans in this build")
-        pool = alloc.pools[sp.backend]
-        ctx = LowerCtx(graph, alloc, weights, sp.backend, registry.name_of)
-        plan = _core.Plan(f"split{k}:{entry.name}")
+        device = alloc.devices[sp.backend]
+        bound = weights.on(entry)
+        ctx = LowerCtx(graph, alloc, bound, sp.backend, names)
+        plan = device.new_plan(f"split{k}:{entry.name}")
         step_nodes = []
         for i in range(*sp.node_range):
             node = graph.nodes[i]
             if i in graph.dead:
                 continue
             if node.backend != sp.backend:
-                raise BackendError(f"node {i} ({node.name}) is on backend {registry.name_of(node.backend)} inside a "
+                raise BackendError(f"node {i} ({node.name}) is on backend {names(node.backend)} inside a "
                                    f"{entry.name} split")
             ref = alloc.node_to_buf.get(i)
             if ref is not None and ref.backend != sp.backend:
@@ -108,8 +113,9 @@ def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, registry) -> 
             if node.op not in KV_BOUND and node.id not in alloc.node_to_buf:
                 raise GraphError(f"node {i} ({node.name}) was not allocated")
         try:
-            _core.validate(plan, pool, weights.store)
+            device.validate(plan, bound.store)
         except (ValueError, IndexError) as e:
             raise GraphError(f"split {k} ({entry.name}) does not lower to a valid plan: {e}") from e
-        out.append(LoweredSplit(sp, entry, pool, plan, step_nodes, ctx.staged, ctx.first_read))
+        out.append(LoweredSplit(sp, entry, device, plan, device.bind(plan, bound.store), step_nodes, ctx.staged,
+                                ctx.first_read))
     return Lowered(out)

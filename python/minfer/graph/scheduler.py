@@ -1,5 +1,5 @@
 """BackendScheduler: capability-driven assignment, contiguous splits, and the
-execute loop over lowered splits (one `_core` call per split).
+execute loop over lowered splits (one backend call per split).
 
 Execution follows build order. At a split boundary the copies of the split's
 cross-backend inputs are enqueued (phase 1) and each is awaited once at its
@@ -86,11 +86,9 @@ class BackendScheduler:
             sp.outputs.sort()
         return splits
 
-    def execute(self, graph: ComputeGraph, alloc, lowered, weights, n_threads: int,
-                on_step: Optional[Callable] = None) -> None:
+    def execute(self, graph: ComputeGraph, alloc, lowered, on_step: Optional[Callable] = None) -> None:
         """Run every split's plan once (or step by step with on_step(node, split) for tracing)."""
         alloc.begin_execute()
-        store = weights.store
         for ls in lowered.splits:
             for key in ls.staged:
                 alloc.enqueue_cross(key)
@@ -100,12 +98,12 @@ class BackendScheduler:
                     alloc.await_cross(key)
                     alloc.cross_input(key)
                 if ls.n_steps:
-                    ls.entry.run_plan(ls.plan, ls.pool, store, n_threads, 0, -1)
+                    ls.run()
             else:
                 for j, nid in enumerate(ls.step_nodes):
                     for key in ls.first_read.get(j, ()):
                         alloc.await_cross(key)
                         alloc.cross_input(key)
-                    ls.entry.run_plan(ls.plan, ls.pool, store, n_threads, j, j + 1)
+                    ls.run(j, j + 1)
                     on_step(graph.nodes[nid], ls)
         alloc.finish_execute()

@@ -8,22 +8,22 @@ from collections import Counter
 from typing import Optional
 
 from minfer.graph.ir import ComputeGraph
-from minfer.graph.registry import Registry, default_registry
+from minfer.graph.backend import name_of
 
 
 def trace_enabled() -> bool:
     return os.environ.get("MINFER_GRAPH_TRACE", "") not in ("", "0")
 
 
-def trace_summary(graph: ComputeGraph, splits: list, registry: Optional[Registry] = None) -> str:
-    reg = registry or default_registry()
+def trace_summary(graph: ComputeGraph, splits: list, entries: Optional[list] = None) -> str:
+    by_id = {e.id: e for e in entries or ()}
     live = [n for n in graph.nodes if n.id not in graph.dead]
     lines = [f"graph uid={graph.uid}: {len(graph.nodes)} nodes ({len(graph.dead)} fused away), {len(splits)} splits"]
     for k, sp in enumerate(splits):
         a, b = sp.node_range
-        lines.append(f"  split {k}: {reg.name_of(sp.backend)} nodes [{a}, {b}) "
+        lines.append(f"  split {k}: {name_of(sp.backend, by_id)} nodes [{a}, {b}) "
                      f"inputs={list(sp.inputs)} outputs={list(sp.outputs)}")
-    counts = Counter((str(n.op), reg.name_of(n.backend)) for n in live)
+    counts = Counter((str(n.op), name_of(n.backend, by_id)) for n in live)
     backends = sorted({b for _, b in counts})
     ops = sorted({o for o, _ in counts})
     w = max([len(o) for o in ops] + [2])

@@ -1,8 +1,9 @@
 """ModelDef: what the engine needs from an architecture (§10 of the design of record).
 
 A model reads its hyper-parameters and tensor table from the GGUF, validates them
-(shapes, supported types) up front, and builds the compute graph for given params.
-It never executes anything: weights are referenced by name.
+(names and shapes) up front, and builds the compute graph for given params. It never
+executes anything: weights are referenced by name. Which weight types can run is
+the selected backends' call (they refuse a type at registration, naming the tensor).
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ if TYPE_CHECKING:
     from minfer.io.gguf_file import GGUFFile, TensorInfo
     from minfer.graph.ir import ComputeGraph
     from minfer.graph.params import GraphParams
-
-# Weight types the CPU kernels execute (GGUF type ids by name).
-SUPPORTED_WEIGHT_TYPES = ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -123,11 +121,6 @@ class ModelDef:
             got = tuple(int(d) for d in t.shape)
             if _squeeze(got) != _squeeze(shape):
                 raise UnsupportedModelError(f"{self.gguf.path}: tensor {name} has shape {list(got)}, expected {list(shape)}")
-            if t.type_name not in SUPPORTED_WEIGHT_TYPES:
-                raise UnsupportedModelError(
-                    f"{self.gguf.path}: tensor {name} has type {t.type_name}, which minfer does not support "
-                    f"(supported: {', '.join(SUPPORTED_WEIGHT_TYPES)})"
-                )
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights a decode step reads: every matmul weight once, plus one

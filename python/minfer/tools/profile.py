@@ -37,12 +37,12 @@ class Profiler:
 
     def execute(self, cache) -> None:
         for ls in cache.lowered.splits:
-            if not hasattr(ls.pool, "view"):
+            if ls.entry.memory != "host":   # no host view of a device buffer between steps
                 raise MinferError(f"profile: backend {ls.entry.name!r} has no host-clock timing; run with --backend cpu")
         graph = cache.graph
         kind = cache.params.gtype.value if cache.params is not None else "prefill"
         if not self.phases or self._uid != graph.uid or self.phases[-1]["kind"] != kind:
-            self.phases.append({"kind": kind, "graph": graph_json(graph, self.model, kind, cache.registry.name_of),
+            self.phases.append({"kind": kind, "graph": graph_json(graph, self.model, kind, cache.name_of),
                                 "steps": 0, "ns": defaultdict(int), "calls": defaultdict(int)})
             self._uid = graph.uid
         phase = self.phases[-1]
@@ -112,7 +112,7 @@ def run_profile(engine, prompt_ids: list, n_predict: int, prompt: str = "") -> d
     engine.reset()
     engine.forward(prompt_ids)
     prof = Profiler(engine.model_name, weight_bytes)
-    prof.n_threads = engine.context.cache.n_threads
+    prof.n_threads = engine.model.n_threads
     engine.context.tracer = prof
     try:
         from minfer.sampling import SamplingParams

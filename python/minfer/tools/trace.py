@@ -88,12 +88,12 @@ class Tracer:
     def execute(self, cache) -> None:
         graph, alloc = cache.graph, cache.alloc
         for ls in cache.lowered.splits:
-            if not hasattr(ls.pool, "view"):
+            if ls.entry.memory != "host":   # no host view of a device buffer between steps
                 raise MinferError(f"{ENV_TRACE}: per-node capture on backend {ls.entry.name!r} is not supported "
                                   f"(only host-memory backends can be traced today); run with --backend cpu")
         kind = cache.params.gtype.value if cache.params is not None else "prefill"
         if not self.phases or self._uid != graph.uid or self.phases[-1]["kind"] != kind:
-            name_of = self.name_of or cache.registry.name_of
+            name_of = self.name_of or cache.name_of
             self.phases.append({"kind": kind, "graph": graph_json(graph, self.model, kind, name_of), "steps": []})
             self._uid = graph.uid
         records: dict = {}

@@ -6,9 +6,8 @@ import dataclasses
 
 import pytest
 
-from minfer.backends import cpu
+from minfer.backends import CPU_ID, CUDA_ID, METAL_ID, cpu, default_registry, parse_backend_list
 from minfer.errors import BackendError, MinferError
-from minfer.graph.registry import CPU_ID, CUDA_ID, METAL_ID, default_registry, parse_backend_list
 
 
 def test_builtin_ids_and_priority_order():
