@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     rss_minfer = peak_rss_bytes()
     fa_modes = {"on": [True], "off": [False], "both": [True, False]}[a.fa]
     peers = {fa: LlamaPeer(path, n_ctx, n_batch, threads, fa) for fa in fa_modes}
-    n_vocab = eng.hp.n_vocab if hasattr(eng, "hp") else eng.model_info["n_vocab"]
+    n_vocab = eng.model_info["n_vocab"]
     if any(p.n_vocab != n_vocab for p in peers.values()):
         print("warning: the engines disagree on the vocabulary size", file=sys.stderr)
 

@@ -180,8 +180,9 @@ class FakeEngine:
         self.n_past = 0
         self.calls: list[tuple[str, int]] = []
         self.model_info = {"arch": "qwen2", "n_params": 1000, "size_bytes": 4096,
-                           "type_label": "qwen2 tiny F32", "weight_bytes_per_token": 4000,
+                           "type": "qwen2 tiny F32", "weight_bytes_per_token": 4000,
                            "n_vocab": 50}
+        self.kv_type = "f16"
         self.backend_names = ["CPU"]
 
     def reset(self):

@@ -12,7 +12,7 @@ from minfer.backends import select_backends
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.cache import GraphCache, verify_structural
 from minfer.graph.ir import DType
-from minfer.graph.params import CParams, GraphParams, GraphType
+from minfer.graph.params import KV_TYPES, CParams, GraphParams, GraphType
 from minfer.graph.weights import WeightRegistry
 
 RNG = np.random.default_rng(5)
@@ -47,9 +47,15 @@ def changed_params():
     out = []
     for f, v in (("n_tokens", 5), ("n_out", 2), ("gtype", GraphType.Decode), ("weights_version", 2)):
         out.append(dataclasses.replace(BASE, **{f: v}))
-    for f in ("n_ctx", "flash_attn", "gpu", "fuse_qkv", "fuse_ffn", "explicit_span"):
+    # Every CParams field, so a switch added later is covered without listing it here.
+    for f in (fd.name for fd in dataclasses.fields(CParams)):
         cur = getattr(BASE.cparams, f)
-        new = cur * 2 if isinstance(cur, int) and not isinstance(cur, bool) else not cur
+        if isinstance(cur, bool):
+            new = not cur
+        elif isinstance(cur, int):
+            new = cur * 2
+        else:
+            new = next(k for k in KV_TYPES if k != cur) if f == "kv_type" else pytest.fail(f"no change for {f}")
         out.append(dataclasses.replace(BASE, cparams=dataclasses.replace(BASE.cparams, **{f: new})))
     return out
 
@@ -60,7 +66,7 @@ def test_equal_params_reuse_and_any_change_rebuilds(weights):
     c.install(build(BASE), BASE)
     assert c.try_reuse(GraphParams(4, 1, GraphType.Prefill, CParams(n_ctx=64)))
     changes = changed_params()
-    assert len(changes) == 10
+    assert len(changes) == 4 + len(dataclasses.fields(CParams))
     for p in changes:
         assert not c.try_reuse(p), p
 

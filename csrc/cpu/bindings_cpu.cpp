@@ -153,7 +153,6 @@ void register_cpu(py::module_& m) {
             return argmax_f32(x, n, n_threads);
         }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("n_threads"));
     m.def("weight_type_supported", &weight_type_supported);
-    m.def("default_threads", &default_threads);
 }
 
 void register_cpu_testing(py::module_& t) {

@@ -16,7 +16,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26,11 +25,6 @@
 #include "cpu/vec_math.h"
 
 namespace minfer::cpu {
-
-int default_threads() {
-    unsigned n = std::thread::hardware_concurrency();
-    return n ? (int)n : 1;
-}
 
 namespace {
 

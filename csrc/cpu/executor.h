@@ -18,8 +18,6 @@ void validate_plan(const Plan& plan, const Pool& pool, const WeightStore& ws);
 void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads,
               size_t begin = 0, size_t end = (size_t)-1);
 
-int default_threads();
-
 // Index of the largest of x[0..n) (first on ties), computed by n_threads threads over
 // the same contiguous row ranges the matmul gives each thread.
 int64_t argmax_f32(const float* x, int64_t n, int n_threads);

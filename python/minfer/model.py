@@ -84,6 +84,7 @@ class Model:
             "n_params": sum(t.n_elements for t in d.tensors.values()),
             "size_bytes": sum(t.nbytes for t in d.tensors.values()),
             "type": f"{d.hp.arch} {label} {FILE_TYPES.get(ftype, '')}".strip(),
+            "n_vocab": d.hp.n_vocab,
             "weight_bytes_per_token": d.weight_bytes_per_token(),
             "filename": str(self.gguf.path),
         }

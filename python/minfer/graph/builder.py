@@ -12,8 +12,7 @@ from typing import Optional, Sequence
 
 from minfer.graph.ir import (
     AttnMeta, CNode, ComputeGraph, DType, EmbedMeta, FusedFfnMeta, FusedQkvMeta, FusedQkvNormMeta,
-    GraphError, KvcacheMeta, MatMulMeta, NormMeta, Op, PermuteMeta, QkvBiasRopeStoreMeta, ReshapeMeta,
-    RoPEMeta, ScaleMeta, SoftmaxMeta, ViewMeta,
+    GraphError, KvcacheMeta, MatMulMeta, NormMeta, Op, QkvBiasRopeStoreMeta, RoPEMeta,
 )
 
 
@@ -123,14 +122,6 @@ class GraphBuilder:
         self._check_f32("silu", x)
         return self.node(name or self._auto("silu"), Op.Silu, [x], self._shape(x))
 
-    def scale(self, x: int, s: float, name: Optional[str] = None) -> int:
-        self._check_f32("scale", x)
-        return self.node(name or self._auto("scale"), Op.Scale, [x], self._shape(x), meta=ScaleMeta(float(s)))
-
-    def softmax(self, x: int, dim: int = 0, name: Optional[str] = None) -> int:
-        self._check_f32("softmax", x)
-        return self.node(name or self._auto("softmax"), Op.Softmax, [x], self._shape(x), meta=SoftmaxMeta(dim))
-
     # ---- normalization ----
 
     def rms_norm(self, x: int, weight_name: Optional[str], eps: float, name: Optional[str] = None) -> int:
@@ -225,30 +216,6 @@ class GraphBuilder:
                      kv_type: DType = DType.F32) -> int:
         return self.node(name or self._auto(f"kv_load.{layer}"), Op.KvcacheLoad, [], (kv_dim, n_ctx),
                          meta=_kv_meta(layer, kv_dim, n_ctx, kv_type))
-
-    # ---- layout ops (vocabulary only: no supported architecture emits them) ----
-
-    def view(self, x: int, offset: int, shape: Sequence[int], name: Optional[str] = None) -> int:
-        out = shape4(shape)
-        if offset < 0 or offset + _n(out) > self._nodes[x].n_elements:
-            raise GraphError("view: window outside its source")
-        return self.node(name or self._auto("view"), Op.View, [x], out, self._nodes[x].out_dtype,
-                         ViewMeta(offset, out))
-
-    def reshape(self, x: int, shape: Sequence[int], name: Optional[str] = None) -> int:
-        out = shape4(shape)
-        if _n(out) != self._nodes[x].n_elements:
-            raise GraphError("reshape: element count changes")
-        return self.node(name or self._auto("reshape"), Op.Reshape, [x], out, self._nodes[x].out_dtype,
-                         ReshapeMeta(out))
-
-    def permute(self, x: int, dims: Sequence[int], name: Optional[str] = None) -> int:
-        dims = tuple(dims)
-        if sorted(dims) != [0, 1, 2, 3]:
-            raise GraphError(f"permute: {dims} is not a permutation of 0..3")
-        s = self._shape(x)
-        return self.node(name or self._auto("permute"), Op.Permute, [x], tuple(s[d] for d in dims),
-                         self._nodes[x].out_dtype, PermuteMeta(dims))
 
     # ---- decode fused constructors (built, not pattern-matched) ----
 

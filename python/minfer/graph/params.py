@@ -21,7 +21,6 @@ KV_TYPES = ("f16", "f32")  # KV element types a graph may ask for; a backend say
 @dataclass(frozen=True)
 class CParams:
     n_ctx: int
-    flash_attn: bool = False
     gpu: bool = False            # a GPU backend participates: assignment is topology
     fuse_qkv: bool = False       # decode QKV fusion; part of the identity so env A/Bs rebuild
     fuse_ffn: bool = False       # decode FFN fusion; same reason

@@ -325,27 +325,6 @@ def measure_bandwidth_isolated() -> float:
         raise MinferError(f"memory-bandwidth probe failed: {e}") from None
 
 
-def _vocab_size(eng, model_path: Path) -> int:
-    info = getattr(eng, "model_info", {}) or {}
-    hp = getattr(eng, "hp", None)
-    for v in (info.get("n_vocab"), getattr(eng, "n_vocab", None), getattr(hp, "n_vocab", None)):
-        if isinstance(v, int) and v > 0:
-            return v
-    import gguf  # last resort: the embedding table's row count
-    reader = gguf.GGUFReader(str(model_path))
-    for t in reader.tensors:
-        if t.name == "token_embd.weight":
-            return int(t.shape[1])
-    raise MinferError(f"{model_path}: cannot tell the vocabulary size (no token_embd.weight)")
-
-
-def _model_type(info: dict) -> str:
-    for key in ("type_label", "type", "model_type", "desc"):
-        if isinstance(info.get(key), str) and info[key]:
-            return info[key]
-    return str(info.get("arch", "unknown"))
-
-
 def _default_engine_loader(path, *, n_ctx, n_threads, backends, kv_type="f16"):
     from minfer.session import Session
     return Session.open(path, n_ctx=n_ctx, n_threads=n_threads, backends=backends, kv_type=kv_type)
@@ -418,22 +397,21 @@ def run_bench(
         eng = load(model_path, n_ctx=ctx, n_threads=n_threads,
                    backends=list(backends) if backends is not None else None)
         try:
-            info = dict(getattr(eng, "model_info", {}) or {})
-            n_vocab = _vocab_size(eng, model_path)
+            info = eng.model_info   # Session.model_info: exactly these keys, nothing guessed
+            n_vocab = int(info["n_vocab"])
             base = dict(
                 model_filename=str(model_path),
-                model_type=_model_type(info),
-                model_size=int(info.get("size_bytes", 0) or 0),
-                model_n_params=int(info.get("n_params", 0) or 0),
-                backends=",".join(getattr(eng, "backend_names", None) or ["CPU"]),
+                model_type=str(info["type"]),
+                model_size=int(info["size_bytes"]),
+                model_n_params=int(info["n_params"]),
+                backends=",".join(eng.backend_names),
                 n_threads=n_threads,
-                type_k=str(getattr(eng, "kv_type", kv_type)),
-                type_v=str(getattr(eng, "kv_type", kv_type)),
+                type_k=str(eng.kv_type),
+                type_v=str(eng.kv_type),
                 build_commit=commit, build_number=build_number,
                 cpu_info=cpu_info(),
                 mem_bw_bytes_per_s=bw,
-                weight_bytes_per_token=(int(info["weight_bytes_per_token"])
-                                        if info.get("weight_bytes_per_token") else None),
+                weight_bytes_per_token=int(info["weight_bytes_per_token"]),
             )
             for kind, n in [("pp", p) for p in pps] + [("tg", g) for g in tgs]:
                 idx += 1
