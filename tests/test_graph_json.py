@@ -102,4 +102,5 @@ def test_dump_graph_json_cli(synth_model_path, tmp_path, capsys):
     capsys.readouterr()
     rc = main(["--dump-graph-json", str(tmp_path / "no" / "dir" / "g.json"), str(synth_model_path), "hi"])
     err = capsys.readouterr().err
-    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
+    # A target in a missing folder is a bad argument (exit 2), refused before any work.
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err and "does not exist" in err

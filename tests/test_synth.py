@@ -3,8 +3,6 @@ sane magnitude (checked through the gguf package's independent dequantizer)."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -20,10 +18,8 @@ def _weights(g: GGUFFile, name: str) -> np.ndarray:
     return dequantize(g.tensor_data(name), QT(t.type)).reshape(-1)
 
 
-def test_default_model_is_fast_and_well_formed(tmp_path):
-    t0 = time.perf_counter()
+def test_default_model_is_well_formed(tmp_path):
     cfg = write_model(tmp_path / "m.gguf")
-    assert time.perf_counter() - t0 < 1.0
     with GGUFFile.open(cfg.path) as g:
         m = g.metadata
         assert g.architecture == "qwen2"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
     from click import globals as click_globals
 
-from minfer import __version__
+from minfer import __version__, cli_args
 from minfer.errors import MinferError
 
 app = typer.Typer(
@@ -32,9 +33,11 @@ app = typer.Typer(
 )
 
 ModelArg = Annotated[Optional[str], typer.Argument(help="GGUF file (default: the default model, pulled on first use)", show_default=False)]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: physical cores)")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads, >= 1 (default: physical cores; more than the logical CPUs is capped to them with a warning)")]
 KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache element type: f16 or f32 (exact; twice the memory).")]
-BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="Comma list of backends to use (cpu, cuda, metal); default: all usable. Env: MINFER_BACKENDS")]
+BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="Comma list of backends to use (cpu, cuda, metal; any case); default: all usable. Env: MINFER_BACKENDS, same syntax")]
+CTX0 = "0 = the model's trained context, as in llama.cpp"
+SEED_HELP = "Random seed (same seed, same output); -1 = random, as in llama.cpp."
 
 
 def _version(value: bool) -> None:
@@ -69,13 +72,7 @@ def _split_model_and_text(args: list[str], what: str) -> tuple[str | None, str]:
     raise click_exc.UsageError(f"expected [MODEL] {what}, got {len(args)} arguments")
 
 
-def _backends(backend: str | None) -> list[str] | None:
-    if backend is None:
-        return None
-    names = [b.strip() for b in backend.split(",") if b.strip()]
-    if not names:
-        raise click_exc.UsageError("--backend needs at least one name")
-    return names
+_backends = cli_args.backends
 
 
 @app.command()
@@ -120,8 +117,8 @@ def generate(
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold (1 = off).")] = 0.95,
     min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).")] = 0.05,
     repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recently seen tokens (1 = off).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed (same seed, same output).")] = None,
-    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size in tokens.")] = 4096,
+    seed: Annotated[Optional[int], typer.Option("--seed", help=SEED_HELP)] = None,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help=f"Context size in tokens ({CTX0}).")] = 4096,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
     kv_type: KvTypeOpt = "f16",
@@ -135,25 +132,27 @@ def generate(
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; timings go to stderr."""
     model, prompt = _split_model_and_text(args, "PROMPT")
-    from minfer.sampling import SamplingParams
-
-    if n_predict < 0:
-        raise click_exc.UsageError("-n must be >= 0")
-    sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
-    sp.validate()
+    cli_args.integer("-n", n_predict, 0)
+    sp = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    cli_args.ctx(ctx)
+    threads = cli_args.threads(threads)
+    for flag, path in (("--dump-graph", dump_graph), ("--dump-graph-json", dump_graph_json)):
+        if path is not None:
+            cli_args.output_path(flag, path)
     t0 = time.perf_counter()
     session = _open_session(model, ctx, threads, backend, kv_type)
     tok = session.tokenizer
     text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True) if chat else prompt
     prompt_ids = tok.encode(text)
     if dump_graph is not None:
-        session.dump_graph(dump_graph, n_tokens=1 if decode else max(len(prompt_ids), 1), decode=decode)
+        _write_output(dump_graph, lambda: session.dump_graph(dump_graph, n_tokens=1 if decode else max(len(prompt_ids), 1),
+                                                             decode=decode))
         typer.echo(f"wrote {'decode' if decode else 'prefill'} graph to {dump_graph}", err=True)
     if dump_graph_json is not None:
         from minfer.graph.export import write_graph_json
 
         doc = session.graph_json(n_tokens=1 if decode else max(len(prompt_ids), 1), decode=decode)
-        write_graph_json(doc, str(dump_graph_json))
+        _write_output(dump_graph_json, lambda: write_graph_json(doc, str(dump_graph_json)))
         typer.echo(f"wrote {doc['kind']} graph JSON ({len(doc['nodes'])} nodes) to {dump_graph_json}", err=True)
     if dump_graph is not None or dump_graph_json is not None:
         return
@@ -201,6 +200,25 @@ def _out(text: str) -> None:
     sys.stdout.flush()
 
 
+def _sampling(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None):
+    from minfer.sampling import SamplingParams
+
+    cli_args.sampling(temp, top_k, top_p, min_p, repeat_penalty)
+    return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repeat_penalty=repeat_penalty, seed=cli_args.seed(seed))
+
+
+def _write_output(path: Path, write) -> None:
+    existed = path.exists()
+    try:
+        write()
+    except OSError as e:
+        # Leave nothing half-written behind where there was nothing before.
+        if not existed and path.is_file():
+            path.unlink(missing_ok=True)
+        raise MinferError(f"could not write {path}: {e.strerror or e}") from None
+
+
 def _given(param: str) -> bool:
     """Whether the user set this option (a default above a small model's trained
     context is not worth a warning; an explicit --ctx is)."""
@@ -225,8 +243,8 @@ def _open_session(model: str | None, ctx: int, threads: int | None, backend: str
                            kv_type=kv_type)
     n_train = session.hp.n_ctx_train
     if ctx > n_train and _given("ctx"):
-        typer.echo(f"warning: --ctx {ctx} is above the model's trained context ({n_train}); quality may degrade "
-                   f"past {n_train} tokens", err=True)
+        typer.echo(f"minfer: warning: --ctx {ctx} is above the model's trained context ({n_train}); quality may "
+                   f"degrade past {n_train} tokens", err=True)
     return session
 
 
@@ -239,23 +257,21 @@ def chat(
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold (1 = off).")] = 0.95,
     min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).")] = 0.05,
     repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recently seen tokens (1 = off).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed (same seed, same output).")] = None,
-    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size in tokens (the whole conversation).")] = 4096,
+    seed: Annotated[Optional[int], typer.Option("--seed", help=SEED_HELP)] = None,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help=f"Context size in tokens, the whole conversation ({CTX0}).")] = 4096,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
-    system: Annotated[Optional[str], typer.Option("--system", help="A system message to start the conversation.")] = None,
     kv_type: KvTypeOpt = "f16",
+    system: Annotated[Optional[str], typer.Option("--system", help="A system message to start the conversation.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per turn instead of streamed text.")] = False,
 ) -> None:
     """Chat with the model, one turn per line; the KV is kept between turns, so each
     turn processes only its new tokens. `/reset` starts over. When stdin is not a
     terminal, each line of stdin is one user turn."""
-    from minfer.sampling import SamplingParams
-
-    if n_predict < 1:
-        raise click_exc.UsageError("-n must be >= 1")
-    sp = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
-    sp.validate()
+    cli_args.integer("-n", n_predict, 1)
+    sp = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    cli_args.ctx(ctx)
+    threads = cli_args.threads(threads)
     session = _open_session(model, ctx, threads, backend, kv_type)
     tok = session.tokenizer
     start = [{"role": "system", "content": system}] if system else []
@@ -306,19 +322,22 @@ def chat(
 @app.command()
 def perplexity(
     model: ModelArg = None,
-    file: Annotated[Path, typer.Option("-f", "--file", help="Text file to score.", exists=True, dir_okay=False)] = ...,  # type: ignore[assignment]
-    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Chunk size in tokens.")] = 512,
+    file: Annotated[Path, typer.Option("-f", "--file", help="UTF-8 text file to score.")] = ...,  # type: ignore[assignment]
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help=f"Chunk size in tokens ({CTX0}).")] = 512,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
-    max_chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (0 = all).")] = 0,
     kv_type: KvTypeOpt = "f16",
+    max_chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks, >= 0 (0 = all).")] = 0,
 ) -> None:
     """Perplexity over FILE the way llama.cpp's perplexity tool computes it."""
+    cli_args.ctx(ctx)
+    cli_args.integer("--chunks", max_chunks, 0, hint=" (0 = all)")
+    threads = cli_args.threads(threads)
+    text = cli_args.text_file("-f", file)
     from minfer.tools.perplexity import run_perplexity
 
     session = _open_session(model, ctx, threads, backend, kv_type)
-    run_perplexity(session, file.read_text(encoding="utf-8"), ctx, max_chunks=max_chunks,
-                   out=lambda s: typer.echo(s))
+    run_perplexity(session, text, session.n_ctx, max_chunks=max_chunks, out=lambda s: typer.echo(s))
 
 
 @app.command()
@@ -327,10 +346,10 @@ def bench(
     n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="Prompt sizes, comma list.")] = "512",
     n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="Generation lengths, comma list.")] = "128",
     reps: Annotated[int, typer.Option("-r", "--repetitions", help="Repetitions per test.")] = 5,
-    threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="Thread counts, comma list.")] = None,
+    threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="Thread counts, comma list, each >= 1 (capped at the logical CPUs with a warning).")] = None,
     backend: BackendOpt = None,
-    output: Annotated[str, typer.Option("-o", "--output", help="md, json or csv.")] = "md",
     kv_type: KvTypeOpt = "f16",
+    output: Annotated[str, typer.Option("-o", "--output", help="md, json or csv.")] = "md",
 ) -> None:
     """Measure prompt processing (pp) and text generation (tg) speed, llama-bench style."""
     if output not in ("md", "json", "csv"):
@@ -342,12 +361,21 @@ def bench(
 
     try:
         pp, tg = parse_int_list(n_prompt), parse_int_list(n_gen)
-        th = parse_int_list(threads) if threads else [default_threads()]
     except ValueError as e:
         raise click_exc.UsageError(str(e)) from None
+    try:
+        th = [int(t) for t in threads.split(",") if t.strip()] if threads else [default_threads()]
+    except ValueError:
+        raise click_exc.UsageError(f"-t expects a comma list of thread counts, got {threads!r}") from None
+    if not th:
+        raise click_exc.UsageError("-t needs at least one thread count")
+    th = cli_args.thread_list(th, "-t")
+    names = _backends(backend)
     kv_type = _kv_type(kv_type)
-    results = run_bench(_resolve_model(model), n_prompt=pp, n_gen=tg, reps=reps, threads=th,
-                        backends=_backends(backend), progress=lambda s: typer.echo(s, err=True), kv_type=kv_type)
+    path = _resolve_model(model)
+    cli_args.model_file(path)  # a bad file fails now, not after the bandwidth probe
+    results = run_bench(path, n_prompt=pp, n_gen=tg, reps=reps, threads=th,
+                        backends=names, progress=lambda s: typer.echo(s, err=True), kv_type=kv_type)
     typer.echo(format_results(results, output))
 
 
@@ -375,7 +403,7 @@ def trace_diff(
 def profile(
     args: Annotated[list[str], typer.Argument(help="[MODEL] PROMPT", show_default=False)],
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Decode steps to time after the prefill.")] = 16,
-    ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size in tokens.")] = 4096,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help=f"Context size in tokens ({CTX0}).")] = 4096,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
     kv_type: KvTypeOpt = "f16",
@@ -388,6 +416,8 @@ def profile(
         raise click_exc.UsageError("-n must be >= 1")
     if top < 0:
         raise click_exc.UsageError("--top must be >= 0")
+    cli_args.ctx(ctx)
+    threads = cli_args.threads(threads)
     from minfer.tools.profile import format_profile, run_profile
 
     session = _open_session(model, ctx, threads, backend, kv_type)
@@ -411,6 +441,8 @@ def viz(
     """Serve the graph page (loopback only): graph, live per-node data, traces and profiles."""
     if not 0 < port < 65536:
         raise click_exc.UsageError(f"--port must be in 1..65535, got {port}")
+    cli_args.ctx(ctx)
+    threads = cli_args.threads(threads)
     from minfer.tools.viz.server import serve
 
     serve(_resolve_model(model), port=port, trace=trace, profile=profile_file, n_ctx=ctx, n_threads=threads,
@@ -438,6 +470,7 @@ def serve(
         raise click_exc.UsageError(f"--port must be in 1..65535, got {port}")
     if slots < 1 or ctx < 1 or max_queue < 0:
         raise click_exc.UsageError("--slots and --ctx must be >= 1, --max-queue >= 0")
+    threads = cli_args.threads(threads)
     m = Model.open(_resolve_model(model), backends=_backends(backend), n_threads=threads)
     run_server(m, ServeConfig(host=host, port=port, slots=slots, ctx=ctx, api_key=api_key or None, max_queue=max_queue))
 
@@ -450,12 +483,52 @@ def _rewrite_top_level_dump_graph(argv: list[str]) -> list[str]:
     return argv
 
 
+def _invoke(argv: list[str]) -> int:
+    """Parse and run one command. Click is driven directly (not through app(), whose
+    own handlers turn Ctrl-C into a return value and a broken pipe into exit 1), so
+    every exception reaches main's handlers as itself."""
+    cmd = typer.main.get_command(app)
+    with cmd.make_context("minfer", argv) as ctx:
+        cmd.invoke(ctx)
+    return 0
+
+
+def _quiet_stdout() -> None:
+    # The reader of stdout is gone: point fd 1 at /dev/null so the interpreter's final
+    # flush cannot raise a second BrokenPipeError at exit.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+    except (OSError, ValueError):
+        pass
+
+
+def _isatty(f) -> bool:
+    try:
+        return f.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 ok, 1 error, 2 bad arguments, 130 interrupted (Ctrl-C),
+    141 stdout closed by its reader (as a process killed by SIGPIPE)."""
     argv = _rewrite_top_level_dump_graph(list(sys.argv[1:] if argv is None else argv))
     try:
-        app(args=argv, prog_name="minfer", standalone_mode=False)
-    except click_exc.NoArgsIsHelpError:
+        return _invoke(argv)
+    except click_exc.NoArgsIsHelpError as e:
         # Bare `minfer` prints help, as with --help.
+        typer.echo(e.ctx.get_help() if e.ctx else "")
         return 0
     except click_exc.UsageError as e:
         msg = e.format_message().replace("\n", " ")
@@ -463,18 +536,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except typer.Exit as e:
         return int(getattr(e, "exit_code", 0) or 0)
+    except typer.Abort:
+        sys.stderr.write("minfer: interrupted\n")
+        return 130
     except click_exc.ClickException as e:
         sys.stderr.write(f"minfer: error: {e.format_message()}\n")
         return 1
     except MinferError as e:
+        _flush_stdout()
         sys.stderr.write(f"minfer: error: {e}\n")
         return 1
     except KeyboardInterrupt:
-        sys.stderr.write("\nminfer: interrupted\n")
+        # A second Ctrl-C while we report the first must not print a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _flush_stdout()  # whatever whole tokens were written are kept
+        sys.stderr.write(("\n" if _isatty(sys.stderr) else "") + "minfer: interrupted\n")
         return 130
     except BrokenPipeError:
-        return 0
-    return 0
+        _quiet_stdout()
+        return 141
 
 
 if __name__ == "__main__":

@@ -24,3 +24,7 @@ class ContextError(MinferError):
 
 class ModelFetchError(MinferError):
     """The default model could not be fetched or failed verification."""
+
+
+class NumericsError(MinferError):
+    """The model produced NaN or Inf where a number was needed (a broken or lying file)."""

@@ -62,7 +62,11 @@ class Sampler:
             ids = np.fromiter(set(self.recent), dtype=np.int64)
             vals = logits[ids]
             # llama.cpp's rule: shrink positive logits, grow negative ones.
-            logits[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            with np.errstate(over="ignore", under="ignore"):
+                logits[ids] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+            # An extreme penalty can push a value past float64; keep them finite so the
+            # softmax below never computes inf - inf.
+            np.clip(logits, -_BIG, _BIG, out=logits)
         if p.temperature <= 0.0:
             return int(np.argmax(logits))
 
@@ -79,8 +83,14 @@ class Sampler:
         if p.min_p > 0.0:
             keep = probs >= p.min_p * probs[0]
             order, vals = order[keep], vals[keep]
-        probs = _softmax(vals / p.temperature)
+        # Shift before scaling: with a tiny temperature vals / T overflows, (vals - max) / T
+        # only underflows (to -inf, whose exp is 0; the top token stays at exp(0) = 1).
+        with np.errstate(over="ignore", divide="ignore"):
+            probs = _softmax((vals - vals.max()) / p.temperature)
         return int(order[self.rng.choice(probs.size, p=probs)])
+
+
+_BIG = np.finfo(np.float64).max / 4
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

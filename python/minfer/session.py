@@ -32,6 +32,8 @@ from minfer.errors import ContextError, MinferError
 from minfer.graph.cache import GraphCache
 from minfer.graph.params import KV_TYPES, CParams, GraphParams, GraphType
 from minfer.graph.trace import trace_enabled, trace_summary
+from minfer.limits import check_context
+from minfer.logits_check import check_logits_finite
 from minfer.sampling import Sampler, SamplingParams
 
 
@@ -48,6 +50,7 @@ class Context:
             raise MinferError(f"a context needs at least one sequence, got {n_seq}")
         if kv_type not in KV_TYPES:
             raise MinferError(f"KV type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+        check_context(int(n_ctx) * int(n_seq))
         self.model = model
         self.n_ctx = int(n_ctx)        # cells per sequence
         self.n_seq = int(n_seq)
@@ -386,7 +389,12 @@ class Session:
         # Greedy without penalties needs only the argmax, which C++ takes in place.
         greedy = sampling.temperature <= 0.0 and sampling.repeat_penalty == 1.0 and not logprobs
 
+        step = 0  # 0 = the prompt, then one per decode step
+
         def pick(logits) -> tuple[int, float | None]:
+            nonlocal step
+            check_logits_finite(logits[-1], step)  # never the argmax of NaNs
+            step += 1
             if greedy:
                 return self.context.argmax_last(), None
             return pick_token(logits[-1], sampler, logprobs)

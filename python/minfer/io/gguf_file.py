@@ -333,6 +333,17 @@ class GGUFFile:
             self.tensors[name] = TensorInfo(
                 name, info.type, info.type_name, info.shape, info.n_elements, start, info.nbytes
             )
+        self._check_no_overlap()
+
+    def _check_no_overlap(self) -> None:
+        # Two tensors sharing bytes would alias weights (a write-free engine would still
+        # read one tensor's data as another's): no writer produces that, so refuse it.
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values() if t.nbytes)
+        for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise GGUFError(
+                    f"tensor data of {n1!r} (bytes {s1}..{e1}) overlaps that of {n0!r} (bytes {s0}..{e0})"
+                )
 
     def _tensor_info(
         self, name: str, at: int, shape: tuple[int, ...], ttype: int, t_at: int, rel: int

@@ -199,17 +199,38 @@ def verify(path: Path, size: int | None = None, sha256: str | None = None) -> bo
     try:
         if path.stat().st_size != size or _hash_file(path) != sha256:
             return False
-        _record_verified(path, sha256)
     except OSError:
         return False
+    try:
+        _record_verified(path, sha256)
+    except OSError:
+        pass  # a read-only cache holds a good model too; it is just re-hashed next time
     return True
+
+
+def _usable_cache_dir(folder: Path) -> None:
+    """Create the cache folder, or say in one line why it cannot hold the model, before
+    anything is downloaded."""
+    where = "MINFER_CACHE" if os.environ.get("MINFER_CACHE") else "the model cache"
+    if folder.exists() and not folder.is_dir():
+        raise ModelFetchError(f"{where} {folder} is not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelFetchError(f"cannot create {where} folder {folder}: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ModelFetchError(f"{where} folder {folder} is not writable")
 
 
 def _fetch(progress: bool, force: bool) -> Path:
     dest = model_path()
     if not force and verify(dest):
         return dest
-    _sidecar(dest).unlink(missing_ok=True)
+    _usable_cache_dir(dest.parent)
+    try:
+        _sidecar(dest).unlink(missing_ok=True)
+    except OSError as e:
+        raise ModelFetchError(f"cannot write into the model cache {dest.parent}: {e.strerror or e}") from None
     return assemble(DEFAULT_MODEL_PARTS, dest, DEFAULT_MODEL_SIZE, DEFAULT_MODEL_SHA256, progress)
 
 

@@ -23,6 +23,11 @@ SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3")
 
 def load_model(gguf: GGUFFile) -> ModelDef:
     arch = gguf.metadata.get("general.architecture")
+    if arch is None:
+        raise UnsupportedModelError(
+            f"{gguf.path}: the file has no general.architecture key, so it does not say which "
+            f"model it holds (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     models = _registry()
     if arch not in models:
         raise UnsupportedModelError(

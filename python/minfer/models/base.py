@@ -8,8 +8,12 @@ the selected backends' call (they refuse a type at registration, naming the tens
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from minfer.errors import UnsupportedModelError
 
@@ -17,6 +21,16 @@ if TYPE_CHECKING:
     from minfer.io.gguf_file import GGUFFile, TensorInfo
     from minfer.graph.ir import ComputeGraph
     from minfer.graph.params import GraphParams
+
+
+# Upper bound for any count or dimension in the metadata: far above any real model,
+# low enough that products of a few of them stay exact and allocations stay sane.
+_MAX_DIM = 1 << 24
+
+
+def _natural(name: str) -> list:
+    # blk.2 before blk.10 in error messages.
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 @dataclass(frozen=True)
@@ -63,38 +77,69 @@ class ModelDef:
 
     # -- hyper-parameters -------------------------------------------------------------
     def _read_hparams(self, g: GGUFFile) -> HParams:
+        # A file is untrusted input: every hyper-parameter is type- and range-checked
+        # here, naming the key, so a lying file never reaches the graph as garbage.
         a = self.arch
         md = g.metadata
 
-        def need(key: str):
-            k = f"{a}.{key}"
-            if k not in md:
-                raise UnsupportedModelError(f"{g.path}: missing metadata key {k}")
-            return md[k]
+        def key(k: str) -> str:
+            return f"{a}.{k}"
 
-        n_embd = int(need("embedding_length"))
-        n_head = int(need("attention.head_count"))
-        n_head_kv = int(md.get(f"{a}.attention.head_count_kv", n_head))
-        head_dim = int(md.get(f"{a}.attention.key_length", n_embd // max(n_head, 1)))
+        def bad(k: str, v, why: str) -> UnsupportedModelError:
+            return UnsupportedModelError(f"{g.path}: metadata {key(k)} = {v!r} {why}")
+
+        def count(k: str, default: int | None = None, lo: int = 1) -> int:
+            if key(k) not in md:
+                if default is None:
+                    raise UnsupportedModelError(f"{g.path}: missing metadata key {key(k)}")
+                return default
+            v = md[key(k)]
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise bad(k, v, "is not an integer")
+            if not lo <= int(v) <= _MAX_DIM:
+                raise bad(k, int(v), f"is out of range (must be in [{lo}, {_MAX_DIM}])")
+            return int(v)
+
+        def real(k: str, default: float, ok, rule: str) -> float:
+            v = md.get(key(k), default)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise bad(k, v, "is not a number")
+            v = float(v)
+            if not (math.isfinite(v) and ok(v)):
+                raise bad(k, v, f"is invalid (must be {rule})")
+            return v
+
+        n_layer = count("block_count")
+        n_embd = count("embedding_length")
+        n_head = count("attention.head_count")
+        n_head_kv = count("attention.head_count_kv", n_head)
+        head_dim = count("attention.key_length", max(n_embd // n_head, 1))
+        n_ff = count("feed_forward_length")
+        n_ctx_train = count("context_length", 4096)
+        rope_base = real("rope.freq_base", 10000.0, lambda v: v > 0, "a finite number > 0")
+        eps = real("attention.layer_norm_rms_epsilon", 1e-6, lambda v: 0 < v < 1, "a finite number in (0, 1)")
         emb = g.tensors.get("token_embd.weight")
         if emb is None:
             raise UnsupportedModelError(f"{g.path}: missing tensor token_embd.weight")
-        if n_head <= 0 or n_head_kv <= 0 or n_head % n_head_kv:
+        if n_head % n_head_kv:
             raise UnsupportedModelError(f"{g.path}: head counts {n_head}/{n_head_kv} are not a valid GQA layout")
         if head_dim % 2:
             raise UnsupportedModelError(f"{g.path}: head dim {head_dim} must be even for RoPE")
+        n_vocab = int(emb.shape[1]) if len(emb.shape) > 1 else 0
+        if n_vocab < 1:
+            raise UnsupportedModelError(f"{g.path}: token_embd.weight has shape {list(emb.shape)}; expected [n_embd, n_vocab]")
         return HParams(
             arch=a,
-            n_layer=int(need("block_count")),
+            n_layer=n_layer,
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
-            n_ff=int(need("feed_forward_length")),
-            n_vocab=int(emb.shape[1]) if len(emb.shape) > 1 else 0,
-            n_ctx_train=int(md.get(f"{a}.context_length", 4096)),
-            rope_base=float(md.get(f"{a}.rope.freq_base", 10000.0)),
-            eps=float(md.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            n_ff=n_ff,
+            n_vocab=n_vocab,
+            n_ctx_train=n_ctx_train,
+            rope_base=rope_base,
+            eps=eps,
         )
 
     # -- tensors ----------------------------------------------------------------------
@@ -114,7 +159,17 @@ class ModelDef:
         return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
 
     def _validate(self) -> None:
-        for name, shape in self.expected_tensors().items():
+        expected = self.expected_tensors()
+        # A tensor the architecture never reads means the metadata and the file disagree
+        # (e.g. block_count below the file's layer count): refuse rather than run part of it.
+        unused = sorted(set(self.tensors) - set(expected), key=_natural)
+        if unused:
+            shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+            raise UnsupportedModelError(
+                f"{self.gguf.path}: {len(unused)} tensor(s) in the file are not used by the {self.hp.arch} "
+                f"architecture with {self.arch}.block_count = {self.hp.n_layer}: {shown}"
+            )
+        for name, shape in expected.items():
             t = self.tensors.get(name)
             if t is None:
                 raise UnsupportedModelError(f"{self.gguf.path}: missing tensor {name}")

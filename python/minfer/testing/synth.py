@@ -8,12 +8,15 @@ pass stays in a sane numeric range and differences between kernels show up clear
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import gguf
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFValueType
+from gguf.gguf_writer import GGUFValue
 
 ROLES = (
     "token_embd", "output", "attn_q", "attn_k", "attn_v",
@@ -198,8 +201,21 @@ def write_model(
     seed: int = 0,
     tie_embeddings: bool = False,
     with_tokenizer: bool = True,
+    with_eog: bool = True,
+    metadata: dict[str, Any] | None = None,
+    fill: dict[str, float] | None = None,
+    extra_tensors: dict[str, tuple[int, ...]] | None = None,
 ) -> SynthConfig:
-    """Write a random-weight model; `types` overrides DEFAULT_TYPES (all F32) per role."""
+    """Write a random-weight model; `types` overrides DEFAULT_TYPES (all F32) per role.
+
+    Knobs for files that lie (loader and run-time checks are tested with them):
+    `metadata` sets keys after the honest ones are written (a value of None deletes
+    the key; Python int/float/str/bool become UINT32/FLOAT32/STRING/BOOL, a
+    GGUFValue keeps its own type); `fill` overwrites every element of the named
+    F32 tensors with one value (e.g. NaN); `extra_tensors` adds F32 tensors of the
+    given GGUF shapes that no architecture reads; `with_eog=False` writes a tokenizer
+    with no end-of-generation token (no eos id, special tokens typed normal), so a
+    generation runs until -n or the context is used up."""
     if arch not in ("qwen2", "qwen3"):
         raise ValueError(f"arch must be 'qwen2' or 'qwen3', got {arch!r}")
     if n_head % n_head_kv:
@@ -250,19 +266,27 @@ def write_model(
         n_pad = n_vocab - len(tokens)
         all_tokens = tokens + [f"[PAD{i}]" for i in range(n_pad)]
         all_types = tok_types + [TOKEN_TYPE_UNUSED] * n_pad
+        if not with_eog:
+            all_types = [TOKEN_TYPE_NORMAL if ty == TOKEN_TYPE_CONTROL else ty for ty in all_types]
         bos = tokens.index("<|endoftext|>")
         eos = tokens.index("<|im_end|>")
-        eot = (eos, bos)
+        eot = (eos, bos) if with_eog else ()
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("qwen2")
         w.add_token_list(all_tokens)
         w.add_token_types(all_types)
         w.add_token_merges(merges)
-        w.add_eos_token_id(eos)
+        if with_eog:
+            w.add_eos_token_id(eos)
+        else:
+            eos = None
         w.add_pad_token_id(bos)
         w.add_bos_token_id(bos)
         w.add_add_bos_token(False)
         w.add_chat_template(CHATML_TEMPLATE)
+
+    for key, value in (metadata or {}).items():
+        _override(w, key, value)
 
     t = _Writer(w, rng)
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
@@ -288,6 +312,10 @@ def write_model(
         t.matrix(p + "ffn_gate.weight", n_ff, n_embd, role_types["ffn_gate"])
         t.matrix(p + "ffn_up.weight", n_ff, n_embd, role_types["ffn_up"])
         t.matrix(p + "ffn_down.weight", n_embd, n_ff, role_types["ffn_down"])
+    for name, shape in (extra_tensors or {}).items():
+        t.f32(name, 0.02 * rng.standard_normal(tuple(reversed(shape))))
+    for name, value in (fill or {}).items():
+        _fill(w, name, value)
 
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -300,3 +328,50 @@ def write_model(
         tie_embeddings=tie_embeddings, with_tokenizer=with_tokenizer,
         bos_id=bos, eos_id=eos, eot_ids=eot,
     )
+
+
+def _override(w: gguf.GGUFWriter, key: str, value: Any) -> None:
+    kv = w.kv_data[0]
+    if value is None:
+        kv.pop(key, None)
+        return
+    if isinstance(value, GGUFValue):
+        kv[key] = value
+        return
+    if isinstance(value, bool):
+        vtype = GGUFValueType.BOOL
+    elif isinstance(value, int):
+        vtype = GGUFValueType.UINT32 if value >= 0 else GGUFValueType.INT32
+    elif isinstance(value, float):
+        vtype = GGUFValueType.FLOAT32
+    elif isinstance(value, str):
+        vtype = GGUFValueType.STRING
+    else:
+        raise ValueError(f"metadata override {key!r}: pass a GGUFValue for a {type(value).__name__}")
+    kv[key] = GGUFValue(value=value, type=vtype)
+
+
+def _fill(w: gguf.GGUFWriter, name: str, value: float) -> None:
+    info = w.tensors[0].get(name)
+    if info is None:
+        raise ValueError(f"fill: no tensor {name!r} in this model")
+    if info.dtype != QT.F32 or info.tensor is None:
+        raise ValueError(f"fill: {name!r} is {info.dtype.name}; only F32 tensors can be filled")
+    info.tensor[...] = value
+
+
+def patch_tensor_offset(path: str | Path, name: str, rel_offset: int) -> None:
+    """Rewrite the data offset (relative to the data section) of tensor `name` in a
+    written file, in place: how a file with overlapping tensor data is made."""
+    path = Path(path)
+    data = bytearray(path.read_bytes())
+    enc = name.encode()
+    key = struct.pack("<Q", len(enc)) + enc
+    at = data.find(key)
+    if at < 0:
+        raise ValueError(f"no tensor info for {name!r} in {path}")
+    at += len(key)
+    (n_dims,) = struct.unpack_from("<I", data, at)
+    at += 4 + 8 * n_dims + 4  # dims, then the type; the offset follows
+    struct.pack_into("<Q", data, at, rel_offset)
+    path.write_bytes(bytes(data))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minfer.errors import MinferError
+from minfer.logits_check import check_logits_finite
 
 
 @dataclass
@@ -55,6 +56,7 @@ def run_perplexity(engine, text: str, n_ctx: int, max_chunks: int = 0,
         engine.reset()
         # Logits only for the scored rows (positions first .. n_ctx-1), via the tail rows.
         logits = engine.forward(chunk, n_out=n_ctx - first)
+        check_logits_finite(logits, c + 1, what="chunk")
         targets = np.asarray(chunk[first + 1:], dtype=np.int64)
         nll = -_log_softmax_at(logits[:-1], targets)
         nlls.append(nll)

@@ -1,0 +1,28 @@
+"""The run-time guard on what the model hands the sampler: a logits row with a NaN or
+an Inf means the weights (or a kernel) are broken, and the argmax of NaNs is a
+plausible-looking wrong token. Stop instead, naming the step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from minfer.errors import NumericsError
+
+
+def check_logits_finite(logits: np.ndarray, step: int, what: str = "step") -> None:
+    """Raise NumericsError unless every value of `logits` is finite.
+
+    One float64 reduction: finite float32 values cannot overflow a float64 sum, so the
+    sum is finite exactly when every element is (no temporary mask on the hot path)."""
+    if math.isfinite(float(np.sum(logits, dtype=np.float64))):
+        return
+    a = np.asarray(logits)
+    n_nan = int(np.isnan(a).sum())
+    n_inf = int(np.isinf(a).sum())
+    where = "the prompt (step 0)" if what == "step" and step == 0 else f"{what} {step}"
+    raise NumericsError(
+        f"the model produced non-finite logits at {where}: {n_nan} NaN and {n_inf} Inf of {a.size} "
+        f"values; the model file's weights or hyper-parameters are broken"
+    )
