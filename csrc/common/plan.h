@@ -57,6 +57,11 @@ struct Weight {
     int64_t ne0, ne1;  // GGUF order: ne0 = row length (in), ne1 = rows (out)
     size_t row_bytes;
     std::string name;
+    // A backend's derived form of these bytes (the CPU: its repacked matmul copy, see
+    // cpu/repack.h), made on first use by a plan and kept as long as the weight; null
+    // when the backend computes from `data` directly. Read and set with
+    // std::atomic_load / std::atomic_store.
+    mutable std::shared_ptr<const void> prepared;
 };
 
 // Handles to weights. add() checks the layout (whole blocks, byte count); whether the

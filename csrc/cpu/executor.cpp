@@ -14,13 +14,17 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "cpu/ops.h"
 #include "cpu/quants.h"
+#include "cpu/repack.h"
 #include "cpu/step_barrier.h"
 #include "cpu/vec_math.h"
 
@@ -156,6 +160,53 @@ void matmul_scratch(const Step& s, const WeightStore& ws, ScratchNeed& n) {
     if (slot >= 0) n.act[slot] = std::max(n.act[slot], act_row_bytes(w.type, s.ip[0]) * (size_t)s.ip[2]);
 }
 
+// The unpacked path: 16-row x 4-token tiles over the GGUF-layout rows [r0, r1).
+void matmul_tiles(const Weight& w, int64_t in, int64_t nt, const uint8_t* act, size_t arb, float* y, int64_t out,
+                  int64_t r0, int64_t r1) {
+    constexpr int RB = 16, TB = 4;
+    for (int64_t r = r0; r < r1; r += RB) {
+        const int nw = (int)std::min<int64_t>(RB, r1 - r);
+        for (int64_t t = 0; t < nt; t += TB) {
+            const int na = (int)std::min<int64_t>(TB, nt - t);
+            vec_dot_tile(w.type, in, w.data + r * w.row_bytes, w.row_bytes, nw, act + t * arb, arb, na,
+                         y + t * out + r, (size_t)out);
+        }
+    }
+}
+
+// The repacked copy the matmul uses, if the weight has one and the SIMD path is on
+// (the scalar path always reads the GGUF layout).
+std::shared_ptr<const repack::Packed> packed_of(const Weight& w) {
+    if (!vm::use_simd()) return nullptr;
+    return std::static_pointer_cast<const repack::Packed>(std::atomic_load(&w.prepared));
+}
+
+// Weights that a plan multiplies with get their repacked copy here, once, before any
+// thread runs. Tables the plan also reads rows from (a tied embedding) stay as they
+// are: their matmul is the one-token logits head, and a second copy of a
+// vocabulary-sized table would cost far more memory than it saves time.
+// MINFER_REPACK=0 turns repacking off (for A/B measurements).
+void prepare_packed(const Plan& plan, const WeightStore& ws, int n_threads) {
+    static const bool enabled = [] {
+        const char* e = std::getenv("MINFER_REPACK");
+        return !(e && std::string(e) == "0");
+    }();
+    if (!enabled) return;
+    std::vector<int> tables;
+    for (const Step& s : plan.steps)
+        if (s.op == OP_GET_ROWS_W) tables.push_back(s.w[0]);
+    static std::mutex mu;
+    for (const Step& s : plan.steps) {
+        if (s.op != OP_MATMUL || std::find(tables.begin(), tables.end(), s.w[0]) != tables.end()) continue;
+        const Weight& w = ws.get(s.w[0]);
+        if (!repack::packable(w.type) || std::atomic_load(&w.prepared)) continue;
+        std::lock_guard<std::mutex> lock(mu);
+        if (std::atomic_load(&w.prepared)) continue;
+        std::shared_ptr<const void> p = repack::pack(w.type, w.data, w.ne0, w.ne1, n_threads);
+        std::atomic_store(&w.prepared, p);
+    }
+}
+
 void run_matmul(const Ctx& c) {
     const Step& s = c.s;
     const Weight& w = c.ws.get(s.w[0]);
@@ -177,16 +228,15 @@ void run_matmul(const Ctx& c) {
         act = q;
     }
     float* y = c.F(0);
-    // Rows split into contiguous per-thread ranges (multiples of 4 keep tiles whole).
-    const auto [r0, r1] = row_range(out, c.ith, c.nth);
-    constexpr int RB = 16, TB = 4;
-    for (int64_t r = r0; r < r1; r += RB) {
-        const int nw = (int)std::min<int64_t>(RB, r1 - r);
-        for (int64_t t = 0; t < nt; t += TB) {
-            const int na = (int)std::min<int64_t>(TB, nt - t);
-            vec_dot_tile(w.type, in, w.data + r * w.row_bytes, w.row_bytes, nw, act + t * arb, arb, na,
-                         y + t * out + r, (size_t)out);
-        }
+    int64_t r0, r1;
+    if (const auto pk = packed_of(w)) {
+        // Repacked weights (cpu/repack.h): whole 16-row groups per thread.
+        vm::share(out, c.ith, c.nth, 16, r0, r1);
+        repack::matmul(*pk, act, arb, nt, y, out, r0, r1);
+    } else {
+        // Rows split into contiguous per-thread ranges (multiples of 4 keep tiles whole).
+        std::tie(r0, r1) = row_range(out, c.ith, c.nth);
+        matmul_tiles(w, in, nt, act, arb, y, out, r0, r1);
     }
     if (s.w[1] >= 0 && r1 > r0) {
         const float* b = (const float*)c.ws.get(s.w[1]).data;
@@ -194,6 +244,7 @@ void run_matmul(const Ctx& c) {
             for (int64_t r = r0; r < r1; ++r) y[t * out + r] += b[r];
     }
 }
+
 void check_matmul(const Step& s, const WeightStore& ws) {
     const Weight& w = ws.get(s.w[0]);
     if (!weight_type_supported(w.type)) step_fail(s, "weight " + w.name + ": the cpu backend cannot compute with type " + std::to_string(w.type));
@@ -339,6 +390,7 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
         fresh->weight_count = ws.count();
         fresh->barrier_after = std::getenv("MINFER_ALL_BARRIERS") ? std::vector<uint8_t>(plan.steps.size(), 1)
                                                                    : plan_barriers(plan, ws);
+        prepare_packed(plan, ws, n_threads);
         st = fresh.get();
         plan.state = std::move(fresh);
     }

@@ -1,0 +1,397 @@
+// Interleaved 16-row groups for Q4_0 / Q5_0 / Q8_0 weights and their matmul kernel.
+// See repack.h for the layout's purpose and the rounding contract.
+//
+// Layout of one group (16 rows, nb blocks), in planes so every vector load is aligned
+// to its own size within the group:
+//   qs plane  nb x 256 bytes (Q4_0, Q5_0) or nb x 512 (Q8_0), block ib at ib * size.
+//             Q4_0/Q5_0: chunk t (64 bytes, t < 4), lane r (bytes 4r..4r+3), byte b:
+//             low nibble = low 4 bits of code[8t + b], high nibble = of code[8t + 4 + b].
+//             Q8_0: chunk s (s < 8), lane r, byte b = (uint8)(q[4s + b] + 128).
+//   qh plane  (Q5_0) nb x 64 bytes: lane r byte b: bit t = bit 4 of code[8t + b],
+//             bit 4 + t = bit 4 of code[8t + 4 + b].
+//   d plane   nb x 16 f16 (row r's block scale in lane r).
+// So step s (s < 8) of a block pairs codes 4s..4s+3 of every row with activation bytes
+// 4s..4s+3, which one broadcast 32-bit load provides.
+#include "cpu/repack.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/ggml_types.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define RP_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RP_AVX512 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define RP_VNNI 1
+#elif defined(__AVXVNNI__)
+#define RP_VNNI 1
+#define RP_AVXVNNI 1
+#endif
+#endif
+
+namespace minfer::cpu::repack {
+
+namespace {
+
+constexpr int G = 16;  // rows per group
+
+struct Layout {
+    size_t qs, qh, d;  // bytes per block of each plane (0 = absent)
+    int off;           // code offset: stored code = signed code + off
+};
+
+Layout layout_of(int32_t type) {
+    switch (type) {
+        case T_Q4_0: return {256, 0, 32, 8};
+        case T_Q5_0: return {256, 64, 32, 16};
+        case T_Q8_0: return {512, 0, 32, 128};
+        default: throw std::invalid_argument("repack: unsupported type " + std::to_string(type));
+    }
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// Unsigned codes (signed code + offset) and scale of one block of one row.
+void codes_of(int32_t type, const uint8_t* blk, uint8_t code[32], half& d) {
+    std::memcpy(&d, blk, 2);
+    if (type == T_Q8_0) {
+        const int8_t* q = (const int8_t*)(blk + 2);
+        for (int i = 0; i < 32; ++i) code[i] = (uint8_t)(q[i] + 128);
+        return;
+    }
+    const bool q5 = type == T_Q5_0;
+    const uint8_t* qs = blk + (q5 ? 6 : 2);
+    const uint32_t qh = q5 ? load_u32(blk + 2) : 0;
+    for (int j = 0; j < 16; ++j) {
+        code[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+        code[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+    }
+}
+
+void pack_block(int32_t type, const Layout& L, const uint8_t* const rows[G], size_t blk_bytes, int64_t ib,
+                int64_t nb, uint8_t* g) {
+    uint8_t* qs = g + ib * L.qs;
+    uint8_t* qh = L.qh ? g + nb * L.qs + ib * L.qh : nullptr;
+    half* dp = (half*)(g + nb * (L.qs + L.qh) + ib * L.d);
+    for (int r = 0; r < G; ++r) {
+        uint8_t code[32];
+        half d = 0;
+        if (rows[r]) codes_of(type, rows[r] + ib * blk_bytes, code, d);
+        else std::memset(code, type == T_Q8_0 ? 128 : 0, 32);  // padding rows: zero weights
+        dp[r] = rows[r] ? d : (half)0;
+        if (type == T_Q8_0) {
+            for (int s = 0; s < 8; ++s)
+                for (int b = 0; b < 4; ++b) qs[64 * s + 4 * r + b] = code[4 * s + b];
+            continue;
+        }
+        for (int t = 0; t < 4; ++t)
+            for (int b = 0; b < 4; ++b) {
+                const uint8_t lo = code[8 * t + b], hi = code[8 * t + 4 + b];
+                qs[64 * t + 4 * r + b] = (uint8_t)((lo & 15) | ((hi & 15) << 4));
+                if (qh) {
+                    uint8_t& h = qh[4 * r + b];
+                    if (t == 0) h = 0;
+                    h |= (uint8_t)(((lo >> 4) & 1) << t);
+                    h |= (uint8_t)(((hi >> 4) & 1) << (4 + t));
+                }
+            }
+    }
+}
+
+// Per (token, block) of the activations: d_a as f32, and -offset * sum(a) (the exact
+// integer correction for the unsigned codes).
+struct Meta {
+    float d;
+    int32_t corr;
+};
+
+#if defined(RP_AVX2)
+
+inline float h2f(half h) { return _cvtsh_ss(h); }
+
+// Sum of 32 signed bytes: sad against zero on the bytes biased to unsigned.
+inline int32_t sum32(const int8_t* q) {
+    const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)q), _mm256_set1_epi8((char)0x80));
+    const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
+    const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    return (int32_t)(_mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1)) - 32 * 128;
+}
+
+#define RP_UNROLL _Pragma("GCC unroll 8")
+
+// Vector traits: N lanes of 32 bits.
+#if defined(RP_AVX512)
+// GCC 12's own _mm512_undefined_* trips -Wmaybe-uninitialized inside its intrinsics.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+struct V16 {
+    static constexpr int N = 16;
+    using I = __m512i;
+    using F = __m512;
+    static I load(const uint8_t* p) { return _mm512_load_si512((const void*)p); }
+    static I set8(int v) { return _mm512_set1_epi8((char)v); }
+    static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+    static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+    // a | (b & c) in one instruction
+    static I or_and(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }
+    template <int K> static I srl16(I a) { return K == 0 ? a : _mm512_srli_epi16(a, K); }
+    template <int K> static I sll16(I a) { return K == 0 ? a : _mm512_slli_epi16(a, K); }
+    static I bcast(int32_t v) { return _mm512_set1_epi32(v); }
+    static I dot(I acc, I w, uint32_t a4) {
+#if defined(__AVX512VNNI__)
+        return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32((int)a4));
+#else
+        const __m512i p = _mm512_maddubs_epi16(w, _mm512_set1_epi32((int)a4));
+        return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+#endif
+    }
+    static F zero() { return _mm512_setzero_ps(); }
+    static F loadh(const half* p) { return _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)p)); }
+    static F scale(F dw, float da) { return _mm512_mul_ps(dw, _mm512_set1_ps(da)); }
+    static F fma(F a, I b, F c) { return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(b), c); }
+    static void store(float* y, F v, int lo, int hi) {
+        if (lo == 0 && hi == N) _mm512_storeu_ps(y, v);
+        else _mm512_mask_storeu_ps(y, (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1)), v);
+    }
+};
+#endif
+
+struct V8 {
+    static constexpr int N = 8;
+    using I = __m256i;
+    using F = __m256;
+    static I load(const uint8_t* p) { return _mm256_load_si256((const __m256i*)p); }
+    static I set8(int v) { return _mm256_set1_epi8((char)v); }
+    static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+    static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+    static I or_and(I a, I b, I c) {
+#if defined(RP_AVX512)
+        return _mm256_ternarylogic_epi32(a, b, c, 0xF8);
+#else
+        return _mm256_or_si256(a, _mm256_and_si256(b, c));
+#endif
+    }
+    template <int K> static I srl16(I a) { return K == 0 ? a : _mm256_srli_epi16(a, K); }
+    template <int K> static I sll16(I a) { return K == 0 ? a : _mm256_slli_epi16(a, K); }
+    static I bcast(int32_t v) { return _mm256_set1_epi32(v); }
+    static I dot(I acc, I w, uint32_t a4) {
+#if defined(RP_AVXVNNI)
+        return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32((int)a4));
+#elif defined(RP_VNNI)
+        return _mm256_dpbusd_epi32(acc, w, _mm256_set1_epi32((int)a4));
+#else
+        // No saturation: codes <= 31 here (Q8_0 is only packed where vpdpbusd exists).
+        const __m256i p = _mm256_maddubs_epi16(w, _mm256_set1_epi32((int)a4));
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+    }
+    static F zero() { return _mm256_setzero_ps(); }
+    static F loadh(const half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+    static F scale(F dw, float da) { return _mm256_mul_ps(dw, _mm256_set1_ps(da)); }
+    static F fma(F a, I b, F c) { return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(b), c); }
+    static void store(float* y, F v, int lo, int hi) {
+        if (lo == 0 && hi == N) {
+            _mm256_storeu_ps(y, v);
+            return;
+        }
+        alignas(32) float t[8];
+        _mm256_store_ps(t, v);
+        for (int i = lo; i < hi; ++i) y[i] = t[i];
+    }
+};
+
+// The 8 code vectors of block ib for lanes [lane0, lane0 + V::N) of the group.
+template <class V, int32_t T>
+inline void unpack(const uint8_t* g, int64_t nb, int64_t ib, int lane0, typename V::I w[8]) {
+    using I = typename V::I;
+    const int bo = lane0 * 4;  // byte offset of the first lane inside a 64-byte chunk
+    if constexpr (T == T_Q8_0) {
+        const uint8_t* qs = g + ib * 512 + bo;
+        RP_UNROLL
+        for (int s = 0; s < 8; ++s) w[s] = V::load(qs + 64 * s);
+    } else {
+        const uint8_t* qs = g + ib * 256 + bo;
+        const I m4 = V::set8(0x0F);
+        [[maybe_unused]] I h, m10;
+        if constexpr (T == T_Q5_0) {
+            h = V::load(g + nb * 256 + ib * 64 + bo);
+            m10 = V::set8(0x10);
+        }
+        const I q0 = V::load(qs), q1 = V::load(qs + 64), q2 = V::load(qs + 128), q3 = V::load(qs + 192);
+        w[0] = V::and_(q0, m4);
+        w[1] = V::and_(V::template srl16<4>(q0), m4);
+        w[2] = V::and_(q1, m4);
+        w[3] = V::and_(V::template srl16<4>(q1), m4);
+        w[4] = V::and_(q2, m4);
+        w[5] = V::and_(V::template srl16<4>(q2), m4);
+        w[6] = V::and_(q3, m4);
+        w[7] = V::and_(V::template srl16<4>(q3), m4);
+        if constexpr (T == T_Q5_0) {
+            // Bit t (low half of chunk t) and bit 4 + t (high half) moved to bit 4.
+            w[0] = V::or_and(w[0], V::template sll16<4>(h), m10);
+            w[1] = V::or_and(w[1], h, m10);
+            w[2] = V::or_and(w[2], V::template sll16<3>(h), m10);
+            w[3] = V::or_and(w[3], V::template srl16<1>(h), m10);
+            w[4] = V::or_and(w[4], V::template sll16<2>(h), m10);
+            w[5] = V::or_and(w[5], V::template srl16<2>(h), m10);
+            w[6] = V::or_and(w[6], V::template sll16<1>(h), m10);
+            w[7] = V::or_and(w[7], V::template srl16<3>(h), m10);
+        }
+    }
+}
+
+// NA tokens x lanes [lane0, lane0 + N) of one group, all blocks. meta is [token][nb].
+template <class V, int32_t T, int NA>
+void group_kernel(const uint8_t* g, int64_t nb, size_t dplane, int lane0, const uint8_t* act, size_t arb,
+                  const Meta* meta, float* y, int64_t ldy, int lo, int hi) {
+    using I = typename V::I;
+    using F = typename V::F;
+    F acc[NA];
+    RP_UNROLL
+    for (int j = 0; j < NA; ++j) acc[j] = V::zero();
+    const half* dp = (const half*)(g + dplane) + lane0;
+    for (int64_t ib = 0; ib < nb; ++ib) {
+        I w[8];
+        unpack<V, T>(g, nb, ib, lane0, w);
+        const F dw = V::loadh(dp + ib * G);
+        RP_UNROLL
+        for (int j = 0; j < NA; ++j) {
+            const Meta m = meta[j * nb + ib];
+            const uint8_t* q = (const uint8_t*)((const block_q8_0*)(act + j * arb))[ib].qs;
+            I s = V::bcast(m.corr);
+            RP_UNROLL
+            for (int k = 0; k < 8; ++k) s = V::dot(s, w[k], load_u32(q + 4 * k));
+            acc[j] = V::fma(V::scale(dw, m.d), s, acc[j]);
+        }
+    }
+    RP_UNROLL
+    for (int j = 0; j < NA; ++j) V::store(y + j * ldy, acc[j], lo, hi);
+}
+
+#if defined(RP_AVX512)
+using VK = V16;
+constexpr int kNA = 8;
+#else
+using VK = V8;
+constexpr int kNA = 4;
+#endif
+
+template <int32_t T>
+using KernFn = void (*)(const uint8_t*, int64_t, size_t, int, const uint8_t*, size_t, const Meta*, float*, int64_t,
+                        int, int);
+
+template <int32_t T, int... NA>
+constexpr std::array<KernFn<T>, sizeof...(NA)> kern_table(std::integer_sequence<int, NA...>) {
+    return {group_kernel<VK, T, NA + 1>...};
+}
+
+template <int32_t T>
+void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
+              int64_t r1) {
+    static constexpr auto fns = kern_table<T>(std::make_integer_sequence<int, kNA>{});
+    const Layout L = layout_of(T);
+    const int64_t nb = p.nb;
+    const size_t dplane = (size_t)nb * (L.qs + L.qh);
+    // Activation scales and corrections for every token, once per call (per thread).
+    static thread_local std::vector<Meta> meta;
+    if (meta.size() < (size_t)(nt * nb)) meta.resize((size_t)(nt * nb));
+    for (int64_t t = 0; t < nt; ++t) {
+        const block_q8_0* ab = (const block_q8_0*)(act + t * arb);
+        for (int64_t ib = 0; ib < nb; ++ib)
+            meta[t * nb + ib] = {h2f(ab[ib].d), -L.off * sum32(ab[ib].qs)};
+    }
+    const int64_t g0 = r0 / G, g1 = (r1 + G - 1) / G;
+    for (int64_t gi = g0; gi < g1; ++gi) {
+        const uint8_t* g = p.data.get() + gi * p.group_bytes;
+        const int64_t base = gi * G;
+        for (int lane0 = 0; lane0 < G; lane0 += VK::N) {
+            const int64_t lo64 = std::max<int64_t>(r0 - base - lane0, 0);
+            const int64_t hi64 = std::min<int64_t>(r1 - base - lane0, VK::N);
+            if (hi64 <= lo64) continue;
+            for (int64_t t = 0; t < nt; t += kNA) {
+                const int na = (int)std::min<int64_t>(kNA, nt - t);
+                fns[na - 1](g, nb, dplane, lane0, act + t * arb, arb, meta.data() + t * nb, y + t * ldy + base + lane0,
+                            ldy, (int)lo64, (int)hi64);
+            }
+        }
+    }
+}
+
+#endif  // RP_AVX2
+
+void free_aligned(void* p) { std::free(p); }
+
+}  // namespace
+
+bool packable(int32_t type) {
+#if defined(RP_AVX2)
+    if (type == T_Q4_0 || type == T_Q5_0) return true;
+#if defined(RP_VNNI)
+    if (type == T_Q8_0) return true;
+#endif
+#endif
+    (void)type;
+    return false;
+}
+
+std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64_t out, int n_threads) {
+    if (!packable(type)) throw std::invalid_argument("repack: type " + std::to_string(type) + " is not packable here");
+    if (in <= 0 || in % 32 || out <= 0) throw std::invalid_argument("repack: bad shape");
+    const Layout L = layout_of(type);
+    auto p = std::make_unique<Packed>();
+    p->type = type;
+    p->in = in;
+    p->out = out;
+    p->nb = in / 32;
+    p->groups = (out + G - 1) / G;
+    // Rounded to 64 bytes so every group (and so every vector load in it) is aligned.
+    p->group_bytes = ((size_t)p->nb * (L.qs + L.qh + L.d) + 63) / 64 * 64;
+    const size_t total = (p->bytes() + 63) / 64 * 64;
+    void* mem = std::aligned_alloc(64, total);
+    if (!mem) throw std::bad_alloc();
+    p->data = std::unique_ptr<uint8_t, void (*)(void*)>((uint8_t*)mem, free_aligned);
+    const size_t blk = type_block_bytes(type), rb = (size_t)p->nb * blk;
+    const int64_t groups = p->groups, nb = p->nb;
+    uint8_t* dst = p->data.get();
+    #pragma omp parallel for num_threads(std::max(1, n_threads)) schedule(static)
+    for (int64_t gi = 0; gi < groups; ++gi) {
+        const uint8_t* rows[G];
+        for (int r = 0; r < G; ++r) rows[r] = gi * G + r < out ? src + (size_t)(gi * G + r) * rb : nullptr;
+        for (int64_t ib = 0; ib < nb; ++ib) pack_block(type, L, rows, blk, ib, nb, dst + gi * p->group_bytes);
+    }
+    return p;
+}
+
+void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
+            int64_t r1) {
+#if defined(RP_AVX2)
+    r1 = std::min(r1, p.out);
+    if (r0 >= r1 || nt <= 0) return;
+    switch (p.type) {
+        case T_Q4_0: return matmul_t<T_Q4_0>(p, act, arb, nt, y, ldy, r0, r1);
+        case T_Q5_0: return matmul_t<T_Q5_0>(p, act, arb, nt, y, ldy, r0, r1);
+#if defined(RP_VNNI)
+        case T_Q8_0: return matmul_t<T_Q8_0>(p, act, arb, nt, y, ldy, r0, r1);
+#endif
+        default: break;
+    }
+#endif
+    throw std::invalid_argument("repack::matmul: unsupported packed type " + std::to_string(p.type));
+}
+
+}  // namespace minfer::cpu::repack
