@@ -119,7 +119,7 @@ def ref_last(ref, prompt_ids) -> np.ndarray:
 
 def test_last_logits_match_reference(eng, ref, prompt_ids, ref_last):
     assert len(prompt_ids) >= 20
-    rows, top2s = [], []
+    rows = []
     for ids, want in zip(prompt_ids, ref_last):
         eng.reset()
         got = eng.forward(ids, n_out=1)
@@ -127,17 +127,20 @@ def test_last_logits_match_reference(eng, ref, prompt_ids, ref_last):
         assert eng.n_past == len(ids)
         got = got[0].astype(np.float64)
         top2 = np.argsort(want)[-2:]
-        top2s.append({int(t) for t in top2})
         rows.append((len(ids), int(got.argmax()), int(want.argmax()), float(np.abs(got - want).max()),
                      float(np.abs(got - want).mean()), float(want[top2[1]] - want[top2[0]])))
     report = "\n".join(f"n={n:3d} top1 eng={a} ref={b} max|d|={d:.4f} mean|d|={m:.5f} margin={g:.3f}"
                        for n, a, b, d, m, g in rows)
     # A reference top1 - top2 margin below GREEDY_MARGIN is a near-tie the rounding may
-    # break either way; there the engine's pick must still be one of the two.
+    # break either way; there the engine's pick must still be one of the tied candidates:
+    # a token whose reference logit is within GREEDY_MARGIN of the reference maximum
+    # (top-2 alone is too narrow for a three-way tie: one prompt has its reference top-3
+    # within 0.12, and a kernel's summation order decides among them).
     clear = [r for r in rows if r[5] >= GREEDY_MARGIN]
     assert len(clear) >= 20, "too few prompts with a clear top-1:\n" + report
     assert all(a == b for _, a, b, _, _, _ in clear), "top-1 differs:\n" + report
-    assert all(a in t for (_, a, _, _, _, _), t in zip(rows, top2s)), "engine top-1 outside reference top-2:\n" + report
+    assert all(want.max() - want[a] < GREEDY_MARGIN for (_, a, _, _, _, _), want in zip(rows, ref_last)), (
+        "engine top-1 is not a near-tie candidate of the reference:\n" + report)
     worst = max(r[3] for r in rows)
     assert worst < LOGIT_TOL, f"max |dlogit| {worst:.4f} >= {LOGIT_TOL}:\n" + report
     med = float(np.median([r[4] for r in rows]))
