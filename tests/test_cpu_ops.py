@@ -476,3 +476,18 @@ def test_kv_regions_sized_by_element_type():
     rig.kv_code = 2
     with pytest.raises(ValueError, match="KV element type 2 is not f32"):
         rig.forward(q, k, v, cells=[0], pos=[0])
+
+
+@pytest.mark.parametrize("nt,n_threads", [(1, 1), (37, 2), (150, 2)])
+def test_f16_kv_is_the_f32_path_on_f16_values(nt, n_threads, kernel_path):
+    """Widening f16 K/V is exact, so on K/V that are already f16 values the f16 path must
+    equal the f32 path bit for bit (same kernels, same order): any drift would be the
+    f16 path computing something else."""
+    nh, nkv, hd = 14, 2, 64
+    rng = np.random.default_rng(nt)
+    q, k, v = _qkv(rng, nt, nh, nkv, hd, peak=3.0)
+    k, v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    pos = np.arange(nt, dtype=np.int32)
+    outs = [KvRig(nh, nkv, hd, 160, kv_type=t).forward(q, k, v, cells=pos, pos=pos, n_threads=n_threads)
+            for t in ("f32", "f16")]
+    assert outs[0].tobytes() == outs[1].tobytes()
