@@ -174,9 +174,9 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
                                headers={"Retry-After": str(limits.retry_after)}) from None
         except ApiError as e:
             return respond_error(endpoint, e)
-        except ClientDisconnect:
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
             metrics.on_request(endpoint, 499)
-            return Response(status_code=400)
+            return Response(status_code=499)
         watcher = asyncio.ensure_future(watch_disconnect(request, job))
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         try:
