@@ -13,12 +13,11 @@ import os
 from typing import Optional
 
 from minfer.errors import BackendError
-from minfer.graph.backend import CPU_ID, CUDA_ID, METAL_ID, BackendEntry, name_of
+from minfer.graph.backend import CPU_ID, CUDA_ID, METAL_ID, BackendEntry
 
 __all__ = ["CPU_ID", "CUDA_ID", "METAL_ID", "ENV_BACKENDS", "BackendEntry", "Registry", "default_registry",
            "default_threads", "parse_backend_list", "select_backends"]
 
-BUILTIN_IDS = (CPU_ID, METAL_ID, CUDA_ID)
 ENV_BACKENDS = "MINFER_BACKENDS"
 
 
@@ -41,15 +40,6 @@ class Registry:
     def entries(self) -> list:
         """All entries in priority order (ties broken by id)."""
         return sorted(self._by_id.values(), key=lambda e: e.order_key)
-
-    def by_id(self, bid: int) -> BackendEntry:
-        try:
-            return self._by_id[bid]
-        except KeyError:
-            raise BackendError(f"no backend with id {bid}") from None
-
-    def name_of(self, bid: Optional[int]) -> str:
-        return name_of(bid, self._by_id)
 
     def by_name(self, name: str) -> BackendEntry:
         for e in self._by_id.values():

@@ -136,7 +136,7 @@ class CpuDevice:
         self.pool = pool = _core.Pool(name)
         self.n_threads = max(1, int(options.get("threads") or default_threads()))
         self.alloc, self.alloc_fresh, self.free = pool.alloc, pool.alloc_fresh, pool.free
-        self.count, self.bytes_total, self.size = pool.count, pool.bytes_total, pool.size
+        self.count, self.size = pool.count, pool.size
         self.write, self.read, self.view = pool.write, pool.read, pool.view
         # argmax(buf, n): the greedy pick over n f32 values, scanned by the threads that
         # wrote them (a partial, not a method: one Python frame less per decode step).

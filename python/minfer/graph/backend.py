@@ -90,10 +90,6 @@ class BackendEntry:
     def order_key(self) -> tuple:
         return (-self.priority, self.id)
 
-    @property
-    def default_kv_type(self) -> str:
-        return self.kv_types[0]
-
 
 def unavailable_entry(name: str, bid: int, priority: int, reason: str = "not compiled into this build") -> BackendEntry:
     """A backend known by fixed id and priority whose code cannot run here: naming it is
