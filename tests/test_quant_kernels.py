@@ -262,3 +262,45 @@ def test_real_model_tensors(real_tensor_slices, kernel_path):
         assert np.array_equal(got.view(np.uint32), deq.reshape(-1).view(np.uint32)), name
         x = rng.standard_normal((5, in_dim)).astype(np.float32)
         check_against_references(run_matmul(raw, qtype, in_dim, 45, x), x, deq, qtype)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0])
+def test_weights_from_a_file_mapping_survive_repack_page_release(qtype, tmp_path):
+    """A weight registered from a read-only file mmap (as the GGUF is) may have its pages
+    dropped once the SIMD matmul has repacked it; a later reader of the original bytes
+    (the scalar path) must still see them: same results as a heap copy of the weight."""
+    import mmap
+
+    rng = np.random.default_rng(int(qtype))
+    in_dim, out_dim = 512, 160  # 160 rows x 288 bytes: whole pages inside the tensor
+    raw, deq = make_weight(qtype, out_dim, in_dim, rng)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 100 + raw.tobytes())  # an unaligned start, as in a GGUF
+    x = rng.standard_normal((3, in_dim)).astype(np.float32)
+    before = _core.testing.kernel_path()
+    try:
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        view = np.frombuffer(mm, np.uint8)[100:]
+        pool, ws = _core.Pool("filemap"), _core.WeightStore()
+        x_id, y_id = pool.alloc(x.nbytes), pool.alloc(3 * out_dim * 4)
+        pool.write(x_id, x)
+        wh = ws.add("w", view, int(qtype), in_dim, out_dim)
+        plan = _core.Plan("mm")
+        plan.add(OPS["matmul"], 0, [y_id, x_id], [in_dim, out_dim, 3], [], [wh, -1])
+        got = {}
+        for path_name in ("simd", "scalar", "simd"):
+            _core.testing.set_kernel_path(path_name)
+            _core.run(plan, pool, ws, 2)
+            got.setdefault(path_name, []).append(pool.read(y_id, "float32", 3 * out_dim).reshape(3, out_dim))
+        assert view.tobytes() == raw.tobytes()  # the mapping still reads the file's bytes
+    finally:
+        _core.testing.set_kernel_path(before)
+    _core.testing.set_kernel_path("scalar")
+    try:
+        ref_scalar = run_matmul(raw.copy(), qtype, in_dim, out_dim, x)
+    finally:
+        _core.testing.set_kernel_path(before)
+    assert got["scalar"][0].tobytes() == ref_scalar.tobytes()
+    assert got["simd"][0].tobytes() == got["simd"][1].tobytes()
+    check_against_references(got["scalar"][0], x, deq, qtype)

@@ -57,6 +57,10 @@ struct Weight {
     int64_t ne0, ne1;  // GGUF order: ne0 = row length (in), ne1 = rows (out)
     size_t row_bytes;
     std::string name;
+    // The bytes are a read-only file mapping (the GGUF mmap): a backend that no longer
+    // reads them (the CPU, once repacked) may drop their pages, which fault back from the
+    // file if ever read again. False for anything else (anonymous memory would be lost).
+    bool file_backed = false;
     // A backend's derived form of these bytes (the CPU: its repacked matmul copy, see
     // cpu/repack.h), made on first use by a plan and kept as long as the weight; null
     // when the backend computes from `data` directly. Read and set with

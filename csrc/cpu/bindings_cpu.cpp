@@ -30,6 +30,20 @@ struct PyWeightStore {
 
 py::dtype dtype_of(const std::string& name) { return py::dtype(name); }
 
+// Whether an array's memory is an mmap.mmap of a file opened read-only (the GGUF), by
+// walking its base objects (ndarray views, memoryviews) to the owner.
+bool is_file_mapping(const py::array& a) {
+    static const py::object mmap_type = py::module_::import("mmap").attr("mmap");
+    py::object o = a.attr("base");
+    for (int i = 0; i < 32 && !o.is_none(); ++i) {
+        if (py::isinstance(o, mmap_type)) return true;
+        if (PyMemoryView_Check(o.ptr())) o = o.attr("obj");
+        else if (py::isinstance<py::array>(o)) o = o.attr("base");
+        else return false;
+    }
+    return false;
+}
+
 void check_range(const Pool& pool, int id, size_t offset, size_t nbytes) {
     size_t sz = pool.size(id);
     if (offset > sz || nbytes > sz - offset)
@@ -126,6 +140,7 @@ void register_cpu(py::module_& m) {
                 if (!weight_type_supported(type))
                     throw std::invalid_argument("weight " + name + ": unsupported tensor type " + std::to_string(type));
                 Weight w{(const uint8_t*)data.data(), (size_t)data.nbytes(), type, ne0, ne1, 0, name};
+                w.file_backed = is_file_mapping(data);
                 int h = s.store.add(std::move(w));
                 s.keep.append(data);
                 return h;

@@ -10,6 +10,8 @@
 #include "cpu/executor.h"
 
 #include <omp.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -181,6 +183,19 @@ std::shared_ptr<const repack::Packed> packed_of(const Weight& w) {
     return std::static_pointer_cast<const repack::Packed>(std::atomic_load(&w.prepared));
 }
 
+// Once a weight has its repacked copy, the GGUF pages it was read from are dropped from
+// this process (whole pages inside the tensor only): the SIMD matmul never reads them
+// again, so keeping them would hold the weight twice (measured: peak RSS of a 64-token
+// generation 557 -> 855 MiB with the copies). Only for a read-only file mapping, whose
+// pages fault back from the file if a later reader (the scalar path) wants them;
+// DONTNEED on anonymous memory would zero it.
+void release_pages(const Weight& w) {
+    if (!w.file_backed) return;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t a = ((uintptr_t)w.data + page - 1) / page * page, b = ((uintptr_t)w.data + w.nbytes) / page * page;
+    if (b > a) madvise((void*)a, b - a, MADV_DONTNEED);
+}
+
 // Weights that a plan multiplies with get their repacked copy here, once, before any
 // thread runs. Tables the plan also reads rows from (a tied embedding) stay as they
 // are: their matmul is the one-token logits head, and a second copy of a
@@ -204,6 +219,7 @@ void prepare_packed(const Plan& plan, const WeightStore& ws, int n_threads) {
         if (std::atomic_load(&w.prepared)) continue;
         std::shared_ptr<const void> p = repack::pack(w.type, w.data, w.ne0, w.ne1, n_threads);
         std::atomic_store(&w.prepared, p);
+        release_pages(w);
     }
 }
 
