@@ -98,15 +98,33 @@ def test_sigterm_with_requests_in_flight_exits_0(model_path):
     srv = ServerProcess.custom(model_path, slots=2, ctx=8192, max_queue=4)
 
     async def go():
+        streaming = asyncio.Event()
         async with httpx.AsyncClient(timeout=60) as c:
             async def long(stream: bool):
                 body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 8000, "ignore_eos": True,
                         "temperature": 0, "stream": stream}
-                r = await c.post(srv.url + "/v1/chat/completions", json=body)
-                return r.status_code, r.text
+                if not stream:
+                    r = await c.post(srv.url + "/v1/chat/completions", json=body)
+                    return r.status_code, r.text
+                parts = []
+                async with c.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
+                    async for chunk in r.aiter_text():
+                        parts.append(chunk)
+                        streaming.set()
+                    return r.status_code, "".join(parts)
 
-            tasks = [asyncio.ensure_future(long(s)) for s in (False, True, False)]
-            await asyncio.sleep(1.0)
+            # The stream first, and only once it is under way the two others (one takes the
+            # second slot, one waits): arrival order decides who gets a slot, so a fixed
+            # sleep on a loaded machine could leave the stream queued (then it is a 503).
+            tasks = [asyncio.ensure_future(long(True))]
+            await asyncio.wait_for(streaming.wait(), 60)
+            tasks += [asyncio.ensure_future(long(False)) for _ in range(2)]
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                m = (await c.get(srv.url + "/metrics")).text
+                if "minfer_queue_depth 1" in m and "minfer_slots_busy 2" in m:
+                    break
+                await asyncio.sleep(0.05)
             t0 = time.monotonic()
             srv.proc.send_signal(signal.SIGTERM)
             results = await asyncio.gather(*tasks)
