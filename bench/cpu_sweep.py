@@ -1,0 +1,242 @@
+"""minfer vs llama.cpp on the CPU, side by side at several thread counts, in one command.
+
+Two steps, because the machine that measures may have no network:
+
+    python bench/cpu_sweep.py prepare DIR [--model M.gguf]
+        (needs pip and the model) downloads the llama-cpp-python sdist and keeps the
+        llama.cpp sources it bundles (trimmed: no docs, models or GPU backends), the gguf
+        and pybind11 wheels, and the model's metadata and tensor shapes (not its weights).
+        DIR ends up ~8 MB.
+
+    python bench/cpu_sweep.py run DIR [--threads 16,8,4,2,1] [--reps 2] [--budget 400]
+        builds minfer (this checkout) and llama.cpp (native, its CPU repack included) in
+        parallel, writes a random-weight F16 model with the prepared shapes and metadata,
+        quantizes it with llama.cpp's own quantizer to Q4_K_M, then per thread count runs
+        `minfer bench` (pp512, tg128) and `llama-bench -fa 0,1` on it, alternating the
+        engines, and prints one table row as soon as a thread count is done (ratios
+        against llama.cpp's better flash-attention setting). --budget stops starting new
+        thread counts after that many seconds. With $OUT set, the table, the raw JSON and
+        the build logs land there too.
+
+Random weights do the same work per token as trained ones; the type mix is what
+llama.cpp's quantizer gives the real model's shapes (Q5_0 / Q8_0 where a row of 896 is
+not a multiple of 256, Q4_K / Q6_K elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+T0 = time.time()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def sh(cmd, log=None, **kw):
+    say("$ " + " ".join(map(str, cmd)))
+    if log:
+        with open(log, "w") as fh:
+            r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, **kw)
+    else:
+        r = subprocess.run(cmd, **kw)
+    if r.returncode:
+        tail = Path(log).read_text()[-3000:] if log else ""
+        raise SystemExit(f"cpu_sweep: command failed ({r.returncode}): {' '.join(map(str, cmd))}\n{tail}")
+    return r
+
+
+# ----------------------------------------------------------------------------- prepare
+
+TRIM = ["models", "docs", "media", "tools/ui", ".git", ".github", "benches", "ggml/src/ggml-cuda",
+        "ggml/src/ggml-sycl", "ggml/src/ggml-vulkan", "ggml/src/ggml-opencl", "ggml/src/ggml-hexagon",
+        "ggml/src/ggml-metal", "ggml/src/ggml-webgpu", "ggml/src/ggml-et", "ggml/src/ggml-cann",
+        "ggml/src/ggml-musa", "ggml/src/ggml-zdnn"]
+
+
+def prepare(dst: Path, model: Path | None) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    dl = dst / "dl"
+    dl.mkdir(exist_ok=True)
+    py = sys.executable
+    # --no-build-isolation: pip would otherwise build the sdist's build requirements
+    # (CMake from source) only to read its metadata.
+    sh([py, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--no-build-isolation",
+        "llama-cpp-python", "-d", str(dl)])
+    sh([py, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dst), "gguf", "pybind11"])
+    sdist = sorted(dl.glob("llama_cpp_python-*.tar.gz"))[-1]
+    prefix = sdist.name[: -len(".tar.gz")] + "/vendor/llama.cpp/"
+    out = dst / "llama-src.tar.gz"
+    with tarfile.open(sdist) as src, tarfile.open(out, "w:gz") as tgt:
+        for m in src.getmembers():
+            if not m.name.startswith(prefix):
+                continue
+            rel = m.name[len(prefix):]
+            if any(rel == t or rel.startswith(t + "/") for t in TRIM):
+                continue
+            m2 = tarfile.TarInfo("llama.cpp/" + rel) if rel else None
+            if m2 is None:
+                continue
+            m.name = m2.name
+            tgt.addfile(m, src.extractfile(m) if m.isfile() else None)
+    (dst / "llama-src.version").write_text(sdist.name + "\n")
+    shutil.rmtree(dl)
+    if model is None:
+        sys.path.insert(0, str(ROOT / "python"))
+        from minfer.io.model_cache import default_model_path  # type: ignore
+        model = Path(default_model_path())
+    sh([py, str(ROOT / "bench" / "shaped_model.py"), "extract", str(model), str(dst / "meta.json.gz")])
+    say(f"prepared {dst}: " + ", ".join(f"{p.name} {p.stat().st_size >> 10} KiB" for p in sorted(dst.iterdir())))
+
+
+# ----------------------------------------------------------------------------- run
+
+def build_minfer(work: Path, env: dict) -> subprocess.Popen:
+    import pybind11  # noqa: F401  (from the carried wheel if the image has none)
+    pb = subprocess.run([sys.executable, "-m", "pybind11", "--cmakedir"], capture_output=True, text=True,
+                        env=env, check=True).stdout.strip()
+    b = work / "minfer-build"
+    cmd = (f"cmake -S {ROOT} -B {b} -G Ninja -DCMAKE_BUILD_TYPE=Release -Dpybind11_DIR={pb} "
+           f"-DPython_EXECUTABLE={sys.executable} && cmake --build {b} -j{os.cpu_count()}")
+    say("building minfer")
+    return subprocess.Popen(cmd, shell=True, stdout=open(work / "minfer-build.log", "w"), stderr=subprocess.STDOUT,
+                            env=env)
+
+
+def build_llama(inputs: Path, work: Path) -> subprocess.Popen:
+    with tarfile.open(inputs / "llama-src.tar.gz") as tf:
+        tf.extractall(work)
+    src, b = work / "llama.cpp", work / "llama-build"
+    cmd = (f"cmake -S {src} -B {b} -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF "
+           f"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF "
+           f"-DGGML_CUDA=OFF && cmake --build {b} -j{os.cpu_count()} --target llama-bench llama-quantize")
+    say("building llama.cpp")
+    return subprocess.Popen(cmd, shell=True, stdout=open(work / "llama-build.log", "w"), stderr=subprocess.STDOUT)
+
+
+def wait(p: subprocess.Popen, log: Path, what: str) -> None:
+    if p.wait():
+        raise SystemExit(f"cpu_sweep: {what} build failed:\n{log.read_text()[-4000:]}")
+    say(f"{what} built")
+
+
+def minfer_bench(model: Path, t: int, reps: int, env: dict) -> dict:
+    code = (
+        "import json,sys\n"
+        "from minfer.tools.bench import run_bench\n"
+        f"rs = run_bench({str(model)!r}, [512], [128], {reps}, threads=[{t}], mem_bandwidth=False)\n"
+        "print(json.dumps({('pp' if r.n_prompt else 'tg'): [r.avg_ts, r.stddev_ts] for r in rs}))\n"
+        "print(json.dumps({'wbpt': rs[0].weight_bytes_per_token}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise SystemExit(f"cpu_sweep: minfer bench failed:\n{out.stderr[-3000:]}")
+    lines = out.stdout.strip().splitlines()
+    res = json.loads(lines[-2])
+    res.update(json.loads(lines[-1]))
+    return res
+
+
+def llama_bench(bin_dir: Path, model: Path, t: int, reps: int) -> dict:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "512", "-n", "128", "-r", str(reps),
+                          "-t", str(t), "-fa", "0,1", "-o", "json"], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"cpu_sweep: llama-bench failed:\n{out.stderr[-3000:]}")
+    best: dict = {}
+    for r in json.loads(out.stdout):
+        k = "pp" if r["n_prompt"] else "tg"
+        best.setdefault(k, {})[f"fa{int(bool(r['flash_attn']))}"] = r["avg_ts"]
+    return best
+
+
+def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path) -> None:
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    wheels = sorted(glob.glob(str(inputs / "*.whl")))
+    site = work / "site"
+    if wheels:
+        sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+            "--target", str(site), *wheels])
+        sys.path.insert(0, str(site))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(site), env.get("PYTHONPATH", "")])
+    pm = build_minfer(work, env)
+    pl = build_llama(inputs, work)
+    f16, q = work / "shaped-f16.gguf", work / "shaped-q4_k_m.gguf"
+    sh([sys.executable, str(ROOT / "bench" / "shaped_model.py"), "make", str(inputs / "meta.json.gz"), str(f16)],
+       env=env)
+    wait(pl, work / "llama-build.log", "llama.cpp")
+    bin_dir = work / "llama-build" / "bin"
+    sh([str(bin_dir / "llama-quantize"), str(f16), str(q), "Q4_K_M", str(os.cpu_count())],
+       log=work / "quantize.log")
+    f16.unlink()
+    wait(pm, work / "minfer-build.log", "minfer")
+    env["MINFER_CORE_DIR"] = str(work / "minfer-build")
+    info = subprocess.run([sys.executable, "-c", "from minfer import _core; print(_core.cpu_features())"],
+                          capture_output=True, text=True, env=env)
+    say(f"minfer core: {info.stdout.strip() or info.stderr.strip()[-500:]}")
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or os.environ.get("MINFER_SWEEP_COMMIT", "?")
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    head = (f"minfer {commit} vs llama.cpp {(inputs / 'llama-src.version').read_text().strip()} on {cpu} "
+            f"({os.cpu_count()} CPUs), random-weight Q4_K_M with the prepared model's shapes, "
+            f"pp512 / tg128 t/s, {reps} reps; llama.cpp = the better of -fa 0 and -fa 1\n\n"
+            "| threads | pp512 minfer | pp512 llama.cpp | ratio | tg128 minfer | tg128 llama.cpp | ratio |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|")
+    print(head, flush=True)
+    rows, raw = [head], []
+    for t in threads:
+        if time.time() - T0 > budget:
+            say(f"budget of {budget:.0f}s spent: skipping threads {t} and after")
+            break
+        m = minfer_bench(q, t, reps, env)
+        ll = llama_bench(bin_dir, q, t, reps)
+        lp, lt = max(ll["pp"].values()), max(ll["tg"].values())
+        row = (f"| {t} | {m['pp'][0]:.1f} | {lp:.1f} | {m['pp'][0] / lp:.2f} | {m['tg'][0]:.1f} | {lt:.1f} | "
+               f"{m['tg'][0] / lt:.2f} |")
+        print(row, flush=True)
+        rows.append(row)
+        raw.append({"threads": t, "minfer": m, "llama": ll})
+        if out_dir:
+            (out_dir / "sweep.md").write_text("\n".join(rows) + "\n")
+            (out_dir / "sweep.json").write_text(json.dumps(raw, indent=1))
+    if out_dir:
+        for log in ("minfer-build.log", "llama-build.log", "quantize.log"):
+            if (work / log).exists():
+                shutil.copy(work / log, out_dir / log)
+    say("done")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="minfer vs llama.cpp CPU sweep (see the module docstring)")
+    sp = ap.add_subparsers(dest="cmd", required=True)
+    p = sp.add_parser("prepare")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--model", type=Path)
+    r = sp.add_parser("run")
+    r.add_argument("dir", type=Path)
+    r.add_argument("--threads", default="16,8,4,2,1")
+    r.add_argument("--reps", type=int, default=2)
+    r.add_argument("--budget", type=float, default=400.0, help="seconds after which no new thread count starts")
+    r.add_argument("--work", type=Path, default=Path("/tmp/minfer-cpu-sweep"))
+    a = ap.parse_args()
+    if a.cmd == "prepare":
+        prepare(a.dir, a.model)
+    else:
+        run(a.dir, [int(x) for x in a.threads.split(",")], a.reps, a.budget, a.work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
