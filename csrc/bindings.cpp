@@ -22,6 +22,7 @@ PYBIND11_MODULE(_core, m) {
     py::class_<Plan>(m, "Plan")
         .def(py::init([](std::string name) { Plan p; p.name = std::move(name); return p; }), py::arg("name") = "")
         .def_readonly("name", &Plan::name)
+        .def_readwrite("flags", &Plan::flags, "backend execution switches (CUDA: allowed step merges)")
         .def("add", [](Plan& p, int op, int node, const std::vector<int>& bufs, const std::vector<int64_t>& ip,
                        const std::vector<float>& fp, const std::vector<int>& w) {
                 Step s;
@@ -53,4 +54,10 @@ PYBIND11_MODULE(_core, m) {
     py::module_ testing = m.def_submodule("testing", "hooks for tests and benchmarks only");
     register_cpu(m);
     register_cpu_testing(testing);
+#ifdef MINFER_HAS_CUDA
+    m.attr("HAS_CUDA") = true;
+    register_cuda(m, testing);
+#else
+    m.attr("HAS_CUDA") = false;
+#endif
 }

@@ -8,5 +8,10 @@ namespace minfer {
 
 void register_cpu(pybind11::module_& m);
 void register_cpu_testing(pybind11::module_& testing);
+#ifdef MINFER_HAS_CUDA
+// csrc/cuda/bindings_cuda.cpp: CudaPool, cuda_validate/cuda_run, device argmax, copies
+// between host and device pools; counters and profiles into _core.testing.
+void register_cuda(pybind11::module_& m, pybind11::module_& testing);
+#endif
 
 }  // namespace minfer

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from minfer.backends import CPU_ID, CUDA_ID, METAL_ID, cpu, default_registry, parse_backend_list
+from minfer.backends import cuda as cuda_backend
 from minfer.errors import BackendError, MinferError
 
 
@@ -15,12 +16,25 @@ def test_builtin_ids_and_priority_order():
     assert (reg.by_name("cpu").id, reg.by_name("metal").id, reg.by_name("cuda").id) == (CPU_ID, METAL_ID, CUDA_ID) \
         == (0, 1, 2)
     assert [(e.name, e.priority) for e in reg.entries()] == [("metal", 300), ("cuda", 200), ("cpu", 100)]
-    assert not reg.by_name("cuda").compiled and not reg.by_name("metal").compiled
+    from minfer import _core
+    assert reg.by_name("cuda").compiled == bool(_core.HAS_CUDA)
+    assert not reg.by_name("metal").compiled
+
+
+def _cuda_refusal() -> str:
+    """What naming CUDA is refused with in this build on this machine ('' if it runs)."""
+    e = cuda_backend.ENTRY
+    if not e.compiled:
+        return "backend 'cuda' is not compiled into this build"
+    if not e.usable:
+        return "backend 'cuda' is not usable on this machine: no CUDA device visible"
+    return ""
 
 
 def test_default_selection_is_what_can_run(monkeypatch):
     monkeypatch.delenv("MINFER_BACKENDS", raising=False)
-    assert [e.name for e in default_registry().select_backends()] == ["cpu"]
+    expect = ["cpu"] if _cuda_refusal() else ["cuda", "cpu"]
+    assert [e.name for e in default_registry().select_backends()] == expect
 
 
 def test_unknown_backend_lists_the_known_ones():
@@ -28,10 +42,18 @@ def test_unknown_backend_lists_the_known_ones():
         default_registry().select_backends(["tpu"])
 
 
-@pytest.mark.parametrize("name", ["cuda", "metal"])
-def test_backend_not_compiled_in(name):
-    with pytest.raises(BackendError, match=f"backend '{name}' is not compiled into this build"):
-        default_registry().select_backends(["cpu", name])
+def test_backend_not_compiled_in():
+    with pytest.raises(BackendError, match="backend 'metal' is not compiled into this build"):
+        default_registry().select_backends(["cpu", "metal"])
+
+
+def test_cuda_refusal_names_what_is_missing():
+    why = _cuda_refusal()
+    if not why:  # a CUDA build with a device: naming it works
+        assert [e.name for e in default_registry().select_backends(["cpu", "cuda"])] == ["cuda", "cpu"]
+        return
+    with pytest.raises(BackendError, match=why):
+        default_registry().select_backends(["cpu", "cuda"])
 
 
 def test_backend_not_usable_here_gives_the_reason():
@@ -47,7 +69,7 @@ def test_three_refusals_are_distinct_minfer_errors():
     reg = default_registry().copy()
     reg.register(dataclasses.replace(cpu.make_entry("gpu9", id=9, priority=250), usable=False, unusable_reason="x"))
     msgs = set()
-    for name in ("nope", "cuda", "gpu9"):
+    for name in ("nope", "metal", "gpu9"):
         with pytest.raises(MinferError) as e:
             reg.select_backends([name])
         msgs.add(str(e.value).split(":")[0].replace(name, "<n>"))
@@ -57,7 +79,7 @@ def test_three_refusals_are_distinct_minfer_errors():
 def test_env_fence(monkeypatch):
     monkeypatch.setenv("MINFER_BACKENDS", " CPU ")
     assert [e.name for e in default_registry().select_backends()] == ["cpu"]
-    monkeypatch.setenv("MINFER_BACKENDS", "cpu,cuda")
+    monkeypatch.setenv("MINFER_BACKENDS", "cpu,metal")
     with pytest.raises(BackendError, match="not compiled"):
         default_registry().select_backends()
     assert parse_backend_list("cpu, metal") == ["cpu", "metal"]

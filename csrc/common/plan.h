@@ -89,6 +89,10 @@ struct Plan {
     std::vector<Step> steps;
     std::string name;
     mutable std::unique_ptr<PlanState> state;
+    // Backend execution switches set at lowering (CUDA: which step merges, i.e. fused
+    // decode ops, its executor may apply; bits in cuda/executor.h). Not part of a
+    // step's meaning: a plan computes the same values whatever the flags.
+    int32_t flags = 0;
 
     void add(const Step& s) {
         steps.push_back(s);

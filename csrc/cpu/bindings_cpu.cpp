@@ -13,6 +13,7 @@
 #include "cpu/executor.h"
 #include "cpu/pool.h"
 #include "cpu/quants.h"
+#include "py_weight_store.h"
 
 namespace py = pybind11;
 
@@ -21,12 +22,6 @@ namespace minfer {
 using namespace minfer::cpu;
 
 namespace {
-
-// Keeps the numpy arrays (mmap views of the GGUF) alive as long as the store.
-struct PyWeightStore {
-    WeightStore store;
-    py::list keep;
-};
 
 py::dtype dtype_of(const std::string& name) { return py::dtype(name); }
 

@@ -37,6 +37,11 @@ from minfer.logits_check import check_logits_finite
 from minfer.sampling import Sampler, SamplingParams
 
 
+def _cuda_fusions() -> frozenset:
+    from minfer.backends.cuda import fusions_from_env
+    return fusions_from_env()
+
+
 class Context:
     """One graph cache + KV arena shared by up to n_seq sequences run together."""
 
@@ -59,8 +64,13 @@ class Context:
         self.cache = GraphCache(model.entries, model.weights, {"threads": model.n_threads})
         # Everything that shapes the graph besides the batch shape; a new value is a new
         # object, so the memo below can never hand out params built from an old one.
+        # With CUDA leading, the decode fusions (step merges in its executor) are on
+        # unless fuse=False or MINFER_CUDA_FUSE says otherwise; they are in the reuse key.
+        gpu = self.cache.scheduler.entries[0].name == "cuda"
+        fz = _cuda_fusions() if gpu and fuse else frozenset()
         self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
-                               kv_type=kv_type)
+                               gpu=gpu, fuse_qkv="qkv" in fz, fuse_ffn="ffn" in fz,
+                               fuse_residual="residual" in fz, kv_type=kv_type)
         self._params: dict = {}        # (n_tokens, n_out) -> GraphParams for self.cparams
         self._installed = None         # the params of the graph whose plans are current
         self._out = None               # (device, buffer id, n_vocab, rows) of the logits
@@ -97,9 +107,11 @@ class Context:
         self._out = (cache.alloc.devices[ref.backend], ref.id, out.out_shape[0], out.n_rows)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, cells: np.ndarray, span: np.ndarray | None,
-            tail: np.ndarray | None, n_out: int, copy: bool = True) -> np.ndarray:
+            tail: np.ndarray | None, n_out: int, copy: bool | None = True) -> np.ndarray | None:
         """One forward over a batch of token rows; logits [n_out, n_vocab] of the rows
-        `tail` names (the last n_out rows when tail is None)."""
+        `tail` names (the last n_out rows when tail is None). copy=None reads nothing
+        back: a greedy pick follows through argmax_last, which on a device backend is
+        then the step's only readback."""
         nt = int(tokens.size)
         self.model.check_tokens(tokens)
         params = self.params(nt, n_out)
@@ -117,6 +129,8 @@ class Context:
             cache.execute()
         else:
             self.tracer.execute(cache)  # MINFER_TRACE / profile / viz: step by step, reading each node
+        if copy is None:
+            return None
         return alloc.copy_to_host(g.outputs[0]) if copy else alloc.host_view(g.outputs[0])
 
     def argmax_last(self) -> int:

@@ -1,6 +1,187 @@
-"""The CUDA backend's registry entry (id 2, priority 200). Its kernels are not compiled
-into this build, so naming it is a clear refusal."""
+"""The CUDA backend's registry entry (id 2, priority 200).
 
-from minfer.graph.backend import CUDA_ID, unavailable_entry
+It runs the same plan steps as the CPU (backends/plan_steps.py) on device pools
+(`_core.CudaPool`), with weights mirrored on the device once per handle, K/V kept in
+f16, and each whole plan replayed as one CUDA graph once warm. When `_core` was built
+without CUDA, or no device is visible, the entry is a refusal that says which.
+"""
 
-ENTRY = unavailable_entry("cuda", CUDA_ID, 200)
+from __future__ import annotations
+
+import functools
+from typing import Callable, Mapping, Optional
+
+import numpy as np
+
+from minfer.backends.plan_steps import lower_node
+from minfer.errors import UnsupportedModelError
+from minfer.graph.backend import CUDA_ID, BackendEntry, CopyRoute, unavailable_entry
+from minfer.graph.ir import AttnMode, DType, EmbedMeta, GraphError, Op, RopeStyle
+
+NAME = "cuda"
+PRIORITY = 200
+
+# GGUF type ids with a CUDA matvec / dequantization kernel (csrc/cuda/quant.cuh).
+WEIGHT_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14})
+HEAD_DIMS = frozenset({32, 64, 128, 256})
+KV_TYPES = ("f16",)  # K/V regions hold f16 (the attention kernels read f16 rows)
+_ELEMENTWISE = {Op.Add, Op.Mul, Op.Silu, Op.SwiGLU}
+
+
+def supports_op(node) -> bool:
+    op = node.op
+    if op is Op.Input:
+        return node.out_dtype in (DType.F32, DType.I32)
+    if node.out_dtype is not DType.F32:
+        return False
+    if op in _ELEMENTWISE or op in (Op.RmsNorm, Op.QkNorm, Op.KvcacheStore, Op.KvcacheLoad):
+        return True
+    if op is Op.MatMul:
+        m = node.meta
+        return not m.transpose_b and int(m.wtype) in WEIGHT_TYPES and m.in_dim % 32 == 0
+    if op is Op.GetRows:
+        return not isinstance(node.meta, EmbedMeta) or int(node.meta.wtype) in WEIGHT_TYPES
+    if op is Op.RoPE:
+        return node.meta.style is RopeStyle.Neox
+    if op is Op.Attn:
+        return node.meta.mode in (AttnMode.Gqa, AttnMode.Flash) and node.meta.hd in HEAD_DIMS
+    return False
+
+
+def supports_fused(fused: str) -> bool:
+    return fused == "swiglu"
+
+
+def supports_attn_span() -> bool:
+    return True
+
+
+ENV_FUSE = "MINFER_CUDA_FUSE"
+FUSIONS = ("qkv", "ffn", "residual")
+_FLAG_BITS = {"qkv": 1, "ffn": 2, "residual": 4}  # cuda/executor.h PlanFlags
+
+
+def fusions_from_env() -> frozenset:
+    """The decode fusions to use: MINFER_CUDA_FUSE unset or 'all' = every one, '0' or
+    'none' = none, else a comma list of qkv, ffn, residual."""
+    import os
+    v = os.environ.get(ENV_FUSE, "all").strip().lower()
+    if v in ("", "all", "1"):
+        return frozenset(FUSIONS)
+    if v in ("0", "none"):
+        return frozenset()
+    names = {p.strip() for p in v.split(",") if p.strip()}
+    bad = names - set(FUSIONS)
+    if bad:
+        from minfer.errors import BackendError
+        raise BackendError(f"{ENV_FUSE}: unknown fusion(s) {', '.join(sorted(bad))} (known: {', '.join(FUSIONS)})")
+    return frozenset(names)
+
+
+def plan_flags(cparams) -> int:
+    return ((_FLAG_BITS["qkv"] if cparams.fuse_qkv else 0) | (_FLAG_BITS["ffn"] if cparams.fuse_ffn else 0)
+            | (_FLAG_BITS["residual"] if cparams.fuse_residual else 0))
+
+
+class CudaDevice:
+    """One GraphCache's CUDA state: a device pool (write = stream-ordered H2D from a
+    pinned mirror, read = D2H + wait, view = read-only window on the pinned mirror,
+    argmax = device argmax returning one int)."""
+
+    def __init__(self, name: str, options: Mapping) -> None:
+        from minfer import _core
+        self.core = _core
+        self.pool = pool = _core.CudaPool(name)
+        self.alloc, self.alloc_fresh, self.free = pool.alloc, pool.alloc_fresh, pool.free
+        self.count, self.bytes_total, self.size = pool.count, pool.bytes_total, pool.size
+        self.write, self.read, self.view = pool.write, pool.read, pool.view
+        self.argmax = functools.partial(_core.argmax, pool, n_threads=1)
+
+    def new_plan(self, label: str):
+        return self.core.Plan(label)
+
+    def validate(self, plan, weights: "CudaWeights") -> None:
+        """Checks the plan and uploads the weights it uses (once per handle)."""
+        self.core.cuda_validate(plan, self.pool, weights.core)
+
+    def bind(self, plan, weights: "CudaWeights") -> Callable:
+        """run(begin=0, end=-1): enqueue on the CUDA stream (a graph replay once warm);
+        the next host read waits."""
+        return functools.partial(self.core.cuda_run, plan, self.pool, weights.core)
+
+
+class CudaWeights:
+    """Host registration of the weights CUDA plans use (by reference into the GGUF mmap);
+    the device copy is made by the core on first use, kept in GGUF blocks."""
+
+    def __init__(self, backend: str = NAME) -> None:
+        from minfer import _core
+        self.core = _core.WeightStore()
+        self.backend = backend
+
+    def _check(self, name: str, ggml_type: int) -> None:
+        if int(ggml_type) not in WEIGHT_TYPES:
+            raise UnsupportedModelError(f"tensor {name} has GGUF type {int(ggml_type)}, which backend "
+                                        f"{self.backend} does not run")
+
+    def add(self, name: str, data: np.ndarray, ggml_type: int, ne0: int, ne1: int) -> int:
+        self._check(name, ggml_type)
+        return self.core.add(name, data, int(ggml_type), int(ne0), int(ne1))
+
+    def add_concat_rows(self, name: str, parts: list) -> int:
+        """parts: (data, ggml_type, ne0, ne1) of one type and row width, stacked in order."""
+        t, ne0 = int(parts[0][1]), int(parts[0][2])
+        if any((int(p[1]), int(p[2])) != (t, ne0) for p in parts):
+            raise GraphError(f"derived weight {name!r}: parts differ in type or row width")
+        self._check(name, t)
+        data = np.concatenate([p[0] for p in parts])
+        return self.core.add(name, data, t, ne0, sum(int(p[3]) for p in parts))
+
+
+def _copy(src_dev, src_buf: int, dst_dev, dst_buf: int, nbytes: int):
+    """Device->device and host->device copies are ordered on the stream every consumer
+    runs on; device->host waits inside the copy. Either way the ticket needs no wait."""
+    from minfer import _core
+    _core.copy_buffer(src_dev.pool, src_buf, dst_dev.pool, dst_buf, nbytes)
+
+
+def _no_wait(ticket) -> None:
+    """Called once per copy, like every route's wait; nothing is left to wait for."""
+
+
+DEVICE_COPY = CopyRoute("cuda stream copy", _copy, _no_wait)
+
+
+def _route(other: BackendEntry) -> Optional[CopyRoute]:
+    return DEVICE_COPY if other.memory in ("host", "cuda") else None
+
+
+def probe() -> tuple:
+    """(compiled, usable, reason): why CUDA can or cannot run in this process."""
+    try:
+        from minfer import _core
+    except ImportError as e:  # the CPU entry reports a broken core more usefully
+        return False, False, f"minfer._core failed to import ({e})"
+    if not getattr(_core, "HAS_CUDA", False):
+        return False, False, ("not compiled into this build (minfer._core was built without CUDA: no CUDA "
+                              "compiler or cuBLAS at build time, or MINFER_CUDA=OFF)")
+    n, why = _core.cuda_device_count()
+    if n <= 0:
+        return True, False, why or "no CUDA device visible"
+    return True, True, ""
+
+
+def make_entry() -> BackendEntry:
+    compiled, usable, reason = probe()
+    if not compiled:
+        return unavailable_entry(NAME, CUDA_ID, PRIORITY, reason)
+    return BackendEntry(
+        name=NAME, id=CUDA_ID, priority=PRIORITY, compiled=True, usable=usable, unusable_reason=reason,
+        supports_op=supports_op, supports_fused=supports_fused, supports_attn_span=supports_attn_span,
+        weight_types=WEIGHT_TYPES, kv_types=KV_TYPES,
+        open_device=lambda options: CudaDevice(NAME, options), open_weights=lambda: CudaWeights(NAME),
+        lower_node=lower_node, copy_to=_route, copy_from=_route, memory="cuda", plan_flags=plan_flags,
+    )
+
+
+ENTRY = make_entry()

@@ -85,6 +85,9 @@ class BackendEntry:
     copy_to: Callable[["BackendEntry"], Optional[CopyRoute]] = _no_route
     copy_from: Callable[["BackendEntry"], Optional[CopyRoute]] = _no_route
     memory: str = "host"                        # where its buffers live ("host": CPU-addressable)
+    # (CParams) -> int: execution switches for the plan of a single-split graph (CUDA:
+    # which step merges, i.e. fused decode ops, its executor may apply).
+    plan_flags: Optional[Callable[[Any], int]] = None
 
     @property
     def order_key(self) -> tuple:

@@ -66,7 +66,7 @@ class GraphCache:
         self.preview(graph, fuse=params.cparams.fuse_swiglu if params is not None else True)
         self.alloc.alloc_graph(graph)
         splits = self.scheduler.split_graph(graph)
-        lowered = lower_graph(graph, splits, self.alloc, self.weights)
+        lowered = lower_graph(graph, splits, self.alloc, self.weights, params)
         self.replace_graph(graph, params, lowered, splits)
         return graph
 

@@ -83,7 +83,7 @@ class LowerCtx:
         return self.weights.handle(name, node.name)
 
 
-def lower_graph(graph: ComputeGraph, splits: list, alloc, weights) -> Lowered:
+def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, params=None) -> Lowered:
     """weights: the model's WeightRegistry; each split resolves names on its own backend."""
     out = []
     names = lambda bid: name_of(bid, alloc.entries)  # noqa: E731
@@ -112,6 +112,9 @@ def lower_graph(graph: ComputeGraph, splits: list, alloc, weights) -> Lowered:
                 ctx.step = len(step_nodes)
             if node.op not in KV_BOUND and node.id not in alloc.node_to_buf:
                 raise GraphError(f"node {i} ({node.name}) was not allocated")
+        # Step merges (fused decode ops) only when no other split reads this one's buffers.
+        if entry.plan_flags is not None and params is not None and len(splits) == 1:
+            plan.flags = int(entry.plan_flags(params.cparams))
         try:
             device.validate(plan, bound.store)
         except (ValueError, IndexError) as e:

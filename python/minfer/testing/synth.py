@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import gguf
@@ -148,10 +148,31 @@ def _random_k_blocks(qtype: QT, n_rows: int, n_cols: int, std: float, rng) -> np
     return raw.reshape(n_rows, -1)
 
 
+# Legacy blocks drawn directly (for benchmark-sized models gguf's NumPy quantizer is far
+# too slow): (std of the codes, has a min) with w = d * (q - mid), or d * q + m.
+_LEGACY = {QT.Q4_0: (4.6, False), QT.Q5_0: (9.2, False), QT.Q8_0: (74.0, False), QT.Q4_1: (4.6, True),
+           QT.Q5_1: (9.2, True)}
+
+
+def _random_legacy_blocks(qtype: QT, n_rows: int, n_cols: int, std: float, rng) -> np.ndarray:
+    """Random 32-element blocks with uniform codes and one scale per block so the
+    dequantized values have roughly the requested std (and, with a min, zero mean)."""
+    n_blocks = n_rows * n_cols // 32
+    raw = rng.integers(0, 256, size=(n_blocks, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    q_std, has_min = _LEGACY[qtype]
+    d = std / q_std
+    raw[:, 0:2] = np.full(n_blocks, d, np.float16).view(np.uint8).reshape(-1, 2)
+    if has_min:
+        mid = 7.5 if qtype == QT.Q4_1 else 15.5
+        raw[:, 2:4] = np.full(n_blocks, -mid * d, np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(n_rows, -1)
+
+
 class _Writer:
-    def __init__(self, w: gguf.GGUFWriter, rng: np.random.Generator) -> None:
+    def __init__(self, w: gguf.GGUFWriter, rng: np.random.Generator, fast: bool = False) -> None:
         self.w = w
         self.rng = rng
+        self.fast = fast
 
     def f32(self, name: str, arr: np.ndarray) -> None:
         self.w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
@@ -168,6 +189,9 @@ class _Writer:
         std = 1.0 / np.sqrt(n_in)
         if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
             self.w.add_tensor(name, _random_k_blocks(qtype, n_out, n_in, std, self.rng), raw_dtype=qtype)
+            return
+        if self.fast and qtype in _LEGACY:
+            self.w.add_tensor(name, _random_legacy_blocks(qtype, n_out, n_in, std, self.rng), raw_dtype=qtype)
             return
         x = (self.rng.standard_normal((n_out, n_in)) * std).astype(np.float32)
         if qtype == QT.F32:
@@ -205,6 +229,8 @@ def write_model(
     metadata: dict[str, Any] | None = None,
     fill: dict[str, float] | None = None,
     extra_tensors: dict[str, tuple[int, ...]] | None = None,
+    layer_types: Callable[[int], dict[str, str]] | None = None,
+    fast: bool = False,
 ) -> SynthConfig:
     """Write a random-weight model; `types` overrides DEFAULT_TYPES (all F32) per role.
 
@@ -215,7 +241,10 @@ def write_model(
     F32 tensors with one value (e.g. NaN); `extra_tensors` adds F32 tensors of the
     given GGUF shapes that no architecture reads; `with_eog=False` writes a tokenizer
     with no end-of-generation token (no eos id, special tokens typed normal), so a
-    generation runs until -n or the context is used up."""
+    generation runs until -n or the context is used up. `layer_types(i)` overrides the
+    role types again for layer i (mixes like llama.cpp's Q4_K_M); fast=True draws
+    32-element quant blocks directly instead of quantizing Gaussians (benchmark-sized
+    models)."""
     if arch not in ("qwen2", "qwen3"):
         raise ValueError(f"arch must be 'qwen2' or 'qwen3', got {arch!r}")
     if n_head % n_head_kv:
@@ -288,14 +317,16 @@ def write_model(
     for key, value in (metadata or {}).items():
         _override(w, key, value)
 
-    t = _Writer(w, rng)
+    t = _Writer(w, rng, fast)
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
     t.matrix("token_embd.weight", n_vocab, n_embd, role_types["token_embd"])
     t.norm("output_norm.weight", n_embd)
     if not tie_embeddings:
         t.matrix("output.weight", n_vocab, n_embd, role_types["output"])
+    base_types = role_types
     for i in range(n_layer):
         p = f"blk.{i}."
+        role_types = {**base_types, **(layer_types(i) if layer_types else {})}
         t.norm(p + "attn_norm.weight", n_embd)
         t.matrix(p + "attn_q.weight", q_dim, n_embd, role_types["attn_q"])
         t.matrix(p + "attn_k.weight", kv_dim, n_embd, role_types["attn_k"])
@@ -317,6 +348,7 @@ def write_model(
     for name, value in (fill or {}).items():
         _fill(w, name, value)
 
+    role_types = base_types
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -309,6 +309,18 @@ def cpu_info() -> str:
     return platform.processor() or platform.machine()
 
 
+def _runs_on_cuda(backends) -> bool:
+    """Whether the engine's first-choice backend will be CUDA (mem_bw_frac then divides
+    by the device's copy bandwidth, measured in this run)."""
+    from minfer.errors import BackendError
+    from minfer.backends import select_backends
+    try:
+        entries = select_backends(list(backends) if backends is not None else None)
+    except BackendError:
+        return False
+    return bool(entries) and entries[0].name == "cuda"
+
+
 def measure_bandwidth_isolated() -> float:
     """The membw probe, run in a child process: its arrays (hundreds of MiB) would
     otherwise become this process's peak RSS and hide the engine's."""
@@ -375,9 +387,13 @@ def run_bench(
     if not pps and not tgs:
         return []
 
-    if mem_bandwidth is None:
+    if mem_bandwidth is None and _runs_on_cuda(backends):
+        say("minfer bench: measuring device copy bandwidth")
+        from minfer import _core
+        bw: float | None = float(_core.testing.cuda_copy_bandwidth())
+    elif mem_bandwidth is None:
         say("minfer bench: measuring memory bandwidth")
-        bw: float | None = measure_bandwidth_isolated()
+        bw = measure_bandwidth_isolated()
     elif mem_bandwidth is False:
         bw = None
     else:

@@ -1,0 +1,223 @@
+// _core's CUDA surface: CudaPool (the pool surface on device memory), plan validate/run,
+// the device argmax, boundary copies for every (host, device) pair, and counters.
+#include "bindings.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+
+#include "cpu/pool.h"
+#include "common/plan.h"
+#include "cuda/context.h"
+#include "cuda/executor.h"
+#include "cuda/kernels.h"
+#include "py_weight_store.h"
+
+namespace py = pybind11;
+
+namespace minfer {
+
+using namespace minfer::cuda;
+
+namespace {
+
+DevWeights& mirror_of(PyWeightStore& s) {
+    if (!s.device_mirror) s.device_mirror = std::make_shared<DevWeights>();
+    return *static_cast<DevWeights*>(s.device_mirror.get());
+}
+
+void check_host_range(const cpu::Pool& pool, int id, size_t nbytes) {
+    if (nbytes > pool.size(id))
+        throw std::out_of_range("pool " + pool.name() + ": buffer " + std::to_string(id) + " holds " +
+                                std::to_string(pool.size(id)) + " bytes; access of " + std::to_string(nbytes));
+}
+
+struct Pick {
+    int32_t* dev = nullptr;
+    int32_t* host = nullptr;
+};
+Pick& pick() {
+    static Pick p;
+    if (!p.dev) {
+        p.dev = (int32_t*)dev_alloc(sizeof(int32_t));
+        p.host = (int32_t*)host_alloc_pinned(sizeof(int32_t));
+    }
+    return p;
+}
+
+double copy_bandwidth(size_t nbytes, int reps) {
+    Context& c = ctx();
+    void* a = dev_alloc(nbytes);
+    void* b = dev_alloc(nbytes);
+    cudaEvent_t e0, e1;
+    MC_CHECK(cudaEventCreate(&e0));
+    MC_CHECK(cudaEventCreate(&e1));
+    MC_CHECK(cudaMemsetAsync(a, 1, nbytes, c.stream));
+    MC_CHECK(cudaMemcpyAsync(b, a, nbytes, cudaMemcpyDeviceToDevice, c.stream));
+    MC_CHECK(cudaEventRecord(e0, c.stream));
+    for (int i = 0; i < reps; ++i) MC_CHECK(cudaMemcpyAsync(b, a, nbytes, cudaMemcpyDeviceToDevice, c.stream));
+    MC_CHECK(cudaEventRecord(e1, c.stream));
+    MC_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    MC_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
+    // Bytes read plus bytes written, as STREAM's copy counts them.
+    return 2.0 * (double)nbytes * reps / (ms * 1e-3);
+}
+
+}  // namespace
+
+void register_cuda(py::module_& m, py::module_& testing) {
+    py::class_<DevPool>(m, "CudaPool")
+        .def(py::init<std::string>(), py::arg("name"))
+        .def_property_readonly("name", &DevPool::name)
+        .def("alloc", &DevPool::alloc, py::arg("nbytes"))
+        .def("alloc_fresh", &DevPool::alloc_fresh, py::arg("nbytes"))
+        .def("free", &DevPool::free, py::arg("id"))
+        .def("size", &DevPool::size, py::arg("id"))
+        .def("count", &DevPool::count)
+        .def("bytes_total", &DevPool::bytes_total)
+        .def("write", [](DevPool& p, int id, py::array data, size_t offset) {
+                if (!(data.flags() & py::array::c_style)) throw std::invalid_argument("write needs a C-contiguous array");
+                p.write(id, data.data(), (size_t)data.nbytes(), offset);
+            }, py::arg("id"), py::arg("data"), py::arg("offset") = 0,
+            "Stream-ordered H2D through the buffer's pinned mirror.")
+        .def("read", [](DevPool& p, int id, const std::string& dtype, py::ssize_t count, size_t offset) {
+                py::dtype dt(dtype);
+                size_t nbytes = (size_t)count * dt.itemsize();
+                const void* src;
+                {
+                    py::gil_scoped_release nogil;
+                    src = p.fetch(id, nbytes, offset);
+                }
+                py::array out(dt, std::vector<py::ssize_t>{count});
+                std::memcpy(out.mutable_data(), src, nbytes);
+                return out;
+            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0, "D2H + wait; a copy.")
+        .def("view", [](py::object self, int id, const std::string& dtype, py::ssize_t count, size_t offset) {
+                // Read-only window on the buffer's pinned mirror, filled by one D2H:
+                // valid until this buffer's next host access.
+                DevPool& p = self.cast<DevPool&>();
+                py::dtype dt(dtype);
+                const void* src;
+                {
+                    py::gil_scoped_release nogil;
+                    src = p.fetch(id, (size_t)count * dt.itemsize(), offset);
+                }
+                py::array out(dt, std::vector<py::ssize_t>{count}, std::vector<py::ssize_t>{(py::ssize_t)dt.itemsize()},
+                              src, self);
+                py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+                return out;
+            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0);
+
+    m.def("cuda_validate", [](const Plan& plan, DevPool& pool, PyWeightStore& ws) {
+            validate_plan(plan, pool, ws.store, mirror_of(ws));
+        }, py::arg("plan"), py::arg("pool"), py::arg("weights"),
+        "Check a plan against a CUDA pool and upload the weights it uses (once per handle).");
+    m.def("cuda_run", [](const Plan& plan, DevPool& pool, PyWeightStore& ws, size_t begin, int64_t end) {
+            DevWeights& dw = mirror_of(ws);
+            py::gil_scoped_release nogil;
+            run_plan(plan, pool, ws.store, dw, begin, end < 0 ? (size_t)-1 : (size_t)end);
+        }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("begin") = 0, py::arg("end") = -1,
+        "Enqueue plan steps [begin, end) on the CUDA stream (a graph replay once warm); does not wait.");
+    testing.def("cuda_plan_info", [](const Plan& plan) {
+            py::dict d;
+            d["captured"] = plan_captured(plan);
+            d["graph_nodes"] = plan_graph_nodes(plan);
+            d["launches"] = plan_launches(plan);
+            return d;
+        }, py::arg("plan"));
+
+    m.def("argmax", [](DevPool& pool, int id, int64_t n, int /*n_threads*/) {
+            pool.check_range(id, 0, (size_t)n * 4);
+            Context& c = ctx();
+            Pick& pk = pick();
+            int32_t r;
+            {
+                py::gil_scoped_release nogil;
+                argmax((const float*)pool.data(id), n, pk.dev, c.err_dev);
+                MC_CHECK(cudaMemcpyAsync(pk.host, pk.dev, 4, cudaMemcpyDeviceToHost, c.stream));
+                ++c.c.d2h;
+                c.c.d2h_bytes += 4;
+                sync_stream();
+                r = *pk.host;
+            }
+            if (r < 0) raise_device_error();
+            return (int64_t)r;
+        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("n_threads") = 1,
+        "Device argmax (first index on ties): one 4-byte readback and one wait.");
+
+    // Boundary copies for every pair that involves a device pool.
+    m.def("copy_buffer", [](DevPool& src, int src_id, DevPool& dst, int dst_id, size_t nbytes) {
+            src.check_range(src_id, 0, nbytes);
+            dst.check_range(dst_id, 0, nbytes);
+            Context& c = ctx();
+            MC_CHECK(cudaMemcpyAsync(dst.data(dst_id), src.data(src_id), nbytes, cudaMemcpyDeviceToDevice, c.stream));
+            ++c.c.d2d;
+        }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
+    m.def("copy_buffer", [](DevPool& src, int src_id, cpu::Pool& dst, int dst_id, size_t nbytes) {
+            check_host_range(dst, dst_id, nbytes);
+            const void* p;
+            {
+                py::gil_scoped_release nogil;
+                p = src.fetch(src_id, nbytes, 0);
+            }
+            std::memcpy(dst.data(dst_id), p, nbytes);
+        }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
+    m.def("copy_buffer", [](cpu::Pool& src, int src_id, DevPool& dst, int dst_id, size_t nbytes) {
+            check_host_range(src, src_id, nbytes);
+            dst.write(dst_id, src.data(src_id), nbytes, 0);
+        }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
+
+    m.def("cuda_device_count", []() {
+            std::string why;
+            int n = device_count(&why);
+            return py::make_tuple(n, why);
+        }, "(number of visible CUDA devices, reason when 0)");
+    m.def("cuda_device_name", &device_name);
+    testing.def("cuda_profile", []() {
+            py::dict d;
+            for (const auto& [k, e] : take_profile()) d[py::str(k)] = py::make_tuple(e.ms, e.count, e.bytes);
+            return d;
+        }, "{launch kind: (ms, count, weight bytes)} timed under MINFER_CUDA_PROFILE=1; clears the totals.");
+    m.def("cuda_sync", []() {
+            py::gil_scoped_release nogil;
+            sync_stream();
+            raise_device_error();
+        });
+    testing.def("cuda_counters", []() {
+            const Counters& k = ctx().c;
+            py::dict d;
+            d["launches"] = k.launches;
+            d["graph_launches"] = k.graph_launches;
+            d["captures"] = k.captures;
+            d["h2d"] = k.h2d;
+            d["d2h"] = k.d2h;
+            d["d2d"] = k.d2d;
+            d["h2d_bytes"] = k.h2d_bytes;
+            d["d2h_bytes"] = k.d2h_bytes;
+            d["syncs"] = k.syncs;
+            d["allocs"] = k.allocs;
+            return d;
+        });
+    testing.def("cuda_reset_counters", []() { ctx().c = Counters{}; });
+    testing.def("cuda_weight_bytes", [](PyWeightStore& ws) { return mirror_of(ws).bytes; });
+    testing.def("cuda_mem_info", []() {
+            ctx();
+            size_t fr = 0, tot = 0;
+            MC_CHECK(cudaMemGetInfo(&fr, &tot));
+            return py::make_tuple(fr, tot);
+        });
+    testing.def("cuda_copy_bandwidth", [](size_t nbytes, int reps) {
+            py::gil_scoped_release nogil;
+            return copy_bandwidth(nbytes, reps);
+        }, py::arg("nbytes") = (size_t)1 << 30, py::arg("reps") = 10,
+        "Device-to-device copy bandwidth in bytes/s (read + write), measured with CUDA events.");
+}
+
+}  // namespace minfer

@@ -1,0 +1,66 @@
+// The process's CUDA context as the backend uses it: one device, one stream that every
+// kernel, copy and graph launch is ordered on, one cuBLAS handle with a fixed workspace
+// (so GEMMs can be captured into graphs), and counters of what a step costs the host.
+#pragma once
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace minfer::cuda {
+
+[[noreturn]] void throw_cuda(cudaError_t e, const char* what);
+inline void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw_cuda(e, what);
+}
+void check_blas(cublasStatus_t s, const char* what);
+#define MC_CHECK(x) ::minfer::cuda::check((x), #x)
+
+// Per-process counts, read by tests that assert a reused step's budget.
+struct Counters {
+    uint64_t launches = 0;        // kernel launches issued directly (not replays)
+    uint64_t graph_launches = 0;  // cudaGraphLaunch calls
+    uint64_t captures = 0;        // graphs captured
+    uint64_t h2d = 0, d2h = 0, d2d = 0;
+    uint64_t h2d_bytes = 0, d2h_bytes = 0;
+    uint64_t syncs = 0;           // host waits on the stream or an event
+    uint64_t allocs = 0;          // cudaMalloc / cudaMallocHost calls
+};
+
+struct Context {
+    int device = 0;
+    int n_sm = 0;
+    cudaStream_t stream = nullptr;
+    cublasHandle_t blas = nullptr;
+    void* blas_ws = nullptr;
+    size_t blas_ws_bytes = 0;
+    bool capturing = false;
+    Counters c;
+    // Device-side guard: kernels that find an index out of range (token id, KV cell,
+    // position) store a nonzero code here (mapped pinned memory, so the host reads it
+    // after its next wait without a copy). Never a silent clamp.
+    int* err_host = nullptr;
+    int* err_dev = nullptr;
+};
+
+// Number of visible devices; on failure 0 and *why says what is missing.
+int device_count(std::string* why);
+std::string device_name();
+// The context, created on first use; throws if no device can be used.
+Context& ctx();
+// After a host wait: raise if a kernel flagged bad index data since the last check.
+void raise_device_error();
+void sync_stream();
+// Counts one kernel launch (a direct one; launches recorded into a capture are not).
+inline void note_launch() {
+    Context& c = ctx();
+    if (!c.capturing) ++c.c.launches;
+}
+
+// Allocation helpers that count.
+void* dev_alloc(size_t nbytes);
+void* host_alloc_pinned(size_t nbytes);
+
+}  // namespace minfer::cuda

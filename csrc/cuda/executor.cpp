@@ -1,0 +1,564 @@
+#include "cuda/executor.h"
+
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/context.h"
+#include "common/ggml_types.h"
+#include "cuda/kernels.h"
+
+namespace minfer::cuda {
+
+using minfer::T_F16;
+using minfer::T_F32;
+
+DevWeights::~DevWeights() {
+    for (void* p : ptr)
+        if (p) cudaFree(p);
+}
+
+const void* DevWeights::ensure(const WeightStore& ws, int h) {
+    if ((int)ptr.size() < ws.count()) ptr.resize(ws.count(), nullptr);
+    if (!ptr[h]) {
+        const Weight& w = ws.get(h);
+        void* d = dev_alloc(w.nbytes);
+        MC_CHECK(cudaMemcpy(d, w.data, w.nbytes, cudaMemcpyHostToDevice));
+        ptr[h] = d;
+        bytes += w.nbytes;
+    }
+    return ptr[h];
+}
+
+namespace {
+
+struct CudaPlanState : PlanState {
+    const DevPool* pool = nullptr;
+    int pool_count = -1;
+    int weight_count = -1;
+    void* wh = nullptr;  // f16 dequantized weight for the prefill GEMM
+    size_t wh_bytes = 0;
+    void* xh = nullptr;  // f16 activations for the prefill GEMM
+    size_t xh_bytes = 0;
+    float* attn = nullptr;  // attention chunk partials
+    size_t attn_bytes = 0;
+    void* xq = nullptr;  // the decode matvec's int8 activation copy
+    size_t xq_bytes = 0;
+    int direct_runs = 0;
+    bool no_graph = false;  // capture failed once: launch directly from then on
+    cudaGraphExec_t exec = nullptr;
+    size_t graph_nodes = 0;
+    int32_t flags = -1;  // the Plan::flags the program was built for
+    // The launch program of a whole run: each entry is one launch over steps
+    // first[k] .. (kind-dependent), built at validation from the step merges allowed.
+    struct Launch {
+        int kind;
+        int s[4];
+        int n;
+    };
+    std::vector<Launch> program;
+    ~CudaPlanState() override {
+        // The capture dies with the plan, once the stream no longer uses it.
+        cudaStreamSynchronize(ctx().stream);
+        if (exec) cudaGraphExecDestroy(exec);
+        if (wh) cudaFree(wh);
+        if (xh) cudaFree(xh);
+        if (attn) cudaFree(attn);
+        if (xq) cudaFree(xq);
+    }
+};
+
+CudaPlanState& state_of(const Plan& plan) {
+    auto* st = dynamic_cast<CudaPlanState*>(plan.state.get());
+    if (!st) {
+        plan.state = std::make_unique<CudaPlanState>();
+        st = static_cast<CudaPlanState*>(plan.state.get());
+    }
+    return *st;
+}
+
+const CudaPlanState* peek_state(const Plan& plan) { return dynamic_cast<const CudaPlanState*>(plan.state.get()); }
+
+[[noreturn]] void fail(const Step& s, const std::string& what) { step_fail(s, what); }
+
+const Weight& need_weight(const Step& s, const WeightStore& ws, int slot) {
+    if (s.w[slot] < 0 || s.w[slot] >= ws.count()) fail(s, "missing weight");
+    return ws.get(s.w[slot]);
+}
+
+enum LaunchKind { L_STEP = 0, L_MV, L_SWIGLU, L_MV_ADD, L_ROPE_STORE };
+
+// Buffers a step reads / writes (plan.h's field contract).
+void step_io(const Step& s, int rd[6], int& nr, int wr[2], int& nw) {
+    nr = nw = 0;
+    wr[nw++] = s.buf[0];
+    auto R = [&](int slot) { if (s.buf[slot] >= 0) rd[nr++] = s.buf[slot]; };
+    switch (s.op) {
+        case OP_ADD: case OP_MUL: case OP_SWIGLU: case OP_GET_ROWS: case OP_ROPE:
+            R(1); R(2); break;
+        case OP_KV_STORE: R(1); R(2); R(3); wr[nw++] = s.buf[4]; break;
+        case OP_ATTN: R(1); R(2); R(3); R(4); R(5); break;
+        default: R(1); break;
+    }
+}
+
+// No step after `after` reads buf before something writes it again: its value may
+// stay in registers (a fused launch need not store it). Plans whose buffers other
+// splits read are never merged (Python sets flags only for a single-split graph).
+bool dead_after(const Plan& plan, size_t after, int buf) {
+    for (size_t k = after + 1; k < plan.steps.size(); ++k) {
+        int rd[6], wr[2], nr, nw;
+        step_io(plan.steps[k], rd, nr, wr, nw);
+        for (int i = 0; i < nr; ++i)
+            if (rd[i] == buf) return false;
+        for (int i = 0; i < nw; ++i)
+            if (wr[i] == buf) return true;
+    }
+    return true;
+}
+
+bool is_mv(const Step& s) { return s.op == OP_MATMUL && s.ip[2] == 1; }
+
+void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
+    const auto& S = plan.steps;
+    const int32_t f = plan.flags;
+    st.program.clear();
+    size_t i = 0;
+    while (i < S.size()) {
+        // gate|up + SwiGLU
+        if ((f & FUSE_FFN) && i + 2 < S.size() && is_mv(S[i]) && is_mv(S[i + 1]) && S[i + 2].op == OP_SWIGLU &&
+            S[i].buf[1] == S[i + 1].buf[1] && S[i].ip[0] == S[i + 1].ip[0] && S[i].ip[1] == S[i + 1].ip[1] &&
+            S[i + 2].ip[0] == S[i].ip[1] && S[i].buf[0] != S[i + 1].buf[0] && S[i + 2].buf[0] != S[i].buf[1]) {
+            const Step& sw = S[i + 2];
+            int g = -1, u = -1;
+            if (sw.buf[1] == S[i].buf[0] && sw.buf[2] == S[i + 1].buf[0]) g = (int)i, u = (int)i + 1;
+            if (sw.buf[1] == S[i + 1].buf[0] && sw.buf[2] == S[i].buf[0]) g = (int)i + 1, u = (int)i;
+            if (g >= 0 && dead_after(plan, i + 2, S[i].buf[0]) && dead_after(plan, i + 2, S[i + 1].buf[0])) {
+                st.program.push_back({L_SWIGLU, {g, u, (int)i + 2, 0}, 3});
+                i += 3;
+                continue;
+            }
+        }
+        // matvec + residual add
+        if ((f & FUSE_RESIDUAL) && i + 1 < S.size() && is_mv(S[i]) && S[i + 1].op == OP_ADD &&
+            S[i + 1].ip[0] == S[i].ip[1]) {
+            const Step& ad = S[i + 1];
+            const int y = S[i].buf[0];
+            const bool one = (ad.buf[1] == y) != (ad.buf[2] == y);
+            if (one && ad.buf[0] != S[i].buf[1] && dead_after(plan, i + 1, y)) {
+                st.program.push_back({L_MV_ADD, {(int)i, (int)i + 1, 0, 0}, 2});
+                i += 2;
+                continue;
+            }
+        }
+        // q|k|v (any run of matvecs over one input)
+        if ((f & FUSE_QKV) && is_mv(S[i])) {
+            size_t k = i + 1;
+            while (k < S.size() && k - i < (size_t)MV_MAX_JOBS && is_mv(S[k]) && S[k].buf[1] == S[i].buf[1] &&
+                   S[k].ip[0] == S[i].ip[0]) {
+                bool clash = S[k].buf[0] == S[i].buf[1];
+                for (size_t m = i; m < k; ++m) clash |= S[k].buf[0] == S[m].buf[0];
+                if (clash) break;
+                ++k;
+            }
+            if (k - i >= 2 && S[i].buf[0] != S[i].buf[1]) {
+                CudaPlanState::Launch L{L_MV, {0, 0, 0, 0}, (int)(k - i)};
+                for (size_t m = i; m < k; ++m) L.s[m - i] = (int)m;
+                st.program.push_back(L);
+                i = k;
+                continue;
+            }
+        }
+        // rope q, rope k, KV store of the roped k
+        if ((f & FUSE_QKV) && i + 2 < S.size() && S[i].op == OP_ROPE && S[i + 1].op == OP_ROPE &&
+            S[i + 2].op == OP_KV_STORE) {
+            const Step &a = S[i], &b = S[i + 1], &kv = S[i + 2];
+            const bool same = a.buf[2] == b.buf[2] && a.ip[0] == b.ip[0] && a.ip[2] == b.ip[2] &&
+                              a.ip[3] == b.ip[3] && a.fp[0] == b.fp[0] && kv.ip[0] == a.ip[0];
+            int q = -1, k = -1;
+            if (kv.buf[1] == b.buf[0]) q = (int)i, k = (int)i + 1;
+            else if (kv.buf[1] == a.buf[0]) q = (int)i + 1, k = (int)i;
+            if (same && q >= 0 && kv.ip[1] == S[k].ip[1] * S[k].ip[2] && S[q].buf[0] != S[k].buf[1] &&
+                S[k].buf[0] != S[q].buf[1] && kv.buf[2] != S[q].buf[0] && kv.buf[2] != S[k].buf[0]) {
+                st.program.push_back({L_ROPE_STORE, {q, k, (int)i + 2, 0}, 3});
+                i += 3;
+                continue;
+            }
+        }
+        st.program.push_back({L_STEP, {(int)i, 0, 0, 0}, 1});
+        ++i;
+    }
+    st.flags = plan.flags;
+    if (st.exec) {
+        cudaStreamSynchronize(ctx().stream);
+        cudaGraphExecDestroy(st.exec);
+        st.exec = nullptr;
+    }
+}
+
+}  // namespace
+
+void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights& dw) {
+    CudaPlanState& st = state_of(plan);
+    if (st.pool == &pool && st.pool_count == pool.count() && st.weight_count == ws.count() &&
+        st.flags == plan.flags)
+        return;
+    // The format's checks (ids, sizes, shapes), then what the CUDA kernels need.
+    validate_format(plan, ws, pool.name(), [&](int id, size_t& have) {
+        if (!pool.valid(id)) return false;
+        have = pool.size(id);
+        return true;
+    });
+    size_t wh = 0, xh = 0, attn = 0, xqb = 0;
+    for (const Step& s : plan.steps) {
+        const int64_t* ip = s.ip;
+        switch (s.op) {
+            case OP_ADD: case OP_MUL: case OP_SWIGLU: case OP_SILU: case OP_GET_ROWS: case OP_ROPE:
+                break;
+            case OP_RMS_NORM: case OP_QK_NORM:
+                if (s.w[0] >= 0) dw.ensure(ws, s.w[0]);
+                break;
+            case OP_MATMUL: {
+                const Weight& w = need_weight(s, ws, 0);
+                if (!matvec_type_supported(w.type)) fail(s, "weight type " + std::to_string(w.type) + " has no CUDA kernel");
+                if (ip[0] % 32) fail(s, "CUDA matmuls need a row length that is a multiple of 32");
+                if (ip[2] == 1) xqb = std::max(xqb, matvec_scratch_bytes(ip[0]));
+                if (ip[2] > 1) {
+                    if (w.type != T_F32 && w.type != T_F16) wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
+                    if (w.type != T_F32) xh = std::max(xh, (size_t)(ip[0] * ip[2] * 2));
+                }
+                dw.ensure(ws, s.w[0]);
+                if (s.w[1] >= 0) dw.ensure(ws, s.w[1]);
+                break;
+            }
+            case OP_GET_ROWS_W: {
+                const Weight& w = need_weight(s, ws, 0);
+                if (!matvec_type_supported(w.type)) fail(s, "table type " + std::to_string(w.type) + " has no CUDA kernel");
+                dw.ensure(ws, s.w[0]);
+                break;
+            }
+            case OP_KV_STORE:
+                if (ip[3] != T_F16) fail(s, "the cuda backend stores KV as f16 only (kv_type " + std::to_string(ip[3]) + ")");
+                break;
+            case OP_ATTN:
+                if (ip[6] != T_F16) fail(s, "the cuda backend stores KV as f16 only (kv_type " + std::to_string(ip[6]) + ")");
+                if (!attn_head_dim_supported(ip[3])) fail(s, "head dim " + std::to_string(ip[3]) + " has no CUDA kernel");
+                attn = std::max(attn, attn_scratch_floats(ip[0], ip[1], ip[3], ip[4]) * 4);
+                break;
+            default:
+                fail(s, std::string("op ") + op_name(s.op) + " has no CUDA kernel");
+        }
+    }
+    // Scratch is sized from the plan alone and only grows, before any capture uses it.
+    auto grow = [](void*& p, size_t& have, size_t need) {
+        if (need <= have) return;
+        if (p) {
+            cudaStreamSynchronize(ctx().stream);
+            cudaFree(p);
+        }
+        p = dev_alloc(need);
+        have = need;
+    };
+    if (st.exec && (wh > st.wh_bytes || xh > st.xh_bytes || attn > st.attn_bytes || xqb > st.xq_bytes)) {
+        cudaStreamSynchronize(ctx().stream);
+        cudaGraphExecDestroy(st.exec);
+        st.exec = nullptr;
+    }
+    grow(st.wh, st.wh_bytes, wh);
+    grow(st.xh, st.xh_bytes, xh);
+    grow(st.xq, st.xq_bytes, xqb);
+    void* a = st.attn;
+    grow(a, st.attn_bytes, attn);
+    st.attn = (float*)a;
+    build_program(plan, ws, st);
+    st.pool = &pool;
+    st.pool_count = pool.count();
+    st.weight_count = ws.count();
+}
+
+namespace {
+
+void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) {
+    Context& c = ctx();
+    const int64_t* ip = s.ip;
+    auto F = [&](int slot) { return (float*)pool.data(s.buf[slot]); };
+    auto I = [&](int slot) { return (const int32_t*)pool.data(s.buf[slot]); };
+    auto W = [&](int slot) -> const void* { return s.w[slot] >= 0 ? dw.get(s.w[slot]) : nullptr; };
+    switch (s.op) {
+        case OP_ADD: add(F(1), F(2), F(0), ip[0]); break;
+        case OP_MUL: mul(F(1), F(2), F(0), ip[0]); break;
+        case OP_SWIGLU: swiglu(F(1), F(2), F(0), ip[0]); break;
+        case OP_SILU: silu(F(1), F(0), ip[0]); break;
+        case OP_RMS_NORM: case OP_QK_NORM:
+            rms_norm(F(1), (const float*)W(0), F(0), ip[0], ip[1], s.fp[0]);
+            break;
+        case OP_MATMUL: {
+            const Weight& w = ws.get(s.w[0]);
+            const int64_t in = ip[0], out = ip[1], nt = ip[2];
+            const float* bias = (const float*)W(1);
+            if (nt == 1) {
+                matvec(w.type, W(0), w.row_bytes, in, out, F(1), bias, nullptr, F(0), st.xq);
+                break;
+            }
+            const float one = 1.0f, zero = 0.0f;
+            if (w.type == T_F32) {
+                check_blas(cublasGemmEx(c.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)nt, (int)in, &one, W(0),
+                                        CUDA_R_32F, (int)in, F(1), CUDA_R_32F, (int)in, &zero, F(0), CUDA_R_32F,
+                                        (int)out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                           "cublasGemmEx f32");
+            } else {
+                const void* a = W(0);
+                if (w.type != T_F16) {
+                    dequant_f16(w.type, W(0), w.row_bytes, in, out, st.wh);
+                    a = st.wh;
+                }
+                f32_to_f16(F(1), st.xh, in * nt);
+                check_blas(cublasGemmEx(c.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)nt, (int)in, &one, a,
+                                        CUDA_R_16F, (int)in, st.xh, CUDA_R_16F, (int)in, &zero, F(0), CUDA_R_32F,
+                                        (int)out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                           "cublasGemmEx f16");
+            }
+            if (!c.capturing) ++c.c.launches;
+            if (bias) add_bias_rows(F(0), bias, nt, out);
+            break;
+        }
+        case OP_GET_ROWS_W: {
+            const Weight& w = ws.get(s.w[0]);
+            get_rows_w(w.type, W(0), w.row_bytes, ip[0], I(1), ip[1], w.ne1, F(0), c.err_dev);
+            break;
+        }
+        case OP_GET_ROWS: get_rows_f32(F(1), ip[0], I(2), ip[1], ip[2], F(0), c.err_dev); break;
+        case OP_ROPE: rope_neox(F(1), F(0), I(2), ip[0], ip[1], ip[2], ip[3], s.fp[0], c.err_dev); break;
+        case OP_KV_STORE:
+            kv_store_f16(F(1), F(2), I(3), ip[0], ip[1], ip[2], pool.data(s.buf[0]), pool.data(s.buf[4]), c.err_dev);
+            break;
+        case OP_ATTN: {
+            AttnDev a;
+            a.q = F(1);
+            a.q_stride = ip[5];
+            a.k = pool.data(s.buf[2]);
+            a.v = pool.data(s.buf[3]);
+            a.pos = I(4);
+            a.span = s.buf[5] >= 0 ? I(5) : nullptr;
+            a.out = F(0);
+            a.nt = ip[0]; a.nh = ip[1]; a.nkv = ip[2]; a.hd = ip[3]; a.n_ctx = ip[4];
+            a.scale = s.fp[0];
+            attention(a, st.attn, c.err_dev);
+            break;
+        }
+        default: fail(s, "unknown op code " + std::to_string(s.op));
+    }
+}
+
+MvJob job_of(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw) {
+    const Weight& w = ws.get(s.w[0]);
+    MvJob j{};
+    j.W = (const uint8_t*)dw.get(s.w[0]);
+    j.row_bytes = w.row_bytes;
+    j.type = w.type;
+    j.rows = (int)s.ip[1];
+    j.bias = s.w[1] >= 0 ? (const float*)dw.get(s.w[1]) : nullptr;
+    j.y = (float*)pool.data(s.buf[0]);
+    return j;
+}
+
+void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& pool, const WeightStore& ws,
+                   const DevWeights& dw, CudaPlanState& st) {
+    const auto& S = plan.steps;
+    auto F = [&](const Step& s, int slot) { return (float*)pool.data(s.buf[slot]); };
+    switch (L.kind) {
+        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st); break;
+        case L_MV: {
+            MvJob jobs[MV_MAX_JOBS];
+            for (int k = 0; k < L.n; ++k) jobs[k] = job_of(S[L.s[k]], pool, ws, dw);
+            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), st.xq);
+            break;
+        }
+        case L_SWIGLU: {
+            const Step &g = S[L.s[0]], &u = S[L.s[1]], &sw = S[L.s[2]];
+            MvJob j = job_of(g, pool, ws, dw);
+            const MvJob ju = job_of(u, pool, ws, dw);
+            j.W2 = ju.W;
+            j.row_bytes2 = ju.row_bytes;
+            j.type2 = ju.type;
+            j.bias2 = ju.bias;
+            j.y = F(sw, 0);
+            matvec_multi(&j, 1, g.ip[0], F(g, 1), st.xq);
+            break;
+        }
+        case L_MV_ADD: {
+            const Step &m = S[L.s[0]], &ad = S[L.s[1]];
+            MvJob j = job_of(m, pool, ws, dw);
+            j.resid = F(ad, ad.buf[1] == m.buf[0] ? 2 : 1);
+            j.y = F(ad, 0);
+            matvec_multi(&j, 1, m.ip[0], F(m, 1), st.xq);
+            break;
+        }
+        case L_ROPE_STORE: {
+            const Step &q = S[L.s[0]], &k = S[L.s[1]], &kv = S[L.s[2]];
+            RopeStoreArgs a;
+            a.xq = F(q, 1); a.yq = F(q, 0); a.nhq = q.ip[1];
+            a.xk = F(k, 1); a.yk = F(k, 0); a.nhk = k.ip[1];
+            a.v = F(kv, 2);
+            a.pos = (const int32_t*)pool.data(q.buf[2]);
+            a.cells = (const int32_t*)pool.data(kv.buf[3]);
+            a.nt = q.ip[0]; a.hd = q.ip[2]; a.n_rot = q.ip[3]; a.n_ctx = kv.ip[2];
+            a.freq_base = q.fp[0];
+            a.kc = pool.data(kv.buf[0]);
+            a.vc = pool.data(kv.buf[4]);
+            a.err = ctx().err_dev;
+            rope2_store(a);
+            break;
+        }
+    }
+}
+
+const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
+    switch (L.kind) {
+        case L_MV: return "fused_matvec";
+        case L_SWIGLU: return "fused_ffn_swiglu";
+        case L_MV_ADD: return "matvec_residual";
+        case L_ROPE_STORE: return "fused_rope_kv_store";
+        default: {
+            const Step& s = plan.steps[L.s[0]];
+            if (s.op == OP_MATMUL) return s.ip[2] == 1 ? "matvec" : "gemm";
+            return op_name(s.op);
+        }
+    }
+}
+
+size_t launch_weight_bytes(const CudaPlanState::Launch& L, const Plan& plan, const WeightStore& ws) {
+    size_t b = 0;
+    for (int k = 0; k < L.n; ++k) {
+        const Step& s = plan.steps[L.s[k]];
+        if (s.op == OP_MATMUL) b += ws.get(s.w[0]).nbytes;
+    }
+    return b;
+}
+
+// MINFER_CUDA_PROFILE=1: direct runs time each launch with events (diagnostics only;
+// the waits make the step slower). Totals per launch name, read by cuda_profile().
+std::map<std::string, ProfileEntry> g_profile;
+
+void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) {
+    static const bool prof = [] { const char* e = std::getenv("MINFER_CUDA_PROFILE"); return e && *e && *e != '0'; }();
+    if (!prof || ctx().capturing) {
+        for (const auto& L : st.program) launch_merged(L, plan, pool, ws, dw, st);
+        return;
+    }
+    cudaEvent_t a, b;
+    MC_CHECK(cudaEventCreate(&a));
+    MC_CHECK(cudaEventCreate(&b));
+    for (const auto& L : st.program) {
+        MC_CHECK(cudaEventRecord(a, ctx().stream));
+        launch_merged(L, plan, pool, ws, dw, st);
+        MC_CHECK(cudaEventRecord(b, ctx().stream));
+        MC_CHECK(cudaEventSynchronize(b));
+        float ms = 0;
+        MC_CHECK(cudaEventElapsedTime(&ms, a, b));
+        ProfileEntry& e = g_profile[launch_name(L, plan)];
+        e.ms += ms;
+        e.count += 1;
+        e.bytes += launch_weight_bytes(L, plan, ws);
+    }
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+}
+
+bool graphs_disabled() {
+    const char* e = std::getenv("MINFER_NO_CUDA_GRAPH");
+    return e && *e && std::string(e) != "0";
+}
+
+}  // namespace
+
+void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights& dw, size_t begin, size_t end) {
+    validate_plan(plan, pool, ws, dw);
+    CudaPlanState& st = state_of(plan);
+    Context& c = ctx();
+    const size_t n = plan.steps.size();
+    if (end > n) end = n;
+    if (begin >= end) return;
+    const bool whole = begin == 0 && end == n;
+    const bool graphs = whole && !graphs_disabled() && !st.no_graph;
+    if (graphs && st.exec) {
+        MC_CHECK(cudaGraphLaunch(st.exec, c.stream));
+        ++c.c.graph_launches;
+        return;
+    }
+    if (graphs && st.direct_runs >= 1) {
+        // Capture: every launch below records into the graph instead of running.
+        cudaGraph_t g = nullptr;
+        MC_CHECK(cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeThreadLocal));
+        c.capturing = true;
+        try {
+            launch_program(plan, pool, ws, dw, st);
+        } catch (...) {
+            c.capturing = false;
+            cudaStreamEndCapture(c.stream, &g);
+            if (g) cudaGraphDestroy(g);
+            cudaGetLastError();
+            throw;
+        }
+        c.capturing = false;
+        cudaError_t e = cudaStreamEndCapture(c.stream, &g);
+        if (e == cudaSuccess) e = cudaGraphInstantiate(&st.exec, g, 0);
+        if (e == cudaSuccess) {
+            size_t nn = 0;
+            cudaGraphGetNodes(g, nullptr, &nn);
+            st.graph_nodes = nn;
+            ++c.c.captures;
+        }
+        if (g) cudaGraphDestroy(g);
+        if (e == cudaSuccess) {
+            MC_CHECK(cudaGraphLaunch(st.exec, c.stream));
+            ++c.c.graph_launches;
+            return;
+        }
+        // A plan that cannot be captured still runs, directly, from now on.
+        cudaGetLastError();
+        st.exec = nullptr;
+        st.no_graph = true;
+    }
+    if (whole) {
+        launch_program(plan, pool, ws, dw, st);
+    } else {
+        // Partial runs (tracing reads every node) launch the steps one by one.
+        for (size_t i = begin; i < end; ++i) launch_step(plan.steps[i], pool, ws, dw, st);
+    }
+    MC_CHECK(cudaGetLastError());
+    if (whole) ++st.direct_runs;
+}
+
+size_t plan_graph_nodes(const Plan& plan) {
+    const CudaPlanState* st = peek_state(plan);
+    return st ? st->graph_nodes : 0;
+}
+
+std::map<std::string, ProfileEntry> take_profile() {
+    std::map<std::string, ProfileEntry> r;
+    r.swap(g_profile);
+    return r;
+}
+
+size_t plan_launches(const Plan& plan) {
+    const CudaPlanState* st = peek_state(plan);
+    if (!st) return 0;
+    size_t n = 0;
+    for (const auto& L : st->program) {
+        const Step& s = plan.steps[L.s[0]];
+        n += 1;
+        // attention adds its chunk merge; a multi-token matmul its conversions and bias
+        if (L.kind == L_STEP && s.op == OP_ATTN && attn_splits(s.ip[0], s.ip[4]) > 1) n += 1;
+    }
+    return n;
+}
+
+bool plan_captured(const Plan& plan) {
+    const CudaPlanState* st = peek_state(plan);
+    return st && st->exec != nullptr;
+}
+
+}  // namespace minfer::cuda

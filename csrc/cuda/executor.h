@@ -1,0 +1,52 @@
+// The CUDA plan executor: the same Step/Plan format the CPU runs (cpu/plan.h), run on
+// the context stream. A whole-plan run is launched directly the first time, captured
+// into a CUDA graph the second, and replayed from then on (MINFER_NO_CUDA_GRAPH=1,
+// partial runs and tracing always launch directly).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "common/plan.h"
+#include "cuda/pool.h"
+
+namespace minfer::cuda {
+
+// The device copy of a host WeightStore: one buffer per handle, uploaded on first use
+// by a validated plan and kept in its GGUF block format.
+struct DevWeights {
+    std::vector<void*> ptr;
+    size_t bytes = 0;
+    ~DevWeights();
+    const void* ensure(const WeightStore& ws, int h);
+    const void* get(int h) const { return ptr[h]; }
+};
+
+void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights& dw);
+void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights& dw, size_t begin,
+              size_t end);
+
+// Plan::flags bits: step merges (fused decode ops) the executor may apply. Each fused
+// launch computes bitwise what its steps compute one by one.
+enum PlanFlags : int32_t {
+    FUSE_QKV = 1,       // consecutive matvecs over one input in one launch; rope q + rope k + KV store in one
+    FUSE_FFN = 2,       // gate|up matvecs + SwiGLU in one launch
+    FUSE_RESIDUAL = 4,  // a matvec followed by a residual add: the add in the matvec epilogue
+};
+
+struct ProfileEntry {
+    double ms = 0;
+    uint64_t count = 0;
+    uint64_t bytes = 0;  // weight bytes the launches streamed
+};
+// Per-launch-kind event timings collected under MINFER_CUDA_PROFILE=1 (and cleared).
+std::map<std::string, ProfileEntry> take_profile();
+
+// What the last capture of this plan holds (0 when it was never captured).
+size_t plan_graph_nodes(const Plan& plan);
+// Launches one whole run of the plan issues (after step merges).
+size_t plan_launches(const Plan& plan);
+bool plan_captured(const Plan& plan);
+
+}  // namespace minfer::cuda

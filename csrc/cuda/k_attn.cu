@@ -1,0 +1,192 @@
+// GQA attention over the f16 K/V regions with an online softmax, f32 accumulation.
+//
+// One warp per (token, head). Within a warp each lane scores one KV cell of a group of
+// 32 (a whole-row dot product, q broadcast from shared memory), the group's max and
+// sum are warp butterflies (every lane ends with the same bits), and then each lane
+// accumulates its own slice of head dims over the group's cells in cell order.
+// Decode splits the context into a fixed number of chunks (a function of n_ctx only,
+// so a captured graph serves every position); a second kernel merges the chunks in
+// chunk order. Nothing depends on timing: the same inputs give the same bits.
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "cuda/context.h"
+#include "cuda/kernels.h"
+
+namespace minfer::cuda {
+
+namespace {
+
+constexpr int WARPS = 4;
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, int chunk, float* __restrict__ part,
+                                                     int* err) {
+    constexpr int EPL = HD / 32;  // head dims per lane
+    __shared__ float qs[WARPS][HD];
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t pair = (int64_t)blockIdx.x * WARPS + w;
+    if (pair >= a.nt * a.nh) return;
+    const int64_t t = pair / a.nh, h = pair % a.nh;
+    const int64_t kvh = h / (a.nh / a.nkv);
+    const int split = blockIdx.y;
+    const float* q = a.q + t * a.q_stride + h * HD;
+    for (int d = lane; d < HD; d += 32) qs[w][d] = q[d];
+    __syncwarp();
+
+    int64_t lo = 0, hi = 0;
+    if (a.span) {
+        lo = a.span[2 * t];
+        hi = a.span[2 * t + 1];
+        if (lo < 0 || lo > hi || hi > a.n_ctx) {
+            if (lane == 0) *err = 4;
+            lo = hi = 0;
+        }
+    } else {
+        const int64_t p = a.pos[t];
+        if (p < 0 || p >= a.n_ctx) {
+            if (lane == 0) *err = 4;
+        } else {
+            hi = p + 1;
+        }
+    }
+    const int64_t c0 = lo > (int64_t)split * chunk ? lo : (int64_t)split * chunk;
+    const int64_t c1e = (int64_t)(split + 1) * chunk;
+    const int64_t c1 = hi < c1e ? hi : c1e;
+
+    const int64_t kvs = a.nkv * HD;
+    const __half* K = reinterpret_cast<const __half*>(a.k) + kvh * HD;
+    const __half* V = reinterpret_cast<const __half*>(a.v) + kvh * HD + lane * EPL;
+    float m = -INFINITY, l = 0.0f;
+    float acc[EPL];
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) acc[j] = 0.0f;
+
+    for (int64_t base = c0; base < c1; base += 32) {
+        const int64_t c = base + lane;
+        const bool valid = c < c1;
+        float s = -INFINITY;
+        if (valid) {
+            const uint4* kr = reinterpret_cast<const uint4*>(K + c * kvs);
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < HD / 8; ++i) {
+                const uint4 u = kr[i];
+                const __half2* hh = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 f = __half22float2(hh[j]);
+                    dot = fmaf(qs[w][8 * i + 2 * j], f.x, dot);
+                    dot = fmaf(qs[w][8 * i + 2 * j + 1], f.y, dot);
+                }
+            }
+            s = dot * a.scale;
+        }
+        const float m_new = fmaxf(m, warp_max(s));
+        const float p = valid ? expf(s - m_new) : 0.0f;
+        const float corr = expf(m - m_new);
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) acc[j] *= corr;
+        const int nvalid = (int)((c1 - base) < 32 ? (c1 - base) : 32);
+        for (int i = 0; i < nvalid; ++i) {
+            const float pi = __shfl_sync(0xffffffffu, p, i);
+            const __half* vr = V + (base + i) * kvs;
+#pragma unroll
+            for (int j = 0; j < EPL; ++j) acc[j] = fmaf(pi, __half2float(vr[j]), acc[j]);
+        }
+        m = m_new;
+    }
+    if (n_splits == 1) {
+        float* o = a.out + t * a.nh * HD + h * HD + lane * EPL;
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) o[j] = acc[j] * inv;
+    } else {
+        float* pp = part + (pair * n_splits + split) * (HD + 2);
+        if (lane == 0) {
+            pp[0] = m;
+            pp[1] = l;
+        }
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) pp[2 + lane * EPL + j] = acc[j];
+    }
+}
+
+// Merge the chunks of one (token, head) in chunk order.
+__global__ void k_attn_combine(const float* __restrict__ part, int n_splits, int hd, int64_t nh,
+                               float* __restrict__ out) {
+    const int64_t pair = blockIdx.x;
+    const float* pp = part + pair * n_splits * (hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; ++s)
+        if (pp[s * (hd + 2) + 1] > 0.0f) M = fmaxf(M, pp[s * (hd + 2)]);
+    float L = 0.0f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float l = pp[s * (hd + 2) + 1];
+        if (l > 0.0f) L += l * expf(pp[s * (hd + 2)] - M);
+    }
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float o = 0.0f;
+        for (int s = 0; s < n_splits; ++s) {
+            const float l = pp[s * (hd + 2) + 1];
+            if (l > 0.0f) o += pp[s * (hd + 2) + 2 + d] * expf(pp[s * (hd + 2)] - M);
+        }
+        out[pair * hd + d] = o * inv;
+    }
+}
+
+int chunk_of(int64_t n_ctx, int n_splits) {
+    int64_t c = (n_ctx + n_splits - 1) / n_splits;
+    return (int)((c + 31) / 32 * 32);
+}
+
+}  // namespace
+
+bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 128 || hd == 256; }
+
+int attn_splits(int64_t nt, int64_t n_ctx) {
+    if (nt > 4) return 1;
+    int64_t s = (n_ctx + 255) / 256;
+    return (int)(s < 1 ? 1 : (s > 32 ? 32 : s));
+}
+
+size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx) {
+    const int s = attn_splits(nt, n_ctx);
+    return s > 1 ? (size_t)(nt * nh * s * (hd + 2)) : 0;
+}
+
+void attention(const AttnDev& a, float* scratch, int* err) {
+    const int n_splits = attn_splits(a.nt, a.n_ctx);
+    const int chunk = chunk_of(a.n_ctx, n_splits);
+    const int64_t pairs = a.nt * a.nh;
+    dim3 grid((unsigned)((pairs + WARPS - 1) / WARPS), (unsigned)n_splits);
+    cudaStream_t st = ctx().stream;
+    switch (a.hd) {
+        case 32: k_attn<32><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, err); break;
+        case 64: k_attn<64><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, err); break;
+        case 128: k_attn<128><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, err); break;
+        case 256: k_attn<256><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, err); break;
+        default: throw std::invalid_argument("attention: unsupported head dim");
+    }
+    note_launch();
+    if (n_splits > 1) {
+        k_attn_combine<<<(unsigned)pairs, a.hd < 128 ? a.hd : 128, 0, st>>>(scratch, n_splits, (int)a.hd, a.nh, a.out);
+        note_launch();
+    }
+}
+
+}  // namespace minfer::cuda

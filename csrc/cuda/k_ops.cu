@@ -1,0 +1,239 @@
+// Element-wise ops, RMSNorm, NeoX RoPE, f32 row gathers, the f16 KV store and argmax.
+// Semantics follow csrc/cpu/ops.cpp (same formulas, same evaluation order where it
+// matters: double sums of squares, double RoPE angles, silu's sign split).
+#include <cuda_fp16.h>
+
+#include <cfloat>
+
+#include "cuda/context.h"
+#include "cuda/kernels.h"
+#include "cuda/silu.cuh"
+
+namespace minfer::cuda {
+
+namespace {
+
+inline unsigned blocks_for(int64_t n, int threads) { return (unsigned)((n + threads - 1) / threads); }
+
+template <int OP>
+__global__ void k_binary(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y, int64_t n) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    if (OP == 0) y[i] = a[i] + b[i];
+    else if (OP == 1) y[i] = a[i] * b[i];
+    else if (OP == 2) y[i] = silu_f(a[i]) * b[i];
+    else y[i] = silu_f(a[i]);
+}
+
+// One block per row; a fixed tree over double partial sums.
+__global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int64_t d,
+                           float eps) {
+    __shared__ double red[8];
+    __shared__ float sc;
+    const int64_t r = blockIdx.x;
+    const float* xr = x + r * d;
+    float* yr = y + r * d;
+    double ss = 0.0;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    // Warp butterflies, then the warps' sums in warp order: a fixed tree.
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double t = 0.0;
+        for (int w = 0; w < (int)blockDim.x / 32; ++w) t += red[w];
+        sc = (float)(1.0 / sqrt(t / (double)d + (double)eps));
+    }
+    __syncthreads();
+    const float scale = sc;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) yr[i] = w ? xr[i] * scale * w[i] : xr[i] * scale;
+}
+
+// Element k of one (token, head) row: a rotated pair (k < n_rot/2: writes k and
+// k + n_rot/2) or a pass-through dim. Angles in double as the CPU computes them. The
+// one definition serves the plain and the fused (rope q, rope k, KV store) kernels.
+__device__ __forceinline__ void rope_elem(const float* __restrict__ xr, int64_t k, int64_t half, int64_t n_rot,
+                                          int32_t p, float freq_base, int64_t& i0, float& y0, int64_t& i1,
+                                          float& y1) {
+    if (k < half) {
+        const double inv = pow((double)freq_base, -2.0 * (double)k / (double)n_rot);
+        const double th = (double)p * inv;
+        const float c = (float)cos(th), s = (float)sin(th);
+        const float x0 = xr[k], x1 = xr[k + half];
+        i0 = k; y0 = x0 * c - x1 * s;
+        i1 = k + half; y1 = x0 * s + x1 * c;
+    } else {
+        i0 = i1 = n_rot + (k - half);
+        y0 = y1 = xr[i0];
+    }
+}
+
+// One thread per (token, head, rotated pair); pass-through of dims past n_rot.
+__global__ void k_rope_neox(const float* __restrict__ x, float* __restrict__ y, const int32_t* __restrict__ pos,
+                            int64_t nt, int64_t nh, int64_t hd, int64_t n_rot, float freq_base, int* err) {
+    const int64_t half = n_rot / 2;
+    const int64_t per_row = hd - half;  // half pairs + (hd - n_rot) pass-through
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= nt * nh * per_row) return;
+    const int64_t r = i / per_row, k = i % per_row;
+    const int64_t t = r / nh;
+    int64_t i0, i1;
+    float y0, y1;
+    rope_elem(x + r * hd, k, half, n_rot, pos[t], freq_base, i0, y0, i1, y1);
+    y[r * hd + i0] = y0;
+    y[r * hd + i1] = y1;
+}
+
+// Fused decode tail of attention's inputs: rope q, rope k, and store the roped k and
+// v rows into the f16 cache, in one launch. Every value is computed by rope_elem and
+// converted by __float2half_rn exactly as the separate kernels do.
+__global__ void k_rope2_store(RopeStoreArgs a) {
+    const int64_t half = a.n_rot / 2;
+    const int64_t per_row = a.hd - half;
+    const int64_t nq = a.nt * a.nhq * per_row, nk = a.nt * a.nhk * per_row, kv_dim = a.nhk * a.hd;
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < nq) {
+        const int64_t r = i / per_row, k = i % per_row;
+        int64_t i0, i1;
+        float y0, y1;
+        rope_elem(a.xq + r * a.hd, k, half, a.n_rot, a.pos[r / a.nhq], a.freq_base, i0, y0, i1, y1);
+        a.yq[r * a.hd + i0] = y0;
+        a.yq[r * a.hd + i1] = y1;
+        return;
+    }
+    i -= nq;
+    if (i < nk) {
+        const int64_t r = i / per_row, k = i % per_row;
+        const int64_t t = r / a.nhk, h = r % a.nhk;
+        int64_t i0, i1;
+        float y0, y1;
+        rope_elem(a.xk + r * a.hd, k, half, a.n_rot, a.pos[t], a.freq_base, i0, y0, i1, y1);
+        a.yk[r * a.hd + i0] = y0;
+        a.yk[r * a.hd + i1] = y1;
+        const int32_t c = a.cells[t];
+        if (c < 0 || c >= a.n_ctx) {
+            *a.err = 3;
+            return;
+        }
+        __half* kr = (__half*)a.kc + (int64_t)c * kv_dim + h * a.hd;
+        kr[i0] = __float2half_rn(y0);
+        kr[i1] = __float2half_rn(y1);
+        return;
+    }
+    i -= nk;
+    if (i < a.nt * kv_dim) {
+        const int64_t t = i / kv_dim, e = i % kv_dim;
+        const int32_t c = a.cells[t];
+        if (c < 0 || c >= a.n_ctx) {
+            *a.err = 3;
+            return;
+        }
+        ((__half*)a.vc)[(int64_t)c * kv_dim + e] = __float2half_rn(a.v[t * kv_dim + e]);
+    }
+}
+
+__global__ void k_get_rows_f32(const float* __restrict__ x, int64_t d, const int32_t* __restrict__ ids, int64_t n_src,
+                               float* __restrict__ y, int* err) {
+    const int64_t t = blockIdx.x;
+    const int32_t id = ids[t];
+    const bool ok = id >= 0 && id < n_src;
+    if (!ok && threadIdx.x == 0) *err = 2;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) y[t * d + i] = ok ? x[(int64_t)id * d + i] : 0.0f;
+}
+
+__global__ void k_kv_store(const float* __restrict__ k, const float* __restrict__ v, const int32_t* __restrict__ cells,
+                           int64_t kv_dim, int64_t n_ctx, __half* __restrict__ kc, __half* __restrict__ vc, int* err) {
+    const int64_t t = blockIdx.x;
+    const int32_t c = cells[t];
+    if (c < 0 || c >= n_ctx) {
+        if (threadIdx.x == 0) *err = 3;
+        return;
+    }
+    for (int64_t i = threadIdx.x; i < kv_dim; i += blockDim.x) {
+        kc[(int64_t)c * kv_dim + i] = __float2half_rn(k[t * kv_dim + i]);
+        vc[(int64_t)c * kv_dim + i] = __float2half_rn(v[t * kv_dim + i]);
+    }
+}
+
+// One block: strided scan (ascending indices per thread, so strict > keeps the first),
+// then a fixed tree that prefers the lower index on ties.
+__global__ void k_argmax(const float* __restrict__ x, int64_t n, int32_t* out, const int* err) {
+    __shared__ float bv[1024];
+    __shared__ int32_t bi[1024];
+    float best = -FLT_MAX;
+    int32_t idx = -1;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = x[i];
+        if (idx < 0 || v > best) { best = v; idx = (int32_t)i; }
+    }
+    bv[threadIdx.x] = best;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) {
+            const float v2 = bv[threadIdx.x + s];
+            const int32_t i2 = bi[threadIdx.x + s];
+            const int32_t i1 = bi[threadIdx.x];
+            if (i2 >= 0 && (i1 < 0 || v2 > bv[threadIdx.x] || (v2 == bv[threadIdx.x] && i2 < i1))) {
+                bv[threadIdx.x] = v2;
+                bi[threadIdx.x] = i2;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        const int e = *(volatile const int*)err;
+        *out = e ? -1 - e : bi[0];
+    }
+}
+
+}  // namespace
+
+void add(const float* a, const float* b, float* y, int64_t n) {
+    k_binary<0><<<blocks_for(n, 256), 256, 0, ctx().stream>>>(a, b, y, n);
+    note_launch();
+}
+void mul(const float* a, const float* b, float* y, int64_t n) {
+    k_binary<1><<<blocks_for(n, 256), 256, 0, ctx().stream>>>(a, b, y, n);
+    note_launch();
+}
+void swiglu(const float* g, const float* u, float* y, int64_t n) {
+    k_binary<2><<<blocks_for(n, 256), 256, 0, ctx().stream>>>(g, u, y, n);
+    note_launch();
+}
+void silu(const float* x, float* y, int64_t n) {
+    k_binary<3><<<blocks_for(n, 256), 256, 0, ctx().stream>>>(x, x, y, n);
+    note_launch();
+}
+void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps) {
+    const int threads = d >= 256 ? 256 : (d >= 128 ? 128 : (d >= 64 ? 64 : 32));
+    k_rms_norm<<<(unsigned)nrows, threads, 0, ctx().stream>>>(x, w, y, d, eps);
+    note_launch();
+}
+void rope_neox(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
+               float freq_base, int* err) {
+    const int64_t n = nt * nh * (hd - n_rot / 2);
+    k_rope_neox<<<blocks_for(n, 128), 128, 0, ctx().stream>>>(x, y, pos, nt, nh, hd, n_rot, freq_base, err);
+    note_launch();
+}
+void rope2_store(const RopeStoreArgs& a) {
+    const int64_t per_row = a.hd - a.n_rot / 2;
+    const int64_t n = a.nt * (a.nhq + a.nhk) * per_row + a.nt * a.nhk * a.hd;
+    k_rope2_store<<<blocks_for(n, 128), 128, 0, ctx().stream>>>(a);
+    note_launch();
+}
+void get_rows_f32(const float* x, int64_t d, const int32_t* ids, int64_t n, int64_t n_src, float* y, int* err) {
+    k_get_rows_f32<<<(unsigned)n, 128, 0, ctx().stream>>>(x, d, ids, n_src, y, err);
+    note_launch();
+}
+void kv_store_f16(const float* k, const float* v, const int32_t* cells, int64_t nt, int64_t kv_dim, int64_t n_ctx,
+                  void* kc, void* vc, int* err) {
+    k_kv_store<<<(unsigned)nt, 128, 0, ctx().stream>>>(k, v, cells, kv_dim, n_ctx, (__half*)kc, (__half*)vc, err);
+    note_launch();
+}
+void argmax(const float* x, int64_t n, int32_t* out, const int* err) {
+    k_argmax<<<1, 1024, 0, ctx().stream>>>(x, n, out, err);
+    note_launch();
+}
+
+}  // namespace minfer::cuda

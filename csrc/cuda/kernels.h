@@ -1,0 +1,101 @@
+// Launchers for the CUDA kernels (defined in the *.cu files, callable from host code).
+// Every launcher enqueues on the context stream and counts itself; none synchronizes.
+// Every kernel is deterministic: fixed work split, fixed reduction trees, no atomics
+// on floats.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace minfer::cuda {
+
+bool matvec_type_supported(int32_t wtype);
+
+// y[r] = dot(W row r, x) (+ bias[r]) (+ resid[r]) for r < out_dim; W rows of in_dim
+// elements of wtype (in_dim a multiple of 32), x f32. One token (decode).
+// One launch computing several matrices against the same x (fused q|k|v, gate|up):
+// each job's rows are bitwise what a separate matvec() gives. With W2 set, a job is a
+// SwiGLU pair: y = silu(W x + bias) * (W2 x + bias2).
+struct MvJob {
+    const uint8_t* W = nullptr;
+    size_t row_bytes = 0;
+    int type = 0;
+    int rows = 0;
+    const float* bias = nullptr;
+    const float* resid = nullptr;
+    float* y = nullptr;
+    const uint8_t* W2 = nullptr;
+    size_t row_bytes2 = 0;
+    int type2 = 0;
+    const float* bias2 = nullptr;
+};
+constexpr int MV_MAX_JOBS = 4;
+struct MvArgs {
+    MvJob job[MV_MAX_JOBS];
+    int block0[MV_MAX_JOBS];
+    int njobs, n_sub, tpr, rpb;
+    const float* x;
+    const int8_t* xq;   // x quantized to int8 in blocks of 32 (quantized weights)
+    const float2* xds;  // per block: (d, d * sum(q))
+};
+// scratch: matvec_scratch_bytes(in_dim) device bytes for the activation's int8 copy
+// (quantized weights dot it with __dp4a; F32/F16 weights use x itself). The
+// quantization is one more launch, shared by every job of the call.
+void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch);
+size_t matvec_scratch_bytes(int64_t in_dim);
+int matvec_tpr(int64_t in_dim);
+
+void matvec(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t out_dim, const float* x,
+            const float* bias, const float* resid, float* y, void* scratch);
+
+// W (rows x in_dim of wtype) -> f16 rows (prefill GEMM operand).
+void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out_f16);
+void f32_to_f16(const float* x, void* y, int64_t n);
+// y[t][o] += bias[o] (+ resid[t][o])
+void add_bias_rows(float* y, const float* bias, int64_t nt, int64_t out_dim);
+
+void add(const float* a, const float* b, float* y, int64_t n);
+void mul(const float* a, const float* b, float* y, int64_t n);
+void silu(const float* x, float* y, int64_t n);
+void swiglu(const float* g, const float* u, float* y, int64_t n);
+void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps);
+void rope_neox(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
+               float freq_base, int* err);
+struct RopeStoreArgs {
+    const float* xq; float* yq; int64_t nhq;
+    const float* xk; float* yk; int64_t nhk;
+    const float* v;
+    const int32_t* pos; const int32_t* cells;
+    int64_t nt, hd, n_rot, n_ctx;
+    float freq_base;
+    void* kc; void* vc;
+    int* err;
+};
+// rope(q), rope(k), and the KV store of roped k and v, in one launch (bitwise the same
+// as rope_neox twice and kv_store_f16).
+void rope2_store(const RopeStoreArgs& a);
+void get_rows_w(int32_t wtype, const void* table, size_t row_bytes, int64_t d, const int32_t* ids, int64_t n,
+                int64_t n_rows, float* y, int* err);
+void get_rows_f32(const float* x, int64_t d, const int32_t* ids, int64_t n, int64_t n_src, float* y, int* err);
+// K/V regions hold f16 [n_ctx][kv_dim].
+void kv_store_f16(const float* k, const float* v, const int32_t* cells, int64_t nt, int64_t kv_dim, int64_t n_ctx,
+                  void* kc, void* vc, int* err);
+
+struct AttnDev {
+    const float* q; int64_t q_stride;
+    const void* k; const void* v;   // f16 [n_ctx][nkv*hd]
+    const int32_t* pos; const int32_t* span;
+    float* out;
+    int64_t nt, nh, nkv, hd, n_ctx;
+    float scale;
+};
+bool attn_head_dim_supported(int64_t hd);
+// Splits over KV a decode step uses (depends on n_ctx and nt only, never on positions).
+int attn_splits(int64_t nt, int64_t n_ctx);
+size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx);
+void attention(const AttnDev& a, float* scratch, int* err);
+
+// Index of the largest of x[0..n) (first on ties) -> *out; writes -1 - code if the
+// device error word is set, so one 4-byte readback carries both.
+void argmax(const float* x, int64_t n, int32_t* out, const int* err);
+
+}  // namespace minfer::cuda
