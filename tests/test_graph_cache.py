@@ -75,10 +75,30 @@ def test_equal_params_reuse_and_any_change_rebuilds(weights):
 def test_fusion_flags_are_part_of_the_identity(weights, flag):
     c = GraphCache(select_backends(["cpu"]), weights, {"threads": 1})
     on = dataclasses.replace(BASE, cparams=dataclasses.replace(BASE.cparams, **{flag: True}))
-    c.install(build(BASE), BASE)
+    gb = c.install(build(BASE), BASE)
     assert not c.try_reuse(on)
-    c.install(build(on), on)
-    assert not c.try_reuse(BASE)
+    go = c.install(build(on), on)
+    # BASE's graph is kept aside (small graphs are): reuse hands back that graph, never on's.
+    assert c.try_reuse(BASE) and c.graph is gb and c.params == BASE
+    assert c.try_reuse(on) and c.graph is go
+
+
+def test_small_graphs_are_kept_ready_and_big_ones_released(weights):
+    """Speculative decoding alternates block sizes: each small graph is built once and
+    switched to without a rebuild; the oldest beyond KEEP and any big one are freed."""
+    c = GraphCache(weights, backends=["cpu"], n_threads=1)
+    ps = [dataclasses.replace(BASE, n_tokens=n) for n in (1, 2, 3)]
+    graphs = [c.install(build(p), p) for p in ps]
+    for _ in range(2):
+        for p, g in zip(ps, graphs):
+            assert c.try_reuse(p) and c.graph is g
+    big = dataclasses.replace(BASE, n_tokens=c.KEEP_MAX_TOKENS + 1)
+    c.install(build(big), big)
+    assert c.try_reuse(ps[0])            # the big one is set aside as freed, not kept
+    assert not c.try_reuse(big)
+    c.KEEP = 2
+    c.install(build(big), big)           # keeps ps[0]; ps[1], ps[2] were kept before: one is evicted
+    assert len(c._kept) <= 2
 
 
 def test_uid_is_monotonic_and_kept_on_reuse(weights):

@@ -38,6 +38,9 @@ KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache element type
 BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="Comma list of backends to use (cpu, cuda, metal; any case); default: all usable. Env: MINFER_BACKENDS, same syntax")]
 CTX0 = "0 = the model's trained context, as in llama.cpp"
 SEED_HELP = "Random seed (same seed, same output); -1 = random, as in llama.cpp."
+SpeculateOpt = Annotated[Optional[str], typer.Option("--speculate", help="Speculative decoding: ngram (prompt lookup) or draft (needs --draft-model).")]
+DraftMaxOpt = Annotated[int, typer.Option("--draft-max", help="Most tokens drafted per verification (adaptive below that).")]
+DraftModelOpt = Annotated[Optional[Path], typer.Option("--draft-model", help="GGUF of the draft model (same vocabulary) for --speculate draft.")]
 
 
 def _version(value: bool) -> None:
@@ -129,6 +132,9 @@ def generate(
     dump_graph: Annotated[Optional[Path], typer.Option("--dump-graph", help="Write the graph as Graphviz DOT and exit.")] = None,
     dump_graph_json: Annotated[Optional[Path], typer.Option("--dump-graph-json", help="Write the graph as minfer-graph JSON and exit.")] = None,
     decode: Annotated[bool, typer.Option("--decode", help="With --dump-graph(-json): dump the decode graph instead of prefill.")] = False,
+    speculate: SpeculateOpt = None,
+    draft_max: DraftMaxOpt = 8,
+    draft_model: DraftModelOpt = None,
 ) -> None:
     """Generate a continuation of PROMPT, streamed to stdout; timings go to stderr."""
     model, prompt = _split_model_and_text(args, "PROMPT")
@@ -141,6 +147,7 @@ def generate(
             cli_args.output_path(flag, path)
     t0 = time.perf_counter()
     session = _open_session(model, ctx, threads, backend, kv_type)
+    spec = _speculation(session, speculate, draft_max, draft_model)
     tok = session.tokenizer
     text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True) if chat else prompt
     prompt_ids = tok.encode(text)
@@ -168,7 +175,7 @@ def generate(
         session.context.tracer = Tracer(session.model_name, prompt=text)
     ids: list[int] = []
     parts: list[str] = []
-    for ev in session.stream(prompt_ids, n_predict, sp, stop=stop or []):
+    for ev in session.stream(prompt_ids, n_predict, sp, stop=stop or [], speculate=spec):
         if ev.text:
             parts.append(ev.text)
             if not as_json:
@@ -235,6 +242,24 @@ def _kv_type(kv_type: str) -> str:
     return kv_type
 
 
+def _speculation(session, mode: str | None, draft_max: int, draft_model: Path | None):
+    if mode is None:
+        if draft_model is not None:
+            raise click_exc.UsageError("--draft-model needs --speculate draft")
+        return None
+    if mode not in ("ngram", "draft"):
+        raise click_exc.UsageError(f"--speculate must be ngram or draft, not {mode!r}")
+    if not 1 <= draft_max <= 64:
+        raise click_exc.UsageError(f"--draft-max must be in [1, 64], got {draft_max}")
+    if (mode == "draft") != (draft_model is not None):
+        raise click_exc.UsageError("--speculate draft needs --draft-model PATH (and only it takes one)")
+    if draft_model is not None and not draft_model.is_file():
+        raise MinferError(f"draft model file not found: {draft_model}")
+    from minfer.speculate import Speculation
+
+    return Speculation.open(mode, draft_max=draft_max, draft_model_path=draft_model, target=session.model)
+
+
 def _open_session(model: str | None, ctx: int, threads: int | None, backend: str | None, kv_type: str = "f16"):
     from minfer.session import Session
 
@@ -264,6 +289,11 @@ def chat(
     kv_type: KvTypeOpt = "f16",
     system: Annotated[Optional[str], typer.Option("--system", help="A system message to start the conversation.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per turn instead of streamed text.")] = False,
+    session_path: Annotated[Optional[Path], typer.Option("--session", help="Resume the conversation saved in FILE (if it exists) and save it after each turn.")] = None,
+    session_reset: Annotated[bool, typer.Option("--session-reset", help="With --session: start clean, ignoring what FILE holds.")] = False,
+    speculate: SpeculateOpt = None,
+    draft_max: DraftMaxOpt = 8,
+    draft_model: DraftModelOpt = None,
 ) -> None:
     """Chat with the model, one turn per line; the KV is kept between turns, so each
     turn processes only its new tokens. `/reset` starts over. When stdin is not a
@@ -272,10 +302,21 @@ def chat(
     sp = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
     cli_args.ctx(ctx)
     threads = cli_args.threads(threads)
+    if session_reset and session_path is None:
+        raise click_exc.UsageError("--session-reset needs --session FILE")
     session = _open_session(model, ctx, threads, backend, kv_type)
+    spec = _speculation(session, speculate, draft_max, draft_model)
     tok = session.tokenizer
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
+    if session_path is not None and session_path.exists() and not session_reset:
+        # A file that does not fit (another model, --ctx, corrupted) is an error: the
+        # user asked for that conversation; --session-reset starts over instead.
+        meta = session.restore(session_path)
+        saved = meta.get("messages")
+        if not isinstance(saved, list):
+            raise MinferError(f"session file {session_path} holds no chat messages")
+        messages = saved
     tty = sys.stdin.isatty()
     while True:
         if tty:
@@ -288,6 +329,8 @@ def chat(
         if line.strip() == "/reset":
             messages = list(start)
             session.reset()
+            if session_path is not None:
+                session.save(session_path, meta={"messages": messages})
             if tty:
                 sys.stderr.write("(conversation reset)\n")
             continue
@@ -297,7 +340,7 @@ def chat(
         prompt_ids = tok.encode(tok.render_chat(messages, add_generation_prompt=True))
         ids: list[int] = []
         parts: list[str] = []
-        for ev in session.stream(prompt_ids, n_predict, sp):
+        for ev in session.stream(prompt_ids, n_predict, sp, speculate=spec):
             if ev.text:
                 parts.append(ev.text)
                 if not as_json:
@@ -308,6 +351,8 @@ def chat(
                 ids.append(ev.id)
         reply = "".join(parts)
         messages.append({"role": "assistant", "content": reply})
+        if session_path is not None:
+            session.save(session_path, meta={"messages": messages})
         if as_json:
             typer.echo(json.dumps({"text": reply, "ids": ids, "prompt_tokens": tm.prompt_tokens,
                                    "cached_tokens": tm.cached_tokens, "stop_reason": reason,
@@ -350,6 +395,9 @@ def bench(
     backend: BackendOpt = None,
     kv_type: KvTypeOpt = "f16",
     output: Annotated[str, typer.Option("-o", "--output", help="md, json or csv.")] = "md",
+    speculate: Annotated[Optional[str], typer.Option("--speculate", help="Speculative mode: tgN on a code-editing prompt, plain and with this drafter (ngram or draft), side by side.")] = None,
+    draft_max: DraftMaxOpt = 8,
+    draft_model: DraftModelOpt = None,
 ) -> None:
     """Measure prompt processing (pp) and text generation (tg) speed, llama-bench style."""
     if output not in ("md", "json", "csv"):
@@ -374,6 +422,18 @@ def bench(
     kv_type = _kv_type(kv_type)
     path = _resolve_model(model)
     cli_args.model_file(path)  # a bad file fails now, not after the bandwidth probe
+    if speculate is not None:
+        from minfer.tools.bench import run_spec_bench
+
+        if speculate not in ("ngram", "draft") or (speculate == "draft") != (draft_model is not None):
+            raise click_exc.UsageError("--speculate must be ngram, or draft with --draft-model PATH")
+        if not 1 <= draft_max <= 64:
+            raise click_exc.UsageError(f"--draft-max must be in [1, 64], got {draft_max}")
+        results = run_spec_bench(path, n_gen=tg, reps=reps, threads=th, backends=names,
+                                 mode=speculate, draft_max=draft_max, draft_model=draft_model, kv_type=kv_type,
+                                 progress=lambda s: typer.echo(s, err=True))
+        typer.echo(format_results(results, output))
+        return
     results = run_bench(path, n_prompt=pp, n_gen=tg, reps=reps, threads=th,
                         backends=names, progress=lambda s: typer.echo(s, err=True), kv_type=kv_type)
     typer.echo(format_results(results, output))

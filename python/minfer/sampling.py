@@ -53,13 +53,24 @@ class Sampler:
             self.recent.append(int(token))
 
     def sample(self, logits: np.ndarray) -> int:
+        ids, probs = self.distribution(logits)
+        if probs is None:
+            return int(ids)
+        return int(ids[self.rng.choice(probs.size, p=probs)])
+
+    def distribution(self, logits: np.ndarray, recent=None):
+        """What `sample` draws from: (ids, probs) over the surviving candidates, or
+        (argmax id, None) at temperature 0. `recent` replaces the penalty history (the
+        speculative verifier scores a row as if the drafted tokens before it had been
+        accepted)."""
         p = self.params
+        recent = self.recent if recent is None else recent
         # The logits may be a read-only view of the engine's buffer: copy only when a
         # penalty has to edit them (the common greedy path reads them in place).
         logits = np.asarray(logits)
-        if p.repeat_penalty != 1.0 and self.recent:
+        if p.repeat_penalty != 1.0 and recent:
             logits = logits.astype(np.float64)
-            ids = np.fromiter(set(self.recent), dtype=np.int64)
+            ids = np.fromiter(set(recent), dtype=np.int64)
             vals = logits[ids]
             # llama.cpp's rule: shrink positive logits, grow negative ones.
             with np.errstate(over="ignore", under="ignore"):
@@ -68,7 +79,7 @@ class Sampler:
             # softmax below never computes inf - inf.
             np.clip(logits, -_BIG, _BIG, out=logits)
         if p.temperature <= 0.0:
-            return int(np.argmax(logits))
+            return int(np.argmax(logits)), None
 
         cand = np.arange(logits.size)
         if 0 < p.top_k < logits.size:
@@ -87,7 +98,7 @@ class Sampler:
         # only underflows (to -inf, whose exp is 0; the top token stays at exp(0) = 1).
         with np.errstate(over="ignore", divide="ignore"):
             probs = _softmax((vals - vals.max()) / p.temperature)
-        return int(order[self.rng.choice(probs.size, p=probs)])
+        return order, probs
 
 
 _BIG = np.finfo(np.float64).max / 4

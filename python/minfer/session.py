@@ -191,6 +191,8 @@ class Timings:
     prompt_ms: float = 0.0      # processing the uncached prompt tokens (to the first pick)
     generated_tokens: int = 0
     gen_ms: float = 0.0         # from the first pick to the end
+    drafted: int | None = None  # speculative streams: tokens drafted, and of those accepted
+    accepted: int | None = None
 
     @property
     def prompt_tps(self) -> float:
@@ -209,6 +211,7 @@ class Timings:
             "prompt_ms": round(self.prompt_ms, 2), "prompt_tps": round(self.prompt_tps, 2),
             "generated_tokens": self.generated_tokens, "gen_ms": round(self.gen_ms, 2),
             "gen_tps": round(self.gen_tps, 2),
+            **({"drafted": self.drafted, "accepted": self.accepted} if self.drafted is not None else {}),
         }
 
 
@@ -332,6 +335,31 @@ class Session:
             n += 1
         return n
 
+    # -- state that outlives the process (session_file.py) ----------------------------
+    def save(self, path: str | Path, meta: dict | None = None) -> int:
+        """Write token ids and the KV rows in use to path (atomically); returns its size."""
+        from minfer import session_file
+
+        return session_file.save(self, path, meta)
+
+    def restore(self, path: str | Path) -> dict:
+        """Replace this conversation with a saved one (no prefill); returns its meta."""
+        from minfer import session_file
+
+        self.meta = session_file.restore(self, path)
+        return self.meta
+
+    @classmethod
+    def load(cls, model, path: str | Path, n_ctx: int | None = None, **kw) -> "Session":
+        """A new session holding a saved conversation; n_ctx defaults to the file's."""
+        from minfer import session_file
+
+        if n_ctx is None:
+            n_ctx = int(session_file.read(path)[0]["n_ctx"])
+        s = cls(model, n_ctx=n_ctx, **kw)
+        s.restore(path)
+        return s
+
     def _check_room(self, nt: int) -> None:
         if self.n_past + nt > self.n_ctx:
             raise ContextError(f"{self.n_past} + {nt} tokens exceed the context of {self.n_ctx}")
@@ -382,9 +410,11 @@ class Session:
     # -- generation ----------------------------------------------------------------
     def stream(self, prompt_ids: list[int], n_predict: int, sampling: SamplingParams | None = None,
                stop: list[str] | None = None, stop_at_eog: bool = True, logprobs: bool = False,
-               reuse_prefix: bool = True) -> Iterator[TokenEvent]:
+               reuse_prefix: bool = True, speculate=None) -> Iterator[TokenEvent]:
         """Generate up to n_predict tokens after prompt_ids. Closing the generator (or
-        cancel()) stops it between steps; the KV then holds what was processed."""
+        cancel()) stops it between steps; the KV then holds what was processed.
+        speculate: a minfer.speculate.Speculation; the picks then come from verified
+        draft blocks (speculate.py), everything else here is unchanged."""
         sampling = sampling or SamplingParams(temperature=0.0)
         sampler = Sampler(sampling)
         prompt_ids = [int(t) for t in prompt_ids]
@@ -419,6 +449,12 @@ class Session:
         tm.prompt_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
         reason = "length"
+        picks = 1
+        source = None
+        if speculate is not None:
+            from minfer.speculate import Runner
+
+            source = Runner(speculate, self, sampler, pick, prompt_ids, n_predict, logprobs, tm)
         try:
             while True:
                 sampler.accept(nxt)
@@ -432,9 +468,12 @@ class Session:
                 if self._cancel.is_set():
                     reason = "cancelled"
                     break
-                nxt, lp = pick(self.forward([nxt], n_out=1, copy=False))
+                nxt, lp = source.next(nxt) if source else pick(self.forward([nxt], n_out=1, copy=False))
+                picks += 1
             rest, reason = text.finish(reason)
         finally:
+            if source:
+                source.finish(picks)  # drop verified cells a plain stream would not hold
             tm.generated_tokens = len(text.ids)
             tm.gen_ms = (time.perf_counter() - t1) * 1000
             self.last_timings = tm
@@ -442,12 +481,12 @@ class Session:
 
     def generate(self, prompt_ids: list[int], n_predict: int, sampling: SamplingParams | None = None,
                  stop: list[str] | None = None, on_text=None, stop_at_eog: bool = True,
-                 reuse_prefix: bool = False) -> GenerationResult:
+                 reuse_prefix: bool = False, speculate=None) -> GenerationResult:
         """The whole stream as one result; on_text gets each released text piece."""
         res = GenerationResult()
         parts = []
         for ev in self.stream(prompt_ids, n_predict, sampling, stop=stop, stop_at_eog=stop_at_eog,
-                              reuse_prefix=reuse_prefix):
+                              reuse_prefix=reuse_prefix, speculate=speculate):
             if ev.text:
                 parts.append(ev.text)
                 if on_text:

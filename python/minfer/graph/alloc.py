@@ -48,6 +48,10 @@ class KvRegion:
     n_ctx: int
     kv_type: DType = DType.F32
 
+    @property
+    def row_bytes(self) -> int:
+        return self.kv_type.nbytes(self.kv_dim)
+
 
 def _kv_type(meta) -> DType:
     # The fused decode writers carry no element type yet: their regions are f32.
@@ -170,20 +174,33 @@ class GraphAllocator:
 
     def release(self) -> None:
         """Return the current graph's buffers (not the KV) to their pools."""
+        self.release_state(self.detach())
+
+    def detach(self) -> tuple:
+        """Set the current graph's buffers aside, still allocated (GraphCache keeps a
+        few small graphs ready this way); attach() makes them current again."""
+        state = (self.node_to_buf, self.cross, self._inputs, self._graph)
+        self.node_to_buf, self.cross, self._inputs, self._graph = {}, {}, {}, None
+        return state
+
+    def attach(self, state: tuple) -> None:
+        if self._graph is not None or self.node_to_buf:
+            raise GraphError("attach: the current graph's buffers must be detached or released first")
+        self.node_to_buf, self.cross, self._inputs, self._graph = state
+
+    def release_state(self, state: tuple) -> None:
+        """Free a detached graph's buffers (never the KV regions it points into)."""
+        node_to_buf, cross, _, _ = state
         kv_ids = {(r.backend, r.k) for r in self.kv.values()}
         seen = set()
-        for ref in self.node_to_buf.values():
+        for ref in node_to_buf.values():
             key = (ref.backend, ref.id)
             if key in kv_ids or key in seen:
                 continue
             seen.add(key)
             self.devices[ref.backend].free(ref.id)
-        for c in self.cross.values():
+        for c in cross.values():
             self.devices[c.dst.backend].free(c.dst.id)
-        self.node_to_buf.clear()
-        self.cross.clear()
-        self._inputs.clear()
-        self._graph = None
 
     def alloc_graph(self, graph: ComputeGraph) -> None:
         self.release()
@@ -389,3 +406,27 @@ class GraphAllocator:
         n = r.kv_dim * r.n_ctx
         return tuple(dev.read(b, r.kv_type.numpy, n).astype(np.float32, copy=False).reshape(r.n_ctx, r.kv_dim)
                      for b in (r.k, r.v))
+
+    def _kv_range(self, r: KvRegion, start: int, n: int) -> tuple:
+        if start < 0 or n < 0 or start + n > r.n_ctx:
+            raise GraphError(f"KV rows [{start}, {start + n}) are outside layer {r.layer}'s {r.n_ctx} cells")
+        return start * r.row_bytes, n * r.row_bytes
+
+    def read_kv_rows(self, layer: int, start: int, n: int) -> tuple:
+        """Raw bytes (uint8 arrays) of K and V cells [start, start+n) of a layer, in their
+        stored element type, through the device surface (host and device memory alike)."""
+        r = self.kv_pair(layer)
+        off, nb = self._kv_range(r, start, n)
+        dev = self.devices[r.backend]
+        return dev.read(r.k, "uint8", nb, off), dev.read(r.v, "uint8", nb, off)
+
+    def write_kv_rows(self, layer: int, start: int, n: int, k, v) -> None:
+        """The write direction of read_kv_rows: restore cells [start, start+n)."""
+        r = self.kv_pair(layer)
+        off, nb = self._kv_range(r, start, n)
+        dev = self.devices[r.backend]
+        for rid, data in ((r.k, k), (r.v, v)):
+            arr = np.frombuffer(data, dtype=np.uint8)
+            if arr.size != nb:
+                raise GraphError(f"layer {layer}: {arr.size} bytes for {n} KV rows of {r.row_bytes} bytes")
+            dev.write(rid, arr, off)

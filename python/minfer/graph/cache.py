@@ -3,12 +3,19 @@ and the allocator, which outlives rebuilds because it holds the KV regions.
 
 Reuse compares GraphParams only (never the nodes). A graph is replaced with a
 fresh process-wide uid; a reused graph keeps its uid and its plans.
+
+Besides the current graph, the cache keeps up to KEEP small graphs (at most
+KEEP_MAX_TOKENS rows) built and allocated, keyed by their params: speculative
+decoding alternates single steps with verification blocks of a few sizes, and each
+switch would otherwise rebuild and re-lower the whole model. Big prefill graphs are
+released when replaced (their activations are large and rarely repeat).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
 from typing import Callable, Optional
 
 from minfer.errors import BackendError
@@ -31,6 +38,9 @@ def next_uid() -> int:
 
 
 class GraphCache:
+    KEEP = 10
+    KEEP_MAX_TOKENS = 16
+
     def __init__(self, entries: list, weights: WeightRegistry, options: Optional[dict] = None) -> None:
         """entries: the participating backends, as the registry selected them (the graph
         never chooses). weights: the model's WeightRegistry. options: run settings each
@@ -49,6 +59,7 @@ class GraphCache:
         self.params: Optional[GraphParams] = None
         self.lowered = None
         self.splits: list = []
+        self._kept: OrderedDict = OrderedDict()  # params -> (graph, lowered, splits, alloc state)
 
     # -- build time: assign -> fuse -> allocate -> split -> lower, once per build --------
     def preview(self, graph: ComputeGraph, fuse: bool = True) -> int:
@@ -62,6 +73,7 @@ class GraphCache:
         go back to the pools (the KV stays); a failure leaves the cache empty rather
         than half-built. Fusion follows params.cparams.fuse_swiglu, so the switch is
         part of the reuse identity."""
+        self._set_aside(params)
         self.invalidate()
         self.preview(graph, fuse=params.cparams.fuse_swiglu if params is not None else True)
         self.alloc.alloc_graph(graph)
@@ -73,7 +85,32 @@ class GraphCache:
     def try_reuse(self, params: GraphParams) -> bool:
         if self.graph is not None and self.lowered is not None and self.params == params:
             return True
-        return False
+        kept = self._kept.pop(params, None)
+        if kept is None:
+            return False
+        self._set_aside(params)
+        graph, lowered, splits, state = kept
+        self.alloc.attach(state)
+        self.graph, self.params, self.lowered, self.splits = graph, params, lowered, splits
+        return True
+
+    def _set_aside(self, incoming: Optional[GraphParams]) -> None:
+        """Keep the current graph for later if it is small, else free its buffers."""
+        cur = self.params
+        stale = self._kept.pop(incoming, None) if incoming is not None else None
+        if stale is not None:
+            self.alloc.release_state(stale[3])
+        if self.graph is None or self.lowered is None or cur is None or cur == incoming \
+                or cur.n_tokens > self.KEEP_MAX_TOKENS:
+            self.alloc.release()
+            return
+        self._kept[cur] = (self.graph, self.lowered, self.splits, self.alloc.detach())
+        while len(self._kept) > self.KEEP:
+            self.alloc.release_state(self._kept.popitem(last=False)[1][3])
+
+    def drop_kept(self) -> None:
+        while self._kept:
+            self.alloc.release_state(self._kept.popitem()[1][3])
 
     def invalidate(self) -> None:
         self.graph = None
@@ -105,7 +142,8 @@ class GraphCache:
         self.scheduler.execute(self.graph, self.alloc, self.lowered, on_step)
 
     def reset_kv(self) -> None:
-        """Forget the KV (and the graph, whose plans point at the old regions)."""
+        """Forget the KV (and the graphs, whose plans point at the old regions)."""
+        self.drop_kept()
         self.invalidate()
         self.alloc.release()
         self.alloc.reset_kv()

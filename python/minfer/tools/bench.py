@@ -52,7 +52,8 @@ LLAMA_FIELDS = [
     "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers", "flash_attn",
     "n_prompt", "n_gen", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
 ]
-EXTRA_FIELDS = ["peak_rss_bytes", "mem_bw_frac", "mem_bw_bytes_per_s", "weight_bytes_per_token"]
+EXTRA_FIELDS = ["peak_rss_bytes", "mem_bw_frac", "mem_bw_bytes_per_s", "weight_bytes_per_token",
+                "speculate", "drafted", "accepted"]
 FIELDS = LLAMA_FIELDS + ["samples_ns", "samples_ts"] + EXTRA_FIELDS
 
 
@@ -122,6 +123,10 @@ class BenchResult:
     mem_bw_bytes_per_s: float | None = None
     weight_bytes_per_token: int | None = None
     extra: dict = field(default_factory=dict)
+    test: str = ""                 # a name other than ppN/tgN (the speculative mode's rows)
+    speculate: str | None = None   # speculative rows: the drafter, and its drafted/accepted totals
+    drafted: int | None = None
+    accepted: int | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -129,6 +134,8 @@ class BenchResult:
 
     @property
     def test_name(self) -> str:
+        if self.test:
+            return self.test
         if self.n_prompt > 0 and self.n_gen == 0:
             return f"pp{self.n_prompt}"
         if self.n_gen > 0 and self.n_prompt == 0:
@@ -218,6 +225,11 @@ def _format_md(results: Sequence[BenchResult], extras: bool) -> str:
         r0 = results[0]
         lines.append("")
         lines.append(f"build: {r0.build_commit} ({r0.build_number})")
+        for r in results:
+            if r.speculate and r.drafted is not None:
+                acc = 100 * r.accepted / r.drafted if r.drafted else 0.0
+                lines.append(f"{r.test_name}: {r.drafted} tokens drafted, {r.accepted} accepted ({acc:.0f}%); "
+                             f"output identical to plain greedy")
         if extras and r0.mem_bw_bytes_per_s:
             lines.append(f"memory bandwidth (STREAM-style probe): {r0.mem_bw_bytes_per_s / 1e9:.1f} GB/s; "
                          "mem bw = weight bytes per token x t/s / that")
@@ -499,3 +511,86 @@ def time_tg(eng, toks: Sequence[int], n: int) -> int:
 def random_tokens(n_vocab: int, n: int, seed: int) -> list[int]:
     # Random ids, as llama-bench uses: the work per token does not depend on the id.
     return np.random.default_rng(seed).integers(0, n_vocab, size=n).tolist()
+
+
+# ----------------------------------------------------------------------------- speculative mode
+
+# A code-editing chat turn: the answer copies most of the prompt, which is what prompt
+# lookup is for (the issue's reference workload: a 12-line function, type hints added).
+SPEC_PROMPT = """Rewrite this function with type hints. Reply with the code only.
+
+```python
+def merge_intervals(intervals):
+    if not intervals:
+        return []
+    intervals = sorted(intervals, key=lambda x: x[0])
+    merged = [list(intervals[0])]
+    for start, end in intervals[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(m) for m in merged]
+```"""
+
+
+def run_spec_bench(model_path, n_gen: Sequence[int] = (120,), reps: int = 3, threads: Sequence[int] | None = None,
+                   backends: Sequence[str] | None = None, mode: str = "ngram", draft_max: int = 8,
+                   draft_model=None, progress: Callable[[str], None] | None = None,
+                   prompt: str = SPEC_PROMPT, kv_type: str = "f16") -> list[BenchResult]:
+    """tgN on a code-editing chat prompt, plain greedy and speculative greedy run back to
+    back in every repetition (the order alternating), so both see the same machine load.
+    t/s counts N decode steps after the untimed prefill; outputs must be identical."""
+    from minfer.model import Model
+    from minfer.sampling import SamplingParams
+    from minfer.session import Session
+    from minfer.speculate import Speculation
+
+    say = progress or (lambda s: None)
+    tgs = [n for n in parse_int_list(list(n_gen)) if n > 0]
+    if threads is None:
+        from minfer.backends import default_threads
+        threads = [default_threads()]
+    commit, build_number = build_info()
+    greedy = SamplingParams(temperature=0.0)
+    results: list[BenchResult] = []
+    for n_threads in parse_int_list(list(threads)):
+        model = Model.open(model_path, backends=list(backends) if backends else None, n_threads=n_threads)
+        tok = model.tokenizer
+        ids = tok.encode(tok.render_chat([{"role": "user", "content": prompt}]))
+        spec = Speculation.open(mode, draft_max=draft_max, draft_model_path=draft_model, target=model)
+        s = Session(model, n_ctx=len(ids) + max(tgs, default=0) + 2, kv_type=kv_type)
+        info = model.info
+        base = dict(model_filename=str(model_path), model_type=_model_type(info), model_size=int(info["size_bytes"]),
+                    model_n_params=int(info["n_params"]), backends=",".join(s.backend_names), n_threads=n_threads,
+                    build_commit=commit, build_number=build_number, cpu_info=cpu_info(), n_batch=1, n_ubatch=1,
+                    type_k=kv_type, type_v=kv_type)
+        s.generate(ids, 4, greedy, speculate=spec)  # warm-up: graphs for the prompt, 1 and a block
+        for n in tgs:
+            samples: dict = {"plain": [], mode: []}
+            drafted = accepted = 0
+            for r in range(reps):
+                order = ["plain", mode] if r % 2 == 0 else [mode, "plain"]
+                out = {}
+                for kind in order:
+                    res = s.generate(ids, n + 1, greedy, stop_at_eog=False,
+                                     speculate=spec if kind == mode else None)
+                    samples[kind].append(int(res.timings.gen_ms * 1e6))
+                    out[kind] = res.ids
+                    if kind == mode:
+                        drafted += res.timings.drafted
+                        accepted += res.timings.accepted
+                if out["plain"] != out[mode]:
+                    raise MinferError(f"speculative output differs from plain greedy (rep {r + 1})")
+                say(f"minfer bench: tg{n} t={n_threads} rep {r + 1}/{reps}: plain "
+                    f"{n / samples['plain'][-1] * 1e9:.2f} t/s, {mode} {n / samples[mode][-1] * 1e9:.2f} t/s")
+            now = _now_rfc3339()
+            results.append(BenchResult(**base, n_prompt=0, n_gen=n, samples_ns=samples["plain"], test_time=now,
+                                       test=f"tg{n} edit", peak_rss_bytes=peak_rss_bytes()))
+            results.append(BenchResult(**base, n_prompt=0, n_gen=n, samples_ns=samples[mode], test_time=now,
+                                       test=f"tg{n} edit+{mode}", speculate=mode, drafted=drafted,
+                                       accepted=accepted, peak_rss_bytes=peak_rss_bytes()))
+        del s, spec, model
+        gc.collect()
+    return results

@@ -1,0 +1,353 @@
+"""Speculative decoding: a drafter proposes d tokens, the target verifies them in one
+forward of d + 1 tokens (the graph for that block size is built once and reused), and
+the longest acceptable prefix plus one token of the target's own is kept.
+
+Drafters:
+- `ngram` (prompt lookup): the longest recent n-gram of the context that ends like the
+  context does proposes what followed it. No second model; strong on editing tasks,
+  where the answer copies long stretches of the prompt.
+- `draft`: a smaller GGUF with the same vocabulary, decoded greedily in a Session of
+  its own (its own Model, so its own WeightRegistry and backend stores: names never collide with the
+  target's).
+
+Acceptance. Greedy: a drafted token is kept while it equals the target's pick for
+that row, so the output is the plain greedy output token for token (the kernels are
+row-independent: row i of a block forward is bitwise the logits a single step would
+give). Sampling: the drafts are deterministic (q = one-hot), and the standard rule
+then reads: keep draft x with probability p(x); on the first rejection draw from p
+with x removed (renormalised); if all d are kept, draw one more from the last row.
+Every emitted token is then distributed as the target sampler's p.
+
+Rolling back is only bookkeeping: the session forgets the rejected cells, and the
+next forward overwrites them.
+
+Adaptive depth. Each verify of d drafts costs about c1 * (1 + r*d) (c1 a single step,
+r the measured extra cost per row) and yields (1 - a^(d+1)) / (1 - a) tokens for a
+per-token acceptance a, estimated per match length (n-gram) with decay. The depth
+that maximises tokens per cost is used; when no depth beats a plain step the drafter
+is skipped (a plain step) and probed again now and then, which is what keeps the
+loss on text that does not repeat itself to a few percent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from minfer.errors import MinferError
+
+MODES = ("ngram", "draft")
+
+
+class Speculation:
+    """What a stream needs to speculate, and what outlives one stream: the acceptance
+    and cost estimates, and the draft model's session (its KV prefix is reused across
+    turns like the target's)."""
+
+    def __init__(self, mode: str = "ngram", draft_max: int = 8, draft_model=None, adaptive: bool = True,
+                 ngram_min: int = 1, ngram_max: int = 4):
+        if mode not in MODES:
+            raise MinferError(f"--speculate must be one of {', '.join(MODES)}, got {mode!r}")
+        if not 1 <= draft_max <= 64:
+            raise MinferError(f"--draft-max must be in [1, 64], got {draft_max}")
+        if mode == "draft" and draft_model is None:
+            raise MinferError("--speculate draft needs --draft-model PATH")
+        if mode == "ngram" and draft_model is not None:
+            raise MinferError("--draft-model is only used with --speculate draft")
+        if not 1 <= ngram_min <= ngram_max:
+            raise MinferError(f"n-gram lengths must satisfy 1 <= min <= max, got {ngram_min}, {ngram_max}")
+        self.mode = mode
+        self.draft_max = int(draft_max)
+        self.draft_model = draft_model
+        self.adaptive = adaptive
+        self.ngram = (int(ngram_min), int(ngram_max))
+        self.policy = Policy(adaptive)
+        self._draft_session = None
+
+    @classmethod
+    def open(cls, mode: str, draft_max: int = 8, draft_model_path=None, target=None, **kw) -> "Speculation":
+        """The CLI's constructor: opens the draft GGUF (same threads and backends as the
+        target) and checks the vocabularies match."""
+        dm = None
+        if draft_model_path is not None:
+            from minfer.model import Model
+
+            dm = Model.open(draft_model_path, backends=getattr(target, "backends", None),
+                            n_threads=getattr(target, "n_threads", None))
+        return cls(mode, draft_max=draft_max, draft_model=dm, **kw)
+
+    def drafter(self, session) -> "Drafter":
+        if self.mode == "ngram":
+            return NgramDrafter(*self.ngram)
+        check_same_vocab(session.model, self.draft_model)
+        # A decode step reads every weight once: the weight bytes' ratio is a draft step's
+        # cost relative to a target step until timings (greedy streams) refine it.
+        self.policy.q0 = (self.draft_model.defn.weight_bytes_per_token()
+                          / max(1, session.model.defn.weight_bytes_per_token()))
+        ds = self._draft_session
+        if ds is None or ds.n_ctx < session.n_ctx:
+            from minfer.session import Session
+
+            ds = self._draft_session = Session(self.draft_model, n_ctx=session.n_ctx)
+        return DraftModelDrafter(ds)
+
+
+def check_same_vocab(target, draft) -> None:
+    if target.hp.n_vocab != draft.hp.n_vocab:
+        raise MinferError(f"the draft model's vocabulary ({draft.hp.n_vocab} tokens) differs from the target's "
+                          f"({target.hp.n_vocab})")
+    key = "tokenizer.ggml.tokens"
+    a, b = target.gguf.metadata.get(key), draft.gguf.metadata.get(key)
+    if a is not None and b is not None and list(a) != list(b):
+        raise MinferError("the draft model's tokens differ from the target's (a draft must share the vocabulary)")
+
+
+# ----------------------------------------------------------------------------- drafters
+
+
+class Drafter:
+    """Sees the context grow (prompt, then every pick) and proposes continuations."""
+
+    extra_ms = 0.0  # time the last propose() spent in forwards of its own
+
+    def extend(self, tokens) -> None:
+        raise NotImplementedError
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        """Up to k tokens and the bucket their acceptance is tracked in."""
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup over an incremental index: for each n in [n_min, n_max], the
+    n-gram ending at position i-1 maps to i, the position that followed its most
+    recent occurrence. A lookup of the context's last n tokens is then one dict read."""
+
+    def __init__(self, n_min: int = 1, n_max: int = 4):
+        self.n_min, self.n_max = n_min, n_max
+        self.toks: list[int] = []
+        self.index: list[dict] = [dict() for _ in range(n_max + 1)]
+
+    def extend(self, tokens) -> None:
+        toks, index = self.toks, self.index
+        for t in tokens:
+            i = len(toks)
+            for n in range(self.n_min, min(self.n_max, i) + 1):
+                index[n][tuple(toks[i - n:i])] = i
+            toks.append(int(t))
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        toks = self.toks
+        L = len(toks)
+        for n in range(min(self.n_max, L), self.n_min - 1, -1):
+            p = self.index[n].get(tuple(toks[L - n:]))
+            if p is not None:
+                return toks[p:p + k], n
+        return [], 0
+
+
+class DraftModelDrafter(Drafter):
+    """Greedy continuation by a second model in its own session; its KV keeps the
+    longest prefix it shares with the context, so each round processes only the
+    target's correction (and whatever it had not seen) before drafting."""
+
+    def __init__(self, session):
+        self.s = session
+        self.ctx: list[int] = []
+
+    def extend(self, tokens) -> None:
+        self.ctx.extend(int(t) for t in tokens)
+
+    def propose(self, k: int) -> tuple[list[int], int]:
+        t0 = time.perf_counter()
+        s = self.s
+        if len(self.ctx) + k > s.n_ctx:
+            return [], 0
+        s.prefill(self.ctx)
+        out = [s.argmax_last()]
+        while len(out) < k:
+            s.forward([out[-1]], n_out=1, copy=False)
+            out.append(s.argmax_last())
+        self.extra_ms = (time.perf_counter() - t0) * 1000
+        return out, 1
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+class Policy:
+    """Depth choice from acceptance (per bucket, decayed) and measured forward costs."""
+
+    DECAY = 0.9
+    PROBE_EVERY = 16
+
+    def __init__(self, adaptive: bool = True):
+        self.adaptive = adaptive
+        self.acc: dict = {}       # bucket -> [successes, trials]
+        self.skips: dict = {}     # bucket -> plain steps taken instead of drafting
+        self.c1: float | None = None   # ms of a single-token target forward
+        self.r0 = self.r = 0.15   # extra cost per verified row, relative to c1 (prior, measured)
+        self.q0 = 0.0             # drafter's own cost per drafted token, relative to c1
+        self.q: float | None = None
+
+    def rate(self, bucket) -> float:
+        s, t = self.acc.get(bucket, (0.0, 0.0))
+        return (s + 2.0) / (t + 3.0)  # prior 2/3: optimistic enough to try a bucket
+
+    def depth(self, bucket, limit: int, measured: bool = True) -> int:
+        """measured=False (sampling): decide from the priors and acceptance only, never
+        from the clock, so a seed gives one output whatever the machine's load."""
+        if limit <= 0:
+            return 0
+        if not self.adaptive:
+            return limit
+        if measured and self.c1 is None:
+            return 0  # one plain step first: it measures the cost everything is relative to
+        r, q = (self.r, self.q if self.q is not None else self.q0) if measured else (self.r0, self.q0)
+        a = min(self.rate(bucket), 0.999)
+        best, best_gain = 0, 1.0
+        for d in range(1, limit + 1):
+            gain = (1 - a ** (d + 1)) / (1 - a) / (1 + (r + q) * d)
+            if gain > best_gain * 1.02:
+                best, best_gain = d, gain
+        if best == 0:
+            n = self.skips.get(bucket, 0) + 1
+            self.skips[bucket] = n
+            if n >= self.PROBE_EVERY:  # look again: the text may have started repeating
+                self.skips[bucket] = 0
+                return 1
+        return best
+
+    def record(self, bucket, d: int, j: int) -> None:
+        s, t = self.acc.get(bucket, (0.0, 0.0))
+        self.acc[bucket] = [s * self.DECAY + j, t * self.DECAY + j + (1 if j < d else 0)]
+
+    def timed(self, n: int, ms: float, draft_ms: float = 0.0, d: int = 0) -> None:
+        if n == 1:
+            self.c1 = ms if self.c1 is None else 0.7 * self.c1 + 0.3 * ms
+        elif self.c1:
+            r = min(max((ms / self.c1 - 1) / (n - 1), 0.01), 2.0)
+            self.r = 0.7 * self.r + 0.3 * r
+            if d and draft_ms:
+                q = min(max(draft_ms / self.c1 / d, 0.0), 4.0)
+                self.q = q if self.q is None else 0.7 * self.q + 0.3 * q
+
+
+# ----------------------------------------------------------------------------- runner
+
+
+@dataclass
+class Pick:
+    id: int
+    logprob: float | None
+
+
+class Runner:
+    """One stream's speculative token source. `next(prev)` feeds the pick just made and
+    returns the next one; picks verified in one block are handed out one at a time,
+    so the stream's stop strings, EOG and cancel act between tokens as usual.
+    `finish(n_picks)` rolls the KV back to exactly what a plain stream would hold."""
+
+    def __init__(self, spec: Speculation, session, sampler, pick: Callable, prompt_ids: list[int],
+                 n_predict: int, logprobs: bool, timings):
+        self.spec, self.s, self.sampler, self.pick = spec, session, sampler, pick
+        self.n_predict, self.logprobs, self.tm = n_predict, logprobs, timings
+        self.n_prompt = len(prompt_ids)
+        self.drafter = spec.drafter(session)
+        self.drafter.extend(prompt_ids)
+        self.queue: deque = deque()
+        self.produced = 1  # the prefill's pick
+        p = sampler.params
+        self.greedy = p.temperature <= 0.0
+        self.plain_argmax = self.greedy and p.repeat_penalty == 1.0
+        timings.drafted = timings.accepted = 0
+
+    def next(self, prev: int) -> tuple[int, float | None]:
+        self.drafter.extend([prev])
+        if not self.queue:
+            self._round(prev)
+        self.produced += 1
+        pk = self.queue.popleft()
+        return pk.id, pk.logprob
+
+    def finish(self, n_picks: int) -> None:
+        keep = self.n_prompt + n_picks - 1
+        if self.s.n_past > keep:
+            self.s.truncate(keep)
+
+    # one verify ------------------------------------------------------------------
+    def _round(self, prev: int) -> None:
+        s, pol = self.s, self.spec.policy
+        limit = min(self.spec.draft_max, self.n_predict - self.produced - 1,
+                    s.n_ctx - s.n_past - 1)
+        draft, bucket = [], 0
+        if limit > 0 and isinstance(self.drafter, NgramDrafter):
+            # Look first (a dict read), then choose the depth for that match's bucket.
+            draft, bucket = self.drafter.propose(limit)
+            draft = draft[:pol.depth(bucket, len(draft), self.greedy)] if draft else []
+        elif limit > 0:
+            # A draft model costs a forward per token: choose the depth before drafting.
+            d = pol.depth(1, limit, self.greedy)
+            draft, bucket = self.drafter.propose(d) if d else ([], 1)
+        n = len(draft) + 1
+        builds = s.builds
+        t0 = time.perf_counter()
+        rows = s.forward([prev] + draft, n_out=n, copy=False)
+        if not draft:
+            self.queue.append(Pick(*self.pick(rows)))
+        else:
+            j = self._accept(rows, draft)
+            s.truncate(s.n_past - (len(draft) - j))
+            pol.record(bucket, len(draft), j)
+            self.tm.drafted += len(draft)
+            self.tm.accepted += j
+        ms = (time.perf_counter() - t0) * 1000
+        if self.greedy and s.builds == builds:  # a graph build is not what a block of n costs
+            pol.timed(n, ms, getattr(self.drafter, "extra_ms", 0.0), len(draft))
+
+    def _accept(self, rows: np.ndarray, draft: list[int]) -> int:
+        """Queue the picks of a verified block; returns how many drafts were kept."""
+        lp = self.logprobs
+        if self.plain_argmax:
+            j = 0
+            for j, x in enumerate(draft + [None]):
+                t = int(np.argmax(rows[j]))
+                self.queue.append(Pick(t, _logprob(rows[j], t) if lp else None))
+                if t != x:
+                    return j
+            return len(draft)
+        recent = deque(self.sampler.recent, maxlen=self.sampler.recent.maxlen)
+        rng = self.sampler.rng
+        for j in range(len(draft) + 1):
+            ids, probs = self.sampler.distribution(rows[j], recent)
+            x = draft[j] if j < len(draft) else None
+            if probs is None:                      # temperature 0 with a penalty
+                t = int(ids)
+            elif x is None:                        # every draft kept: one more from p
+                t = int(ids[rng.choice(probs.size, p=probs)])
+            else:
+                hit = np.flatnonzero(ids == x)
+                px = float(probs[hit[0]]) if hit.size else 0.0
+                if rng.random() < px:
+                    t = x
+                else:                              # residual: p without x, renormalised
+                    res = probs.copy()
+                    if hit.size:
+                        res[hit[0]] = 0.0
+                    t = int(ids[rng.choice(res.size, p=res / res.sum())])
+            self.queue.append(Pick(t, _logprob(rows[j], t) if lp else None))
+            if t != x:
+                return j
+            if self.sampler.params.repeat_last_n != 0:  # as Sampler.accept
+                recent.append(t)
+        return len(draft)
+
+
+def _logprob(row: np.ndarray, t: int) -> float:
+    x = row.astype(np.float64)
+    m = x.max()
+    return float(x[t] - m - np.log(np.exp(x - m).sum()))
