@@ -300,3 +300,39 @@ def test_bad_arguments(models, tmp_path):
     spec = Speculation("draft", draft_model=Model.open(tmp_path / "v.gguf", n_threads=2))
     with pytest.raises(MinferError, match="vocabulary"):
         plain(target, [5, 6, 7], 5, speculate=spec)
+
+
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "minfer.cli", *args], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ))
+
+
+def test_cli_generate_and_bench_speculate(models):
+    import json
+
+    target, draft = models
+    path = str(target.path)
+    base = ["generate", path, "hello hello hello hello", "-n", "12", "--temp", "0", "--json", "--ctx", "128"]
+    plain_run = _cli(*base)
+    spec_run = _cli(*base, "--speculate", "ngram", "--draft-max", "4")
+    draft_run = _cli(*base, "--speculate", "draft", "--draft-model", str(draft.path))
+    for r in (plain_run, spec_run, draft_run):
+        assert r.returncode == 0, r.stderr
+    a, b, c = (json.loads(r.stdout) for r in (plain_run, spec_run, draft_run))
+    assert a["ids"] == b["ids"] == c["ids"] and a["text"] == b["text"]
+    assert "drafted" not in a["timings"] and c["timings"]["drafted"] > 0 and "accepted" in b["timings"]
+    for bad in (["--speculate", "magic"], ["--speculate", "draft"], ["--draft-model", path],
+                ["--speculate", "ngram", "--draft-max", "0"]):
+        r = _cli(*base, *bad)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (bad, r.stderr)
+    r = _cli(*base, "--speculate", "draft", "--draft-model", "/nonexistent.gguf")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    r = _cli("bench", path, "-n", "8", "-r", "2", "-t", "1", "--speculate", "ngram", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [x["speculate"] for x in rows] == [None, "ngram"] and rows[1]["drafted"] >= rows[1]["accepted"] >= 0
+    assert all(len(x["samples_ns"]) == 2 and x["avg_ts"] > 0 for x in rows)
