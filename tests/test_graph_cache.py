@@ -86,7 +86,7 @@ def test_fusion_flags_are_part_of_the_identity(weights, flag):
 def test_small_graphs_are_kept_ready_and_big_ones_released(weights):
     """Speculative decoding alternates block sizes: each small graph is built once and
     switched to without a rebuild; the oldest beyond KEEP and any big one are freed."""
-    c = GraphCache(weights, backends=["cpu"], n_threads=1)
+    c = GraphCache(select_backends(["cpu"]), weights, {"threads": 1})
     ps = [dataclasses.replace(BASE, n_tokens=n) for n in (1, 2, 3)]
     graphs = [c.install(build(p), p) for p in ps]
     for _ in range(2):

@@ -351,11 +351,13 @@ class Session:
 
     @classmethod
     def load(cls, model, path: str | Path, n_ctx: int | None = None, **kw) -> "Session":
-        """A new session holding a saved conversation; n_ctx defaults to the file's."""
+        """A new session holding a saved conversation; n_ctx and kv_type default to the file's."""
         from minfer import session_file
 
-        if n_ctx is None:
-            n_ctx = int(session_file.read(path)[0]["n_ctx"])
+        if n_ctx is None or "kv_type" not in kw:
+            header = session_file.read(path)[0]
+            n_ctx = int(header["n_ctx"]) if n_ctx is None else n_ctx
+            kw.setdefault("kv_type", header["kv_type"])
         s = cls(model, n_ctx=n_ctx, **kw)
         s.restore(path)
         return s

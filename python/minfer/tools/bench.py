@@ -562,7 +562,7 @@ def run_spec_bench(model_path, n_gen: Sequence[int] = (120,), reps: int = 3, thr
         spec = Speculation.open(mode, draft_max=draft_max, draft_model_path=draft_model, target=model)
         s = Session(model, n_ctx=len(ids) + max(tgs, default=0) + 2, kv_type=kv_type)
         info = model.info
-        base = dict(model_filename=str(model_path), model_type=_model_type(info), model_size=int(info["size_bytes"]),
+        base = dict(model_filename=str(model_path), model_type=str(info["type"]), model_size=int(info["size_bytes"]),
                     model_n_params=int(info["n_params"]), backends=",".join(s.backend_names), n_threads=n_threads,
                     build_commit=commit, build_number=build_number, cpu_info=cpu_info(), n_batch=1, n_ubatch=1,
                     type_k=kv_type, type_v=kv_type)
