@@ -90,9 +90,9 @@ class Speculation:
                           / max(1, session.model.defn.weight_bytes_per_token()))
         ds = self._draft_session
         if ds is None or ds.n_ctx < session.n_ctx:
-            from minfer.session import Session
-
-            ds = self._draft_session = Session(self.draft_model, n_ctx=session.n_ctx)
+            # The target's own Session class: this module never imports session.py,
+            # which dispatches into it.
+            ds = self._draft_session = type(session)(self.draft_model, n_ctx=session.n_ctx)
         return DraftModelDrafter(ds)
 
 
