@@ -174,6 +174,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             dst.write(dst_id, src.data(src_id), nbytes, 0);
         }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
 
+    m.attr("CUDA_ROW_EXACT_MAX_TOKENS") = py::int_(kRowExactMaxTokens);
     m.def("cuda_device_count", []() {
             std::string why;
             int n = device_count(&why);

@@ -224,8 +224,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 const Weight& w = need_weight(s, ws, 0);
                 if (!matvec_type_supported(w.type)) fail(s, "weight type " + std::to_string(w.type) + " has no CUDA kernel");
                 if (ip[0] % 32) fail(s, "CUDA matmuls need a row length that is a multiple of 32");
-                if (ip[2] == 1) xqb = std::max(xqb, matvec_scratch_bytes(ip[0]));
-                if (ip[2] > 1) {
+                if (ip[2] <= kRowExactMaxTokens) xqb = std::max(xqb, matvec_scratch_bytes(ip[0]));
+                if (ip[2] > kRowExactMaxTokens) {
                     if (w.type != T_F32 && w.type != T_F16) wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
                     if (w.type != T_F32) xh = std::max(xh, (size_t)(ip[0] * ip[2] * 2));
                 }
@@ -298,8 +298,9 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
             const Weight& w = ws.get(s.w[0]);
             const int64_t in = ip[0], out = ip[1], nt = ip[2];
             const float* bias = (const float*)W(1);
-            if (nt == 1) {
-                matvec(w.type, W(0), w.row_bytes, in, out, F(1), bias, nullptr, F(0), st.xq);
+            if (nt <= kRowExactMaxTokens) {
+                for (int64_t r = 0; r < nt; ++r)
+                    matvec(w.type, W(0), w.row_bytes, in, out, F(1) + r * in, bias, nullptr, F(0) + r * out, st.xq);
                 break;
             }
             const float one = 1.0f, zero = 0.0f;
@@ -423,7 +424,7 @@ const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
         case L_ROPE_STORE: return "fused_rope_kv_store";
         default: {
             const Step& s = plan.steps[L.s[0]];
-            if (s.op == OP_MATMUL) return s.ip[2] == 1 ? "matvec" : "gemm";
+            if (s.op == OP_MATMUL) return s.ip[2] <= kRowExactMaxTokens ? "matvec" : "gemm";
             return op_name(s.op);
         }
     }

@@ -159,7 +159,7 @@ int chunk_of(int64_t n_ctx, int n_splits) {
 bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 128 || hd == 256; }
 
 int attn_splits(int64_t nt, int64_t n_ctx) {
-    if (nt > 4) return 1;
+    if (nt > kRowExactMaxTokens) return 1;
     int64_t s = (n_ctx + 255) / 256;
     return (int)(s < 1 ? 1 : (s > 32 ? 32 : s));
 }
