@@ -130,8 +130,10 @@ def test_sigterm_with_requests_in_flight_exits_0(model_path):
             results = await asyncio.gather(*tasks)
             return results, time.monotonic() - t0
 
-    results, took = asyncio.run(go())
-    code, err = srv.terminate(timeout=30)
+    try:
+        results, took = asyncio.run(go())
+    finally:  # a failure above must not leave the server running
+        code, err = srv.terminate(timeout=30)
     assert code == 0, err
     assert took < 5 + 5  # the drain bound plus a step and the replies
     assert "Traceback" not in err, err
