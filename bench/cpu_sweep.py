@@ -16,7 +16,10 @@ Two steps, because the machine that measures may have no network:
         engines, and prints one table row as soon as a thread count is done (ratios
         against llama.cpp's better flash-attention setting). --budget stops starting new
         thread counts after that many seconds. With $OUT set, the table, the raw JSON and
-        the build logs land there too.
+        the build logs land there too. --llama-flags adds compiler flags to llama.cpp's
+        build: on a VM that does not grant AMX tile state, llama.cpp's native build crashes
+        in its AMX matmul (seen on a Sapphire Rapids guest) and needs
+        --llama-flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16".
 
 Random weights do the same work per token as trained ones; the type mix is what
 llama.cpp's quantizer gives the real model's shapes (Q5_0 / Q8_0 where a row of 896 is
@@ -114,13 +117,13 @@ def build_minfer(work: Path, env: dict) -> subprocess.Popen:
                             env=env)
 
 
-def build_llama(inputs: Path, work: Path) -> subprocess.Popen:
+def build_llama(inputs: Path, work: Path, flags: str) -> subprocess.Popen:
     with tarfile.open(inputs / "llama-src.tar.gz") as tf:
         tf.extractall(work)
     src, b = work / "llama.cpp", work / "llama-build"
     cmd = (f"cmake -S {src} -B {b} -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF "
            f"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF "
-           f"-DGGML_CUDA=OFF && cmake --build {b} -j{os.cpu_count()} --target llama-bench llama-quantize")
+           f"-DGGML_CUDA=OFF -DCMAKE_C_FLAGS='{flags}' -DCMAKE_CXX_FLAGS='{flags}' && cmake --build {b} -j{os.cpu_count()} --target llama-bench llama-quantize")
     say("building llama.cpp")
     return subprocess.Popen(cmd, shell=True, stdout=open(work / "llama-build.log", "w"), stderr=subprocess.STDOUT)
 
@@ -160,7 +163,7 @@ def llama_bench(bin_dir: Path, model: Path, t: int, reps: int) -> dict:
     return best
 
 
-def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path) -> None:
+def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, llama_flags: str) -> None:
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -172,7 +175,7 @@ def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path) 
         sys.path.insert(0, str(site))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(site), env.get("PYTHONPATH", "")])
     pm = build_minfer(work, env)
-    pl = build_llama(inputs, work)
+    pl = build_llama(inputs, work, llama_flags)
     f16, q = work / "shaped-f16.gguf", work / "shaped-q4_k_m.gguf"
     sh([sys.executable, str(ROOT / "bench" / "shaped_model.py"), "make", str(inputs / "meta.json.gz"), str(f16)],
        env=env)
@@ -230,11 +233,12 @@ def main() -> int:
     r.add_argument("--reps", type=int, default=2)
     r.add_argument("--budget", type=float, default=400.0, help="seconds after which no new thread count starts")
     r.add_argument("--work", type=Path, default=Path("/tmp/minfer-cpu-sweep"))
+    r.add_argument("--llama-flags", default="", help="extra C/C++ flags for llama.cpp's build")
     a = ap.parse_args()
     if a.cmd == "prepare":
         prepare(a.dir, a.model)
     else:
-        run(a.dir, [int(x) for x in a.threads.split(",")], a.reps, a.budget, a.work)
+        run(a.dir, [int(x) for x in a.threads.split(",")], a.reps, a.budget, a.work, a.llama_flags)
     return 0
 
 
