@@ -95,13 +95,15 @@ def test_thousand_requests_at_32_concurrent(model_path):
 def test_sigterm_with_requests_in_flight_exits_0(model_path):
     """In-flight requests longer than the drain bound (5 s here): the server stops
     accepting, cancels them after the bound with a final answer each, exits 0."""
-    srv = ServerProcess.custom(model_path, slots=2, ctx=8192, max_queue=4)
+    # Requests far longer than the drain bound on any machine: an idle fast one ran 8,000
+    # tokens of this tiny model inside the 5 s drain (so the stream ended with [DONE]).
+    srv = ServerProcess.custom(model_path, slots=2, ctx=65536, max_queue=4)
 
     async def go():
         streaming = asyncio.Event()
         async with httpx.AsyncClient(timeout=60) as c:
             async def long(stream: bool):
-                body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 8000, "ignore_eos": True,
+                body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 60000, "ignore_eos": True,
                         "temperature": 0, "stream": stream}
                 if not stream:
                     r = await c.post(srv.url + "/v1/chat/completions", json=body)
@@ -139,7 +141,7 @@ def test_sigterm_with_requests_in_flight_exits_0(model_path):
     assert "Traceback" not in err, err
     statuses = sorted(s for s, _ in results)
     # Two ran (one streaming), one waited in the queue: all answered, none finished
-    # its 8000 tokens: non-streaming ones get a 503 "shutting_down", the stream ends
+    # its 60000 tokens: non-streaming ones get a 503 "shutting_down", the stream ends
     # with an error event instead of [DONE].
     for status, text in results:
         if status == 503:

@@ -333,12 +333,15 @@ def _route_key(s: Slot, prompt: list[int]) -> tuple:
     continues: the longest common prefix, when it covers at least half of what the slot
     holds (the next turn of its conversation). Otherwise an empty slot, so a new
     conversation does not evict another one's KV for the sake of a shared template
-    prefix; then the longest common prefix (a shared system prompt is still reused);
-    then the least recently used."""
+    prefix; then a slot sharing at least half of the prompt (a long shared system prompt
+    is still reused), the longest such; then the least recently used. A short shared
+    prefix (the chat template's first tokens) never outranks recency: otherwise a new
+    conversation would evict the one that just finished, whose next turn is coming."""
     cp = s.session.common_prefix(prompt)
     held = len(s.session.tokens)
     continues = cp > 0 and 2 * cp >= held
-    return (continues, cp if continues else 0, held == 0, cp, -s.last_used)
+    shares = cp > 0 and 2 * cp >= len(prompt)
+    return (continues, cp if continues else 0, held == 0, shares, cp if shares else 0, -s.last_used)
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:
