@@ -217,7 +217,7 @@ void prepare_packed(const Plan& plan, const WeightStore& ws, int n_threads) {
         if (!repack::packable(w.type) || std::atomic_load(&w.prepared)) continue;
         std::lock_guard<std::mutex> lock(mu);
         if (std::atomic_load(&w.prepared)) continue;
-        std::shared_ptr<const void> p = repack::pack(w.type, w.data, w.ne0, w.ne1, n_threads);
+        std::shared_ptr<const void> p = repack::pack(w.type, w.data, w.ne0, w.ne1, n_threads, w.file_backed);
         std::atomic_store(&w.prepared, p);
         release_pages(w);
     }

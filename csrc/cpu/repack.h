@@ -39,7 +39,10 @@ struct Packed {
 };
 
 // Repack a GGUF-layout matrix (out rows of `in` elements). Uses up to n_threads threads.
-std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64_t out, int n_threads);
+// release_source (only for a read-only file mapping, whose pages fault back from the
+// file if read again): drop the source pages chunk by chunk as they are consumed.
+std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64_t out, int n_threads,
+                             bool release_source = false);
 
 // Rows [r0, r1) of y[t * ldy + r] = dot(row r, activation t) for t < nt, activations in
 // the Q8_0 row format (arb bytes per row). r0 should be a multiple of 16 (any value is
