@@ -36,8 +36,15 @@ ModelArg = Annotated[Optional[str], typer.Argument(help="GGUF file (default: the
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads, >= 1 (default: physical cores; more than the logical CPUs is capped to them with a warning)")]
 KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache element type: f16 or f32 (exact; twice the memory).")]
 BackendOpt = Annotated[Optional[str], typer.Option("--backend", help="Comma list of backends to use (cpu, cuda, metal; any case); default: all usable. Env: MINFER_BACKENDS, same syntax")]
+# The sampling options generate and chat share.
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold (1 = off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).")]
+RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recently seen tokens (1 = off).")]
 CTX0 = "0 = the model's trained context, as in llama.cpp"
 SEED_HELP = "Random seed (same seed, same output); -1 = random, as in llama.cpp."
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help=SEED_HELP)]
 SpeculateOpt = Annotated[Optional[str], typer.Option("--speculate", help="Speculative decoding: ngram (prompt lookup) or draft (needs --draft-model).")]
 DraftMaxOpt = Annotated[int, typer.Option("--draft-max", help="Most tokens drafted per verification (adaptive below that).")]
 DraftModelOpt = Annotated[Optional[Path], typer.Option("--draft-model", help="GGUF of the draft model (same vocabulary) for --speculate draft.")]
@@ -115,12 +122,12 @@ def tokenize(
 def generate(
     args: Annotated[list[str], typer.Argument(help="[MODEL] PROMPT", show_default=False)],
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate.")] = 128,
-    temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold (1 = off).")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).")] = 0.05,
-    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recently seen tokens (1 = off).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help=SEED_HELP)] = None,
+    temp: TempOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    seed: SeedOpt = None,
     ctx: Annotated[int, typer.Option("--ctx", "-c", help=f"Context size in tokens ({CTX0}).")] = 4096,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
@@ -277,12 +284,12 @@ def _open_session(model: str | None, ctx: int, threads: int | None, backend: str
 def chat(
     model: ModelArg = None,
     n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Most tokens per reply.")] = 512,
-    temp: Annotated[float, typer.Option("--temp", help="Temperature; 0 = greedy.")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0 = off).")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold (1 = off).")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).")] = 0.05,
-    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recently seen tokens (1 = off).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help=SEED_HELP)] = None,
+    temp: TempOpt = 0.8,
+    top_k: TopKOpt = 40,
+    top_p: TopPOpt = 0.95,
+    min_p: MinPOpt = 0.05,
+    repeat_penalty: RepeatPenaltyOpt = 1.0,
+    seed: SeedOpt = None,
     ctx: Annotated[int, typer.Option("--ctx", "-c", help=f"Context size in tokens, the whole conversation ({CTX0}).")] = 4096,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
