@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
 from minfer.backends import CPU_ID, cpu, default_registry, default_threads, select_backends
+from minfer.backends.host_weights import HostWeights
 from minfer.errors import BackendError, UnsupportedModelError
 from minfer.graph.backend import CopyRoute, copy_route
 from minfer.graph.builder import GraphBuilder
@@ -159,7 +160,7 @@ def test_assignment_follows_the_weight_types_each_backend_runs():
 
 
 def test_a_backend_store_refuses_a_type_it_does_not_run_naming_the_tensor():
-    store = cpu.CpuWeights("tiny", frozenset({int(Q.F32)}))
+    store = HostWeights("tiny", frozenset({int(Q.F32)}))
     with pytest.raises(UnsupportedModelError, match=r"tensor blk\.3\.attn_k\.weight has type Q8_0, which backend tiny"):
         store.add("blk.3.attn_k.weight", np.zeros(68, np.uint8), int(Q.Q8_0), 64, 1)
 

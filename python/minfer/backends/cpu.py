@@ -13,16 +13,14 @@ from __future__ import annotations
 import functools
 from typing import Callable, Mapping, Optional
 
-import numpy as np
 from gguf import GGMLQuantizationType
 
 from minfer import _core
 from minfer.backends import default_threads
+from minfer.backends.host_weights import HostWeights
 from minfer.backends.plan_steps import lower_node
-from minfer.errors import UnsupportedModelError
 from minfer.graph.backend import CPU_ID, BackendEntry, CopyRoute
-from minfer.graph.ir import AttnMode, DType, EmbedMeta, GraphError, Op, RopeStyle
-from minfer.io.gguf_file import ggml_type_name
+from minfer.graph.ir import AttnMode, DType, EmbedMeta, Op, RopeStyle
 
 # The GGUF types the compiled kernels execute (the core is the one source of truth).
 WEIGHT_TYPES = frozenset(int(t) for t in GGMLQuantizationType if _core.weight_type_supported(int(t)))
@@ -76,39 +74,12 @@ class CpuDevice:
     def new_plan(self, label: str):
         return _core.Plan(label)
 
-    def validate(self, plan, weights: "CpuWeights") -> None:
+    def validate(self, plan, weights: HostWeights) -> None:
         _core.validate(plan, self.pool, weights.core)
 
-    def bind(self, plan, weights: "CpuWeights") -> Callable:
+    def bind(self, plan, weights: HostWeights) -> Callable:
         """run(begin=0, end=-1): one GIL-free core call, with this device's threads."""
         return functools.partial(_core.run, plan, self.pool, weights.core, self.n_threads)
-
-
-class CpuWeights:
-    """Weights for CPU plans: registered by reference (the GGUF mmap), never copied,
-    except derived row concatenations, which are built once."""
-
-    def __init__(self, backend: str = "cpu", types: frozenset = WEIGHT_TYPES) -> None:
-        self.core = _core.WeightStore()
-        self.backend, self.types = backend, types
-
-    def _check(self, name: str, ggml_type: int) -> None:
-        if int(ggml_type) not in self.types:
-            raise UnsupportedModelError(f"tensor {name} has type {ggml_type_name(int(ggml_type))}, which backend "
-                                        f"{self.backend} does not run")
-
-    def add(self, name: str, data: np.ndarray, ggml_type: int, ne0: int, ne1: int) -> int:
-        self._check(name, ggml_type)
-        return self.core.add(name, data, int(ggml_type), int(ne0), int(ne1))
-
-    def add_concat_rows(self, name: str, parts: list) -> int:
-        """parts: (data, ggml_type, ne0, ne1) of one type and row width, stacked in order."""
-        t, ne0 = int(parts[0][1]), int(parts[0][2])
-        if any((int(p[1]), int(p[2])) != (t, ne0) for p in parts):
-            raise GraphError(f"derived weight {name!r}: parts differ in type or row width")
-        self._check(name, t)
-        data = np.concatenate([p[0] for p in parts])   # rows are contiguous in GGUF layout [out][in]
-        return self.core.add(name, data, t, ne0, sum(int(p[3]) for p in parts))
 
 
 def _host_copy(src_dev: CpuDevice, src_buf: int, dst_dev: CpuDevice, dst_buf: int, nbytes: int):
@@ -143,7 +114,7 @@ def make_entry(name: str = "cpu", id: int = CPU_ID, priority: int = 100,
         supports_attn_span=supports_attn_span_fn or supports_attn_span,
         weight_types=weight_types, kv_types=KV_TYPES,
         open_device=lambda options: CpuDevice(name, options),
-        open_weights=lambda: CpuWeights(name, weight_types),
+        open_weights=lambda: HostWeights(name, weight_types),
         lower_node=lower_node, copy_to=copy_to or _host_route, copy_from=copy_from or _host_route,
         memory="host",
     )

@@ -11,12 +11,10 @@ from __future__ import annotations
 import functools
 from typing import Callable, Mapping, Optional
 
-import numpy as np
-
+from minfer.backends.host_weights import HostWeights
 from minfer.backends.plan_steps import lower_node
-from minfer.errors import UnsupportedModelError
 from minfer.graph.backend import CUDA_ID, BackendEntry, CopyRoute, unavailable_entry
-from minfer.graph.ir import AttnMode, DType, EmbedMeta, GraphError, Op, RopeStyle
+from minfer.graph.ir import AttnMode, DType, EmbedMeta, Op, RopeStyle
 
 NAME = "cuda"
 PRIORITY = 200
@@ -100,42 +98,14 @@ class CudaDevice:
     def new_plan(self, label: str):
         return self.core.Plan(label)
 
-    def validate(self, plan, weights: "CudaWeights") -> None:
+    def validate(self, plan, weights: HostWeights) -> None:
         """Checks the plan and uploads the weights it uses (once per handle)."""
         self.core.cuda_validate(plan, self.pool, weights.core)
 
-    def bind(self, plan, weights: "CudaWeights") -> Callable:
+    def bind(self, plan, weights: HostWeights) -> Callable:
         """run(begin=0, end=-1): enqueue on the CUDA stream (a graph replay once warm);
         the next host read waits."""
         return functools.partial(self.core.cuda_run, plan, self.pool, weights.core)
-
-
-class CudaWeights:
-    """Host registration of the weights CUDA plans use (by reference into the GGUF mmap);
-    the device copy is made by the core on first use, kept in GGUF blocks."""
-
-    def __init__(self, backend: str = NAME) -> None:
-        from minfer import _core
-        self.core = _core.WeightStore()
-        self.backend = backend
-
-    def _check(self, name: str, ggml_type: int) -> None:
-        if int(ggml_type) not in WEIGHT_TYPES:
-            raise UnsupportedModelError(f"tensor {name} has GGUF type {int(ggml_type)}, which backend "
-                                        f"{self.backend} does not run")
-
-    def add(self, name: str, data: np.ndarray, ggml_type: int, ne0: int, ne1: int) -> int:
-        self._check(name, ggml_type)
-        return self.core.add(name, data, int(ggml_type), int(ne0), int(ne1))
-
-    def add_concat_rows(self, name: str, parts: list) -> int:
-        """parts: (data, ggml_type, ne0, ne1) of one type and row width, stacked in order."""
-        t, ne0 = int(parts[0][1]), int(parts[0][2])
-        if any((int(p[1]), int(p[2])) != (t, ne0) for p in parts):
-            raise GraphError(f"derived weight {name!r}: parts differ in type or row width")
-        self._check(name, t)
-        data = np.concatenate([p[0] for p in parts])
-        return self.core.add(name, data, t, ne0, sum(int(p[3]) for p in parts))
 
 
 def _copy(src_dev, src_buf: int, dst_dev, dst_buf: int, nbytes: int):
@@ -179,7 +149,7 @@ def make_entry() -> BackendEntry:
         name=NAME, id=CUDA_ID, priority=PRIORITY, compiled=True, usable=usable, unusable_reason=reason,
         supports_op=supports_op, supports_fused=supports_fused, supports_attn_span=supports_attn_span,
         weight_types=WEIGHT_TYPES, kv_types=KV_TYPES,
-        open_device=lambda options: CudaDevice(NAME, options), open_weights=lambda: CudaWeights(NAME),
+        open_device=lambda options: CudaDevice(NAME, options), open_weights=lambda: HostWeights(NAME, WEIGHT_TYPES),
         lower_node=lower_node, copy_to=_route, copy_from=_route, memory="cuda", plan_flags=plan_flags,
     )
 
