@@ -21,19 +21,8 @@ import time
 
 import numpy as np
 
-FUNC = '''def merge_intervals(intervals):
-    if not intervals:
-        return []
-    intervals = sorted(intervals, key=lambda x: x[0])
-    merged = [list(intervals[0])]
-    for start, end in intervals[1:]:
-        last = merged[-1]
-        if start <= last[1]:
-            last[1] = max(last[1], end)
-        else:
-            merged.append([start, end])
-    return [tuple(m) for m in merged]
-'''
+from minfer.tools.bench import SPEC_FUNC as FUNC  # the `minfer bench --speculate` workload
+
 FUNC2 = '''def word_counts(path, min_len=1, lower=True):
     counts = {}
     with open(path) as f:

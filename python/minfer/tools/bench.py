@@ -517,10 +517,7 @@ def random_tokens(n_vocab: int, n: int, seed: int) -> list[int]:
 
 # A code-editing chat turn: the answer copies most of the prompt, which is what prompt
 # lookup is for (the issue's reference workload: a 12-line function, type hints added).
-SPEC_PROMPT = """Rewrite this function with type hints. Reply with the code only.
-
-```python
-def merge_intervals(intervals):
+SPEC_FUNC = '''def merge_intervals(intervals):
     if not intervals:
         return []
     intervals = sorted(intervals, key=lambda x: x[0])
@@ -532,7 +529,8 @@ def merge_intervals(intervals):
         else:
             merged.append([start, end])
     return [tuple(m) for m in merged]
-```"""
+'''
+SPEC_PROMPT = f"Rewrite this function with type hints. Reply with the code only.\n\n```python\n{SPEC_FUNC}```"
 
 
 def run_spec_bench(model_path, n_gen: Sequence[int] = (120,), reps: int = 3, threads: Sequence[int] | None = None,
