@@ -134,13 +134,18 @@ def wait(p: subprocess.Popen, log: Path, what: str) -> None:
     say(f"{what} built")
 
 
-def minfer_bench(model: Path, t: int, reps: int, env: dict) -> dict:
+def minfer_bench(model: Path, t: int, reps: int, env: dict, membw: bool = False) -> dict:
+    # membw: also measure the STREAM-style bandwidth probe at this thread count, so tg128
+    # can be stated as a fraction of what the memory system delivers.
     code = (
         "import json,sys\n"
         "from minfer.tools.bench import run_bench\n"
-        f"rs = run_bench({str(model)!r}, [512], [128], {reps}, threads=[{t}], mem_bandwidth=False)\n"
+        f"rs = run_bench({str(model)!r}, [512], [128], {reps}, threads=[{t}], "
+        f"mem_bandwidth={'None' if membw else 'False'})\n"
         "print(json.dumps({('pp' if r.n_prompt else 'tg'): [r.avg_ts, r.stddev_ts] for r in rs}))\n"
-        "print(json.dumps({'wbpt': rs[0].weight_bytes_per_token}))\n"
+        "tg = [r for r in rs if not r.n_prompt][0]\n"
+        "print(json.dumps({'wbpt': rs[0].weight_bytes_per_token, 'membw': tg.mem_bw_bytes_per_s, "
+        "'membw_frac': tg.mem_bw_frac}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if out.returncode:
@@ -149,6 +154,17 @@ def minfer_bench(model: Path, t: int, reps: int, env: dict) -> dict:
     res = json.loads(lines[-2])
     res.update(json.loads(lines[-1]))
     return res
+
+
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def llama_smoke(bin_dir: Path, model: Path) -> bool:
+    r = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "64", "-n", "0", "-r", "1", "-t", "2"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        say(f"llama-bench smoke test: exit {r.returncode}: {r.stderr.strip()[-300:]}")
+    return r.returncode == 0
 
 
 def llama_bench(bin_dir: Path, model: Path, t: int, reps: int) -> dict:
@@ -184,6 +200,17 @@ def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, 
     sh([str(bin_dir / "llama-quantize"), str(f16), str(q), "Q4_K_M", str(os.cpu_count())],
        log=work / "quantize.log")
     f16.unlink()
+    if not llama_smoke(bin_dir, q) and not llama_flags:
+        # A guest that lists amx_tile but was not granted the tile state kills llama.cpp's
+        # AMX matmul with a signal; rebuild without it rather than report nothing.
+        say("llama-bench died on a short prefill: rebuilding llama.cpp without AMX")
+        shutil.rmtree(work / "llama-build")
+        shutil.rmtree(work / "llama.cpp")
+        pl = build_llama(inputs, work, NO_AMX)
+        wait(pl, work / "llama-build.log", "llama.cpp (no AMX)")
+        llama_flags = NO_AMX
+    if not llama_smoke(bin_dir, q):
+        raise SystemExit("cpu_sweep: llama-bench fails on this machine even without AMX (see its log)")
     wait(pm, work / "minfer-build.log", "minfer")
     env["MINFER_CORE_DIR"] = str(work / "minfer-build")
     info = subprocess.run([sys.executable, "-c", "from minfer import _core; print(_core.cpu_features())"],
@@ -197,23 +224,36 @@ def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, 
             f"pp512 / tg128 t/s, {reps} reps; llama.cpp = the better of -fa 0 and -fa 1\n\n"
             "| threads | pp512 minfer | pp512 llama.cpp | ratio | tg128 minfer | tg128 llama.cpp | ratio |\n"
             "|---:|---:|---:|---:|---:|---:|---:|")
+    if llama_flags:
+        head = f"llama.cpp built with extra flags: {llama_flags}\n\n" + head
     print(head, flush=True)
     rows, raw = [head], []
     for t in threads:
         if time.time() - T0 > budget:
             say(f"budget of {budget:.0f}s spent: skipping threads {t} and after")
             break
-        m = minfer_bench(q, t, reps, env)
+        m = minfer_bench(q, t, reps, env, membw=(t == max(threads)))
         ll = llama_bench(bin_dir, q, t, reps)
         lp, lt = max(ll["pp"].values()), max(ll["tg"].values())
         row = (f"| {t} | {m['pp'][0]:.1f} | {lp:.1f} | {m['pp'][0] / lp:.2f} | {m['tg'][0]:.1f} | {lt:.1f} | "
                f"{m['tg'][0] / lt:.2f} |")
         print(row, flush=True)
         rows.append(row)
+        if m.get("membw_frac"):
+            say(f"threads {t}: tg128 streams {m['membw_frac']:.0%} of the bandwidth probe "
+                f"({m['membw'] / 1e9:.1f} GB/s)")
         raw.append({"threads": t, "minfer": m, "llama": ll})
         if out_dir:
             (out_dir / "sweep.md").write_text("\n".join(rows) + "\n")
             (out_dir / "sweep.json").write_text(json.dumps(raw, indent=1))
+    by_t = {r["threads"]: r["minfer"]["pp"][0] for r in raw}
+    if 1 in by_t and len(by_t) > 1:
+        tmax = max(by_t)
+        line = f"pp512 scaling: {tmax} threads = {by_t[tmax] / by_t[1]:.1f}x 1 thread"
+        print(line, flush=True)
+        rows.append("\n" + line)
+        if out_dir:
+            (out_dir / "sweep.md").write_text("\n".join(rows) + "\n")
     if out_dir:
         for log in ("minfer-build.log", "llama-build.log", "quantize.log"):
             if (work / log).exists():
