@@ -141,15 +141,22 @@ class Context:
             return int(np.argmax(self.cache.alloc.copy_to_host(self.cache.graph.outputs[0])[-1]))
         return int(dev.argmax(buf, n))
 
-    def decode_batch(self, items: list[tuple["Session", list[int]]], copy: bool = True) -> np.ndarray:
-        """Append each item's tokens to its session's sequence in one forward; returns
-        one logits row per item (its last token's). Sessions must belong to this context."""
+    def decode_batch(self, items: list, copy: bool = True) -> np.ndarray:
+        """Append each item's tokens to its session's sequence in one forward. An item is
+        (session, ids) or (session, ids, k): it gets the logits rows of its last k tokens
+        (k = 1 when left out; a speculative verify asks for all of its block). Returns
+        the rows of all items concatenated in item order. Sessions must belong to this
+        context."""
         toks, pos, cells, span, tail = [], [], [], [], []
-        for s, ids in items:
+        for it in items:
+            s, ids = it[0], it[1]
+            k = it[2] if len(it) > 2 else 1
             if s.context is not self:
                 raise MinferError("decode_batch: a session of another context")
             if not ids:
                 raise MinferError("decode_batch: an item with no tokens")
+            if not 1 <= k <= len(ids):
+                raise MinferError(f"decode_batch: an item of {len(ids)} tokens cannot return {k} rows")
             s._check_room(len(ids))
             base = s.seq * self.n_ctx
             p0 = len(s.tokens)
@@ -158,12 +165,12 @@ class Context:
                 cells.append(base + p0 + j)
                 span += [base, base + p0 + j + 1]
             toks += ids
-            tail.append(len(toks) - 1)
+            tail.extend(range(len(toks) - k, len(toks)))
         arr = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
         with self.lock:
-            logits = self.run(arr(toks), arr(pos), arr(cells), arr(span), arr(tail), n_out=len(items), copy=copy)
-        for s, ids in items:
-            s.tokens.extend(int(t) for t in ids)
+            logits = self.run(arr(toks), arr(pos), arr(cells), arr(span), arr(tail), n_out=len(tail), copy=copy)
+        for it in items:
+            it[0].tokens.extend(int(t) for t in it[1])
         return logits
 
     def session(self, seq: int) -> "Session":

@@ -311,40 +311,55 @@ class Runner:
 
     def _accept(self, rows: np.ndarray, draft: list[int]) -> int:
         """Queue the picks of a verified block; returns how many drafts were kept."""
-        lp = self.logprobs
-        if self.plain_argmax:
-            j = 0
-            for j, x in enumerate(draft + [None]):
-                t = int(np.argmax(rows[j]))
-                self.queue.append(Pick(t, _logprob(rows[j], t) if lp else None))
-                if t != x:
-                    return j
-            return len(draft)
-        recent = deque(self.sampler.recent, maxlen=self.sampler.recent.maxlen)
-        rng = self.sampler.rng
-        for j in range(len(draft) + 1):
-            ids, probs = self.sampler.distribution(rows[j], recent)
-            x = draft[j] if j < len(draft) else None
-            if probs is None:                      # temperature 0 with a penalty
-                t = int(ids)
-            elif x is None:                        # every draft kept: one more from p
-                t = int(ids[rng.choice(probs.size, p=probs)])
-            else:
-                hit = np.flatnonzero(ids == x)
-                px = float(probs[hit[0]]) if hit.size else 0.0
-                if rng.random() < px:
-                    t = x
-                else:                              # residual: p without x, renormalised
-                    res = probs.copy()
-                    if hit.size:
-                        res[hit[0]] = 0.0
-                    t = int(ids[rng.choice(res.size, p=res / res.sum())])
-            self.queue.append(Pick(t, _logprob(rows[j], t) if lp else None))
+        picks, j = verify(rows, draft, self.sampler, self.logprobs, self.plain_argmax)
+        self.queue.extend(picks)
+        return j
+
+
+def verify(rows: np.ndarray, draft: list[int], sampler, logprobs: bool = False,
+           plain_argmax: bool | None = None) -> tuple[list[Pick], int]:
+    """The picks of one verified block and how many drafts were kept (j): rows[i] are
+    the target's logits after the block's first i + 1 tokens (the fed pick, then the
+    drafts), so there are j + 1 picks: the kept drafts and the target's own next one.
+    Greedy keeps a draft while it is the argmax; sampling applies the rejection rule
+    (module doc). The sampler's history is read, not changed: the caller accepts each
+    pick as it hands it out (and may stop before the last)."""
+    if plain_argmax is None:
+        p = sampler.params
+        plain_argmax = p.temperature <= 0.0 and p.repeat_penalty == 1.0
+    out: list[Pick] = []
+    if plain_argmax:
+        for j, x in enumerate(draft + [None]):
+            t = int(np.argmax(rows[j]))
+            out.append(Pick(t, _logprob(rows[j], t) if logprobs else None))
             if t != x:
-                return j
-            if self.sampler.params.repeat_last_n != 0:  # as Sampler.accept
-                recent.append(t)
-        return len(draft)
+                return out, j
+        return out, len(draft)
+    recent = deque(sampler.recent, maxlen=sampler.recent.maxlen)
+    rng = sampler.rng
+    for j in range(len(draft) + 1):
+        ids, probs = sampler.distribution(rows[j], recent)
+        x = draft[j] if j < len(draft) else None
+        if probs is None:                      # temperature 0 with a penalty
+            t = int(ids)
+        elif x is None:                        # every draft kept: one more from p
+            t = int(ids[rng.choice(probs.size, p=probs)])
+        else:
+            hit = np.flatnonzero(ids == x)
+            px = float(probs[hit[0]]) if hit.size else 0.0
+            if rng.random() < px:
+                t = x
+            else:                              # residual: p without x, renormalised
+                res = probs.copy()
+                if hit.size:
+                    res[hit[0]] = 0.0
+                t = int(ids[rng.choice(res.size, p=res / res.sum())])
+        out.append(Pick(t, _logprob(rows[j], t) if logprobs else None))
+        if t != x:
+            return out, j
+        if sampler.params.repeat_last_n != 0:  # as Sampler.accept
+            recent.append(t)
+    return out, len(draft)
 
 
 def _logprob(row: np.ndarray, t: int) -> float:

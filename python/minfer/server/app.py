@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from minfer.server.metrics import Metrics
 from minfer.server.protocol import ApiError, GenRequest, bad, error_body, parse_chat, parse_completion, parse_json
-from minfer.server.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown
+from minfer.server.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown, SpecRequest
 from minfer.tokenizer import TokenizerError
 
 log = logging.getLogger("minfer.server")
@@ -140,6 +140,18 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
                       f"of {n_ctx} tokens", param="max_tokens", code="context_length_exceeded")
         return n
 
+    def speculation(req: GenRequest) -> SpecRequest | None:
+        """The request's own choice, else the server's default (`serve --speculate`)."""
+        default = scheduler.speculate
+        mode = req.speculate if req.speculate is not None else (default.mode if default else "off")
+        if mode == "off":
+            if req.draft_max is not None:
+                raise bad("'draft_max' needs speculation: this server does not speculate by default, send "
+                          "\"speculate\": \"ngram\" with it", param="draft_max")
+            return None
+        return SpecRequest(mode, req.draft_max if req.draft_max is not None
+                           else (default.draft_max if default else SpecRequest.draft_max))
+
     async def watch_disconnect(request: Request, job: Job) -> None:
         """Cancel the job when the client goes away (the scheduler drops it at the
         next step boundary and frees the slot)."""
@@ -161,9 +173,10 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
             req = parse_chat(obj) if kind == "chat" else parse_completion(obj)
             ids = await run_in_threadpool(tokenize, req)
             n_predict = plan(req, ids)
+            spec = speculation(req)
             relay = _Relay(asyncio.get_running_loop())
             job = Job(prompt_ids=ids, n_predict=n_predict, sampling=req.sampling, emit=relay.emit,
-                      stop=req.stop, stop_at_eog=not req.ignore_eos)
+                      stop=req.stop, stop_at_eog=not req.ignore_eos, speculate=spec)
             try:
                 scheduler.submit(job)
             except QueueFull:

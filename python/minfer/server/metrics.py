@@ -28,6 +28,8 @@ class Metrics:
         self.errors = 0
         self.queue_wait_s = 0.0
         self.started = 0
+        self.drafted = 0                 # speculative jobs: tokens drafted and verified,
+        self.accepted = 0                # and of those, kept
         self._recent: collections.deque = collections.deque()  # (time, generated tokens)
 
     # -- scheduler side ------------------------------------------------------------
@@ -42,6 +44,11 @@ class Metrics:
             self.step_seconds += seconds
             self.batch_seqs += n_seqs
             self.batch_tokens += n_tokens
+
+    def on_verify(self, drafted: int, accepted: int) -> None:
+        with self._lock:
+            self.drafted += drafted
+            self.accepted += accepted
 
     def on_finish(self, usage: dict) -> None:
         now = time.monotonic()
@@ -90,6 +97,10 @@ class Metrics:
                    [({}, self.cached_tokens)])
             metric("generated_tokens_total", "counter", "Tokens generated.", [({}, self.generated_tokens)])
             metric("inference_errors_total", "counter", "Requests failed by a backend fault.", [({}, self.errors)])
+            metric("speculative_drafted_tokens_total", "counter",
+                   "Tokens drafted by prompt lookup and verified (speculating requests).", [({}, self.drafted)])
+            metric("speculative_accepted_tokens_total", "counter", "Drafted tokens the target kept.",
+                   [({}, self.accepted)])
             metric("steps_total", "counter", "Batched forward steps.", [({}, self.steps)])
             metric("step_seconds_total", "counter", "Time spent in forward steps.", [({}, round(self.step_seconds, 6))])
             metric("batch_sequences_total", "counter", "Sequences summed over steps (mean batch = this / steps).",

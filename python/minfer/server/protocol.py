@@ -69,6 +69,8 @@ class GenRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     model: str | None = None
+    speculate: str | None = None       # "off" | "ngram"; None: the server's default
+    draft_max: int | None = None       # None: the server's default
 
 
 def parse_json(body: bytes) -> dict:
@@ -92,7 +94,9 @@ def parse_json(body: bytes) -> dict:
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
            "stream_options", "n", "user", "ignore_eos", "repeat_penalty", "presence_penalty",
-           "frequency_penalty", "logprobs"}
+           "frequency_penalty", "logprobs", "speculate", "draft_max"}
+SPECULATE = ("off", "ngram")   # the request extension's values ("draft" is refused by name)
+DRAFT_MAX_LIMIT = 64
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
 
@@ -218,6 +222,30 @@ def _common(obj: dict, req: GenRequest) -> None:
         if not req.stream:
             raise bad("'stream_options' is only allowed with 'stream': true", param="stream_options")
     req.ignore_eos = _opt_bool(obj, "ignore_eos")
+    _speculation(obj, req)
+
+
+def _speculation(obj: dict, req: GenRequest) -> None:
+    """The extension fields: "speculate": "ngram" | "off" and "draft_max": 1..64."""
+    sp = obj.get("speculate")
+    if sp is not None:
+        if not isinstance(sp, str):
+            raise bad("'speculate' must be a string: \"ngram\" or \"off\"", param="speculate", code="invalid_type")
+        if sp == "draft":
+            raise bad("'speculate': \"draft\" (a draft model) is not available in minfer serve; use \"ngram\" "
+                      "(prompt lookup) or \"off\"", param="speculate", code="unsupported_parameter")
+        if sp not in SPECULATE:
+            raise bad(f"'speculate' must be \"ngram\" or \"off\", got {sp!r}", param="speculate")
+        req.speculate = sp
+    dm = obj.get("draft_max")
+    if dm is not None:
+        if not _is_int(dm):
+            raise bad("'draft_max' must be an integer", param="draft_max", code="invalid_type")
+        if not 1 <= dm <= DRAFT_MAX_LIMIT:
+            raise bad(f"'draft_max' must be in [1, {DRAFT_MAX_LIMIT}], got {dm}", param="draft_max")
+        if sp == "off":
+            raise bad("'draft_max' needs speculation, but 'speculate' is \"off\"", param="draft_max")
+        req.draft_max = dm
 
 
 def _message(m, i: int) -> dict:

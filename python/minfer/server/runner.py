@@ -27,7 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from minfer.errors import MinferError
 from minfer.server.app import Limits, create_app
 from minfer.server.metrics import Metrics
-from minfer.server.scheduler import Scheduler
+from minfer.server.scheduler import Scheduler, SpecRequest
 
 log = logging.getLogger("minfer.server")
 
@@ -47,6 +47,8 @@ class ServeConfig:
     shutdown_timeout: int = 10
     limits: Limits = field(default_factory=Limits)
     log_level: str = "warning"
+    speculate: str | None = None  # "ngram": requests speculate unless they send "speculate": "off"
+    draft_max: int = 8
 
 
 def make_protocol(header_timeout: float):
@@ -109,7 +111,8 @@ class _Server(uvicorn.Server):
 def build(model, cfg: ServeConfig):
     metrics = Metrics()
     sched = Scheduler(model, n_slots=cfg.slots, n_ctx=cfg.ctx, max_queue=cfg.max_queue, chunk=cfg.chunk,
-                      max_batch=cfg.max_batch, metrics=metrics)
+                      max_batch=cfg.max_batch, metrics=metrics,
+                      speculate=SpecRequest(cfg.speculate, cfg.draft_max) if cfg.speculate else None)
     app = create_app(model, sched, metrics, api_key=cfg.api_key, limits=cfg.limits)
     return app, sched, metrics
 
@@ -143,7 +146,8 @@ def serve(model, cfg: ServeConfig) -> None:
     server = uvicorn_server(app, cfg, sched)
     sys.stderr.write(f"minfer serve: {model.path.name} on http://{cfg.host}:{cfg.port} "
                      f"({cfg.slots} slots x {sched.n_ctx} tokens, batch up to {sched.max_batch}, "
-                     f"{model.n_threads} threads)\n")
+                     f"{model.n_threads} threads"
+                     + (f", speculate {cfg.speculate} up to {cfg.draft_max}" if cfg.speculate else "") + ")\n")
     sys.stderr.flush()
     server.run(sockets=[sock])
     if threading.current_thread() is threading.main_thread():

@@ -8,6 +8,13 @@ batching): decoding slots contribute their last token, a newcomer contributes a 
 of its prompt (at most `chunk` prompt tokens per step in all), so a long prompt never
 stalls the others for more than a step. Jobs join between steps and leave when done.
 
+A job may speculate (prompt lookup, speculate.py): its slot then contributes its last
+pick plus up to d drafted tokens, and gets back the logits of all d + 1 rows; the
+verified picks (the kept drafts and one of the target's own) are handed out one at a
+time, exactly as single steps would hand them out, and the slot's KV forgets the
+rejected cells (bookkeeping only: they are overwritten later). Rows are independent in
+the forward, so what a slot generates does not depend on what the others contribute.
+
 The HTTP side never touches the Context: it submits Jobs and receives Events through
 the job's `emit` callback (called on this thread; the app hops them onto its loop).
 """
@@ -27,6 +34,7 @@ import numpy as np
 from minfer.errors import MinferError
 from minfer.sampling import Sampler, SamplingParams
 from minfer.session import Context, TextState, pick_token
+from minfer.speculate import NgramDrafter, Policy, verify
 
 log = logging.getLogger("minfer.server")
 
@@ -61,10 +69,41 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     client_gone: bool = False    # set by the app when the client disconnected
+    speculate: "SpecRequest | None" = None  # prompt lookup for this job (None: plain steps)
 
     def cancel(self) -> None:
         """Thread-safe: the job leaves its slot at the next step boundary."""
         self.cancelled.set()
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    """A job's speculation: the drafter (only prompt lookup in the server) and the most
+    tokens drafted per verify (the depth adapts below it)."""
+
+    mode: str = "ngram"
+    draft_max: int = 8
+
+
+class SlotSpec:
+    """One speculating job's drafter and depth policy. The depth is chosen from the
+    acceptance estimates and the cost priors only, never from the clock: a batched
+    step's time says little about one slot's block, and this keeps a seeded sampled
+    request's output independent of the machine's load."""
+
+    def __init__(self, req: SpecRequest, prompt_ids: list[int]):
+        self.draft_max = req.draft_max
+        self.drafter = NgramDrafter()
+        self.drafter.extend(prompt_ids)
+        self.policy = Policy(adaptive=True)
+        self.drafted = 0
+        self.accepted = 0
+
+    def propose(self, limit: int) -> tuple[list[int], int]:
+        if limit <= 0:
+            return [], 0
+        draft, bucket = self.drafter.propose(min(limit, self.draft_max))
+        return (draft[:self.policy.depth(bucket, len(draft), measured=False)] if draft else []), bucket
 
 
 class Slot:
@@ -81,6 +120,10 @@ class Slot:
         self.text: TextState | None = None
         self.cached = 0
         self.first_token_at: float | None = None
+        self.picks = 0                    # tokens picked so far (each handed to self.text)
+        self.spec: SlotSpec | None = None
+        self.draft: list[int] = []        # the drafts riding with next_tok in this step
+        self.bucket = 0
 
     @property
     def busy(self) -> bool:
@@ -105,9 +148,12 @@ def default_max_batch(model) -> int:
 
 class Scheduler:
     def __init__(self, model, n_slots: int = 4, n_ctx: int = 4096, max_queue: int = 64,
-                 chunk: int = 128, max_batch: int | None = None, metrics=None):
+                 chunk: int = 128, max_batch: int | None = None, metrics=None,
+                 speculate: SpecRequest | None = None):
         if n_slots < 1:
             raise MinferError(f"--slots must be >= 1, got {n_slots}")
+        if speculate is not None and (speculate.mode != "ngram" or not 1 <= speculate.draft_max <= 64):
+            raise MinferError(f"the server speculates with ngram and a draft_max in [1, 64], got {speculate}")
         self.model = model
         self.tokenizer = model.tokenizer
         self.ctx = Context(model, n_ctx=n_ctx, n_seq=n_slots)
@@ -117,6 +163,7 @@ class Scheduler:
         self.chunk = max(1, chunk)
         self.max_batch = max(1, min(max_batch or default_max_batch(model), n_slots))
         self.metrics = metrics
+        self.speculate = speculate       # the default of a request that does not say
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._stopping = False
@@ -215,6 +262,8 @@ class Scheduler:
         for t in job.prompt_ids:
             slot.sampler.accept(t)
         slot.text = TextState(self.tokenizer, stop=job.stop, stop_at_eog=job.stop_at_eog)
+        if job.speculate is not None:
+            slot.spec = SlotSpec(job.speculate, job.prompt_ids)
         if self.metrics:
             self.metrics.on_start(time.perf_counter() - job.submitted)
 
@@ -230,7 +279,8 @@ class Scheduler:
         for job in gone:
             _send(job, Event("done", reason="cancelled", usage=_usage(len(job.prompt_ids), 0, 0)))
 
-    def _batch(self) -> list[tuple[Slot, list[int]]]:
+    def _batch(self) -> list[tuple[Slot, list[int], int]]:
+        """This step's items: (slot, tokens, logits rows wanted)."""
         active = [s for s in self.slots if s.busy]
         n = len(active)
         if n > self.max_batch:
@@ -243,12 +293,18 @@ class Scheduler:
         # Decoding slots first; prompt chunks share the per-step prompt budget.
         for s in active:
             if not s.pending:
-                items.append((s, [s.next_tok]))
+                s.draft = []
+                if s.spec is not None:
+                    # Never draft past max_tokens or the context: the block's last row
+                    # then picks the job's last token at most.
+                    limit = min(s.job.n_predict - s.picks - 1, self.n_ctx - s.session.n_past - 1)
+                    s.draft, s.bucket = s.spec.propose(limit)
+                items.append((s, [s.next_tok] + s.draft, 1 + len(s.draft)))
         for s in active:
             if s.pending and budget > 0:
                 take = s.pending[:budget]
                 budget -= len(take)
-                items.append((s, take))
+                items.append((s, take, 1))
         return items
 
     def _step(self) -> None:
@@ -257,14 +313,17 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         try:
-            rows = self.ctx.decode_batch([(s.session, toks) for s, toks in items], copy=False)
-            results = [(s, toks, rows[i]) for i, (s, toks) in enumerate(items)]
+            rows = self.ctx.decode_batch([(s.session, toks, k) for s, toks, k in items], copy=False)
+            results, off = [], 0
+            for s, toks, k in items:
+                results.append((s, toks, rows[off:off + k]))
+                off += k
         except Exception as e:  # noqa: BLE001 - isolate the request whose forward fails
             results = self._isolate(items, e)
         self.steps += 1
-        n_tokens = sum(len(t) for _, t in items)
-        for s, toks, row in results:
-            self._advance(s, toks, row)
+        n_tokens = sum(len(t) for _, t, _ in items)
+        for s, toks, block in results:
+            self._advance(s, toks, block)
         if self.metrics:
             self.metrics.on_step(len(items), n_tokens, time.perf_counter() - t0)
 
@@ -274,10 +333,10 @@ class Scheduler:
         nothing to its sequence (decode_batch extends the tokens only after the run)."""
         log.warning("batched forward failed (%s); retrying each sequence alone", err)
         out = []
-        for s, toks in items:
+        for s, toks, k in items:
             try:
-                rows = self.ctx.decode_batch([(s.session, toks)], copy=True)
-                out.append((s, toks, rows[0]))
+                rows = self.ctx.decode_batch([(s.session, toks, k)], copy=True)
+                out.append((s, toks, rows))
             except Exception as e:  # noqa: BLE001
                 log.error("forward failed for one request: %s", e)
                 self._fail(s, e)
@@ -293,33 +352,68 @@ class Scheduler:
             self.metrics.on_error()
         _send(job, Event("error", status=500, message=f"inference failed: {err}"))
 
-    def _advance(self, s: Slot, toks: list[int], row: np.ndarray) -> None:
+    def _advance(self, s: Slot, toks: list[int], block: np.ndarray) -> None:
+        """Hand out the picks of this step's rows: one, or a verified block's."""
         if s.job is None:
             return
         if s.pending:
             s.pending = s.pending[len(toks):]
             if s.pending:
                 return              # more prompt to go: this row is not a pick
+        if s.draft:
+            draft, s.draft = s.draft, []
+            picks, j = verify(block, draft, s.sampler)
+            # The KV holds next_tok and every draft: forget the rejected ones.
+            s.session.truncate(s.session.n_past - (len(draft) - j))
+            s.spec.policy.record(s.bucket, len(draft), j)
+            s.spec.drafted += len(draft)
+            s.spec.accepted += j
+            if self.metrics:
+                self.metrics.on_verify(len(draft), j)
+            for p in picks:
+                if not self._hand_out(s, p.id):
+                    return
+            return
+        self._hand_out(s, pick_token(block[-1], s.sampler)[0])
+
+    def _hand_out(self, s: Slot, tok: int) -> bool:
+        """One pick to the client, as a plain step would: False when the job ended."""
         job = s.job
-        tok, _ = pick_token(row, s.sampler)
+        s.picks += 1
         if s.first_token_at is None:
             s.first_token_at = time.perf_counter()
         s.sampler.accept(tok)
+        if s.spec is not None:
+            s.spec.drafter.extend([tok])
         piece, end = s.text.push(tok)
         if end is not None:
-            return self._finish(s, end)
+            self._finish(s, end)
+            return False
         _send(job, Event("token", text=piece, id=tok))
         if len(s.text.ids) >= job.n_predict:
-            return self._finish(s, "length")
+            self._finish(s, "length")
+            return False
         if job.cancelled.is_set():
-            return self._finish(s, "cancelled")
+            self._finish(s, "cancelled")
+            return False
         s.next_tok = tok
+        return True
 
     def _finish(self, s: Slot, reason: str) -> None:
         job = s.job
         rest, reason = s.text.finish(reason) if s.text is not None else ("", reason)
         n_gen = len(s.text.ids) if s.text is not None else 0
         usage = _usage(len(job.prompt_ids), n_gen, s.cached)
+        if s.spec is not None:
+            # Picks verified past the end are in the KV: keep what plain steps would
+            # (the prompt and every pick but the last), so the next turn's prefix match
+            # sees the same sequence either way.
+            if s.picks:
+                s.session.truncate(len(job.prompt_ids) + s.picks - 1)
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": s.spec.accepted,
+                                                  "rejected_prediction_tokens": s.spec.drafted - s.spec.accepted}
+            usage["speculation"] = {"mode": job.speculate.mode, "draft_max": job.speculate.draft_max,
+                                    "drafted": s.spec.drafted, "accepted": s.spec.accepted}
         s.job = None
         s.last_used = time.perf_counter()
         s._clear()
