@@ -20,8 +20,10 @@ from minfer.server import ServeConfig, serve
 from minfer.server.app import Limits
 path, port, slots, ctx, max_queue = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 chunk, timeout = int(sys.argv[6]), float(sys.argv[7])
+speculate, draft_max = (sys.argv[8] or None), int(sys.argv[9])
 serve(Model.open(path, n_threads=2), ServeConfig(port=port, slots=slots, ctx=ctx, max_queue=max_queue, chunk=chunk,
-      header_timeout=timeout, shutdown_timeout=5, limits=Limits(max_body=64 * 1024, body_timeout=timeout)))
+      header_timeout=timeout, shutdown_timeout=5, limits=Limits(max_body=64 * 1024, body_timeout=timeout),
+      speculate=speculate, draft_max=draft_max))
 """
 
 
@@ -47,11 +49,12 @@ class ServerProcess:
 
     @classmethod
     def custom(cls, model: str, slots: int = 4, ctx: int = 256, max_queue: int = 64, chunk: int = 128,
-               timeout: float = 2.0):
-        """timeout: the header and body deadlines (short, for the timeout tests)."""
+               timeout: float = 2.0, speculate: str | None = None, draft_max: int = 8):
+        """timeout: the header and body deadlines (short, for the timeout tests);
+        speculate: the server's default for requests ("ngram"), None for none."""
         port = free_port()
         return cls([sys.executable, "-c", LAUNCH, model, str(port), str(slots), str(ctx), str(max_queue), str(chunk),
-                    str(timeout)], port)
+                    str(timeout), speculate or "", str(draft_max)], port)
 
     def _wait_ready(self, timeout: float = 60.0) -> None:
         end = time.monotonic() + timeout

@@ -1,0 +1,250 @@
+"""Speculation inside the server's scheduler, without HTTP: a speculating slot's drafts
+ride in the batched step, and every job's tokens equal a plain single-sequence
+Session's, whatever rides with it (speculating or plain jobs, prompt chunks). A drafter
+that always proposes the true continuation puts max_tokens and stop strings inside
+accepted blocks; one that proposes wrong tokens exercises the rollback; the KV a
+finished job leaves is what plain steps leave."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+from minfer.errors import MinferError
+from minfer.model import Model
+from minfer.sampling import SamplingParams
+from minfer.server.scheduler import Job, Scheduler, SlotSpec, SpecRequest
+from minfer.session import Session
+from minfer.testing import write_model
+
+CTX = 192
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Model:
+    path = tmp_path_factory.mktemp("sched_spec") / "m.gguf"
+    write_model(path, n_layer=3, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, seed=5,
+                types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
+    return Model.open(path, n_threads=2)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    """Random prompts with a repeated stretch, so prompt lookup finds matches."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        a = [int(t) for t in rng.integers(3, 250, size=int(rng.integers(4, 14)))]
+        b = [int(t) for t in rng.integers(3, 250, size=int(rng.integers(0, 5)))]
+        out.append(a + b + a + b + a[: int(rng.integers(1, len(a) + 1))])
+    return out
+
+
+_REFS: dict = {}
+
+
+def alone(model, p, n, stop=None):
+    key = (tuple(p), n, tuple(stop or ()))
+    if key not in _REFS:
+        _REFS[key] = Session(model, n_ctx=CTX).generate(p, n, GREEDY, stop=stop, stop_at_eog=False)
+    return _REFS[key]
+
+
+def run_jobs(sched: Scheduler, specs: list[dict]) -> list[dict]:
+    """Submit every job at once (dicts of Job fields); each one's ids, text, final event."""
+    q: queue.Queue = queue.Queue()
+    for k, spec in enumerate(specs):
+        sched.submit(Job(sampling=spec.pop("sampling", GREEDY), stop_at_eog=False,
+                         emit=lambda ev, k=k: q.put((k, ev)), **spec))
+    out = [{"ids": [], "text": "", "done": None} for _ in specs]
+    left = len(specs)
+    while left:
+        k, ev = q.get(timeout=120)
+        assert ev.kind != "error", ev.message
+        out[k]["text"] += ev.text
+        if ev.kind == "token":
+            out[k]["ids"].append(ev.id)
+        else:
+            out[k]["done"] = ev
+            left -= 1
+    return out
+
+
+def scheduler(model, **kw) -> Scheduler:
+    sched = Scheduler(model, **{"n_slots": 4, "n_ctx": CTX, "chunk": 8, **kw})
+    sched.start()
+    return sched
+
+
+def test_mixed_speculating_and_plain_jobs_equal_each_alone(model):
+    """Eight jobs on four slots (they queue, join and leave between steps), speculating
+    at several depths or not at all, prompts chunked into others' steps."""
+    ps = prompts(8, seed=1)
+    depths = [8, None, 1, 3, None, 8, 5, 2]
+    specs = [dict(prompt_ids=p, n_predict=24 + 3 * i,
+                  speculate=SpecRequest("ngram", d) if d else None) for i, (p, d) in enumerate(zip(ps, depths))]
+    sched = scheduler(model)
+    try:
+        got = run_jobs(sched, [dict(s) for s in specs])
+    finally:
+        assert sched.stop()
+    drafted = accepted = 0
+    for s, g in zip(specs, got):
+        ref = alone(model, s["prompt_ids"], s["n_predict"])
+        assert g["ids"] == ref.ids and g["text"] == ref.text
+        assert g["done"].reason == "length" and g["done"].usage["completion_tokens"] == s["n_predict"]
+        sp = g["done"].usage.get("speculation")
+        assert (sp is not None) == (s["speculate"] is not None)
+        if sp:
+            assert 0 <= sp["accepted"] <= sp["drafted"]
+            det = g["done"].usage["completion_tokens_details"]
+            assert det["accepted_prediction_tokens"] + det["rejected_prediction_tokens"] == sp["drafted"]
+            drafted += sp["drafted"]
+            accepted += sp["accepted"]
+    assert drafted > 0 and accepted > 0  # prompt lookup found something, and some of it held
+
+
+def test_the_same_job_alone_or_batched_with_speculating_neighbours(model):
+    p = prompts(1, seed=2)[0]
+    sched = scheduler(model)
+    try:
+        lone = run_jobs(sched, [dict(prompt_ids=p, n_predict=40, speculate=SpecRequest("ngram", 8))])[0]
+        crowd = run_jobs(sched, [dict(prompt_ids=q, n_predict=40, speculate=SpecRequest("ngram", 8))
+                                 for q in [p] + prompts(3, seed=3)])
+    finally:
+        assert sched.stop()
+    assert lone["ids"] == crowd[0]["ids"] == alone(model, p, 40).ids
+
+
+class Oracle(SlotSpec):
+    """Proposes the job's true greedy continuation (so every draft is accepted), past
+    max_tokens when `ignore_limit`; `wrong_every` k: every k-th draft is corrupted."""
+
+    refs: dict = {}
+    ignore_limit = False
+    wrong_every = 0
+
+    def __init__(self, req, prompt_ids):
+        super().__init__(req, prompt_ids)
+        self.prompt = list(prompt_ids)
+        self.ref = self.refs[tuple(prompt_ids)]
+        self.n = 0
+
+    def propose(self, limit):
+        picks = self.drafter.toks[len(self.prompt):]  # what was handed out so far
+        k = self.draft_max if self.ignore_limit else min(limit, self.draft_max)
+        draft = list(self.ref[len(picks):len(picks) + k])
+        for i in range(len(draft)):
+            self.n += 1
+            if self.wrong_every and self.n % self.wrong_every == 0:
+                draft[i] = (draft[i] + 1) % 250
+        return draft, 1
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    import minfer.server.scheduler as sch
+
+    monkeypatch.setattr(sch, "SlotSpec", Oracle)
+    Oracle.refs, Oracle.ignore_limit, Oracle.wrong_every = {}, False, 0
+    return Oracle
+
+
+@pytest.mark.parametrize("ignore_limit", [False, True])
+def test_max_tokens_inside_an_accepted_block(model, oracle, ignore_limit):
+    """Blocks of 6 fully accepted drafts; max_tokens falls inside one of them for most n.
+    With ignore_limit the block itself runs past max_tokens (the scheduler normally caps
+    the depth): the picks past it are still never handed out."""
+    oracle.ignore_limit = ignore_limit
+    p = prompts(1, seed=4)[0]
+    full = alone(model, p, 40).ids
+    oracle.refs[tuple(p)] = full
+    sched = scheduler(model, n_slots=2, n_ctx=CTX)
+    try:
+        for n in (1, 2, 5, 8, 9, 13, 20):
+            g = run_jobs(sched, [dict(prompt_ids=p, n_predict=n, speculate=SpecRequest("ngram", 6))])[0]
+            assert g["ids"] == full[:n], n
+            assert g["done"].reason == "length" and g["done"].usage["completion_tokens"] == n
+            sp = g["done"].usage["speculation"]
+            assert sp["accepted"] == sp["drafted"] and (n < 3 or sp["drafted"] > 0)
+            # The slot's KV holds what plain steps leave: the prompt and all picks but the last.
+            held = [s.session.tokens for s in sched.slots if s.session.tokens[:len(p)] == p]
+            assert held and held[0] == p + full[:n - 1]
+    finally:
+        assert sched.stop()
+
+
+def test_stop_string_inside_an_accepted_block(model, oracle):
+    p = prompts(1, seed=5)[0]
+    ref = alone(model, p, 40)
+    oracle.refs[tuple(p)] = ref.ids
+    text = ref.text
+    sched = scheduler(model, n_slots=1)
+    accepted = 0
+    try:
+        for k in (4, 10, 17, 25):  # the stop string starts after the k-th token's text
+            at = len(alone(model, p, k).text)
+            stop = text[at:at + 3]
+            assert len(stop) == 3
+            want = alone(model, p, 40, stop=[stop])
+            g = run_jobs(sched, [dict(prompt_ids=p, n_predict=40, stop=[stop],
+                                      speculate=SpecRequest("ngram", 8))])[0]
+            assert g["text"] == want.text == text[:text.index(stop)]
+            assert g["done"].reason == "stop"
+            assert g["done"].usage["completion_tokens"] == want.timings.generated_tokens
+            accepted += g["done"].usage["speculation"]["accepted"]
+            # The token that completed the stop string was picked, not fed: the KV holds
+            # the prompt and the picks before it, as plain steps leave it.
+            assert sched.slots[0].session.tokens == p + ref.ids[:len(g["ids"])]
+    finally:
+        assert sched.stop()
+    assert accepted > 0
+
+
+def test_rejected_drafts_are_rolled_back(model, oracle):
+    """Every third draft wrong: blocks end early, the rejected cells are overwritten by
+    later steps, and the output is still plain greedy's; the KV at the end is too."""
+    oracle.wrong_every = 3
+    ps = prompts(3, seed=6)
+    for p in ps:
+        oracle.refs[tuple(p)] = alone(model, p, 30).ids
+    sched = scheduler(model, n_slots=3)
+    try:
+        got = run_jobs(sched, [dict(prompt_ids=p, n_predict=30, speculate=SpecRequest("ngram", 5)) for p in ps])
+        for p, g in zip(ps, got):
+            sp = g["done"].usage["speculation"]
+            assert g["ids"] == oracle.refs[tuple(p)]
+            assert 0 < sp["accepted"] < sp["drafted"]
+        for p in ps:
+            held = [s.session.tokens for s in sched.slots if s.session.tokens[:len(p)] == p]
+            assert held == [p + oracle.refs[tuple(p)][:-1]]
+    finally:
+        assert sched.stop()
+
+
+def test_sampled_speculation_repeats_with_a_seed_and_keeps_the_target_support(model):
+    """Sampling with speculation (the rejection rule, speculate.verify): a seed repeats
+    its output, and every token is one the target's sampler could pick (top_k 5)."""
+    p = prompts(1, seed=7)[0]
+    sp = SamplingParams(temperature=0.9, top_k=5, seed=42)
+    job = dict(prompt_ids=p, n_predict=30, speculate=SpecRequest("ngram", 4))
+    sched = scheduler(model, n_slots=2)
+    try:
+        a = run_jobs(sched, [dict(job, sampling=sp)])[0]
+        b = run_jobs(sched, [dict(job, sampling=sp)])[0]
+    finally:
+        assert sched.stop()
+    assert a["ids"] == b["ids"] and len(a["ids"]) == 30
+    s = Session(model, n_ctx=CTX)
+    rows = s.forward(p + a["ids"][:-1], n_out=30)
+    for t, row in zip(a["ids"], rows):
+        assert t in np.argsort(row)[-5:]
+
+
+def test_a_scheduler_default_must_be_ngram(model):
+    with pytest.raises(MinferError):
+        Scheduler(model, n_slots=1, n_ctx=64, speculate=SpecRequest("draft", 8))
+    with pytest.raises(MinferError):
+        Scheduler(model, n_slots=1, n_ctx=64, speculate=SpecRequest("ngram", 0))
