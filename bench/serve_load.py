@@ -25,6 +25,14 @@ against the engine's rate in the same window on a shared machine.
 
 llama-server (found on PATH, or --llama-server PATH) is started with
 `-m MODEL -np 8 -c 8192 -t T` (the issue's anchor) and gets the same load.
+
+--speculate: instead of the load above, code-editing requests (the workload of
+`minfer bench --speculate` and bench/speculate.py: rewrite a 12-line function with type
+hints; at concurrency c, c requests over two such functions) with "speculate": "off"
+and "ngram" back to back on one server, the order alternating between --rounds, each
+request greedy with exactly -n tokens. Reports aggregate tok/s per mode (medians over
+rounds), the speed-up, the drafted/accepted counts from usage, and checks that both
+modes produced the same text for every request.
 """
 
 from __future__ import annotations
@@ -134,6 +142,79 @@ def run_load(name: str, url: str, concs: list[int], n: int, rounds: int) -> list
     return out
 
 
+def edit_prompts() -> list[str]:
+    """The type-hints prompt of bench/speculate.py over its two functions."""
+    here = Path(__file__).resolve()
+    sys.path[:0] = [str(here.parents[1] / "python"), str(here.parent)]
+    from speculate import FUNC2  # bench/speculate.py's second function
+    from minfer.tools.bench import SPEC_FUNC, SPEC_PROMPT
+
+    return [SPEC_PROMPT, SPEC_PROMPT.replace(SPEC_FUNC, FUNC2)]
+
+
+async def edit_request(client: httpx.AsyncClient, url: str, prompt: str, n: int, speculate: str) -> tuple[str, dict]:
+    body = {"model": "any", "messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "speculate": speculate}
+    parts, usage = [], {}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            doc = json.loads(line[6:])
+            if "error" in doc:
+                raise RuntimeError(f"stream error: {doc['error']}")
+            for ch in doc.get("choices") or []:
+                parts.append(ch.get("delta", {}).get("content") or "")
+            if doc.get("usage"):
+                usage = doc["usage"]
+    return "".join(parts), usage
+
+
+async def edit_level(url: str, conc: int, n: int, speculate: str, prompts: list[str]) -> dict:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800), limits=httpx.Limits(max_connections=conc + 2)) as c:
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(edit_request(c, url, prompts[i % len(prompts)], n, speculate)
+                                     for i in range(conc)))
+        wall = time.perf_counter() - t0
+    toks = sum(u["completion_tokens"] for _, u in got)
+    sp = [u.get("speculation") or {} for _, u in got]
+    return {"tps": toks / wall, "texts": [t for t, _ in got], "drafted": sum(x.get("drafted", 0) for x in sp),
+            "accepted": sum(x.get("accepted", 0) for x in sp)}
+
+
+def run_spec_compare(url: str, concs: list[int], n: int, rounds: int) -> list[dict]:
+    import statistics
+
+    prompts = edit_prompts()
+    for mode in ("off", "ngram"):  # warm-up: graphs for the prompt, single steps and blocks
+        asyncio.run(edit_level(url, 1, 16, mode, prompts))
+    out = []
+    for c in concs:
+        runs: dict = {"off": [], "ngram": []}
+        texts: dict = {}
+        for r in range(rounds):
+            for mode in (("off", "ngram") if r % 2 == 0 else ("ngram", "off")):
+                res = asyncio.run(edit_level(url, c, n, mode, prompts))
+                runs[mode].append(res)
+                for i, t in enumerate(res["texts"]):
+                    if texts.setdefault(i, t) != t:
+                        raise SystemExit(f"c={c}: request {i} differs between modes or rounds")
+        off = statistics.median(x["tps"] for x in runs["off"])
+        on = statistics.median(x["tps"] for x in runs["ngram"])
+        d, a = runs["ngram"][-1]["drafted"], runs["ngram"][-1]["accepted"]
+        row = {"concurrency": c, "plain_tps": round(off, 2), "ngram_tps": round(on, 2),
+               "speedup": round(on / off, 2), "drafted": d, "accepted": a,
+               "per_round": [[round(x["tps"], 2) for x in runs[m]] for m in ("off", "ngram")],
+               "load1": round(os.getloadavg()[0], 2)}
+        out.append(row)
+        print(f"code edit c={c:<3} plain {off:8.2f} tok/s  ngram {on:8.2f} tok/s  {on / off:5.2f}x  "
+              f"(accepted {a}/{d} drafted; per round off {row['per_round'][0]}, ngram {row['per_round'][1]}; "
+              f"load {row['load1']}; same text)", flush=True)
+    return out
+
+
 def engine_ref(model: str, n: int, threads: int) -> dict:
     """Greedy generation of n tokens by a plain Session in this process: the engine's
     rate in the same window (prompt: a short chat message, like the load's)."""
@@ -178,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server even if found")
     ap.add_argument("--no-engine-ref", action="store_true", help="skip the in-process engine reference")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--speculate", action="store_true",
+                    help="code-editing requests with speculation off and ngram, side by side (see above)")
     a = ap.parse_args(argv)
     try:
         concs = [int(x) for x in a.concurrency.split(",") if x.strip()]
@@ -192,6 +275,23 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(default_model_path(pull=False))
     results = []
+    if a.speculate:
+        if a.url:
+            results = run_spec_compare(a.url.rstrip("/"), concs, a.tokens, a.rounds)
+        else:
+            port = free_port()
+            proc = subprocess.Popen([sys.executable, "-m", "minfer.cli", "serve", model, "--port", str(port),
+                                     "--threads", str(a.threads), "--slots", str(a.slots), "--ctx", str(a.ctx)],
+                                    env=dict(os.environ))
+            try:
+                wait_ready(f"http://127.0.0.1:{port}", proc)
+                results = run_spec_compare(f"http://127.0.0.1:{port}", concs, a.tokens, a.rounds)
+            finally:
+                stop(proc)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"load": os.getloadavg(), "tokens": a.tokens, "threads": a.threads,
+                                                "speculate": results}, indent=1))
+        return 0
     if a.url:
         results += run_load("server", a.url.rstrip("/"), concs, a.tokens, a.rounds)
     else:
