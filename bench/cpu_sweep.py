@@ -111,7 +111,7 @@ def build_minfer(work: Path, env: dict) -> subprocess.Popen:
                         env=env, check=True).stdout.strip()
     b = work / "minfer-build"
     cmd = (f"cmake -S {ROOT} -B {b} -G Ninja -DCMAKE_BUILD_TYPE=Release -Dpybind11_DIR={pb} "
-           f"-DPython_EXECUTABLE={sys.executable} && cmake --build {b} -j{os.cpu_count()}")
+           f"-DPython_EXECUTABLE={sys.executable} -DMINFER_CUDA=OFF && cmake --build {b} -j{os.cpu_count()}")
     say("building minfer")
     return subprocess.Popen(cmd, shell=True, stdout=open(work / "minfer-build.log", "w"), stderr=subprocess.STDOUT,
                             env=env)
@@ -140,7 +140,7 @@ def minfer_bench(model: Path, t: int, reps: int, env: dict, membw: bool = False)
     code = (
         "import json,sys\n"
         "from minfer.tools.bench import run_bench\n"
-        f"rs = run_bench({str(model)!r}, [512], [128], {reps}, threads=[{t}], "
+        f"rs = run_bench({str(model)!r}, [512], [128], {reps}, threads=[{t}], backends=['cpu'], "
         f"mem_bandwidth={'None' if membw else 'False'})\n"
         "print(json.dumps({('pp' if r.n_prompt else 'tg'): [r.avg_ts, r.stddev_ts] for r in rs}))\n"
         "tg = [r for r in rs if not r.n_prompt][0]\n"
@@ -213,11 +213,12 @@ def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, 
         raise SystemExit("cpu_sweep: llama-bench fails on this machine even without AMX (see its log)")
     wait(pm, work / "minfer-build.log", "minfer")
     env["MINFER_CORE_DIR"] = str(work / "minfer-build")
-    info = subprocess.run([sys.executable, "-c", "from minfer import _core; print(_core.cpu_features())"],
+    info = subprocess.run([sys.executable, "-c", "from minfer import _core; print(_core.testing.cpu_features())"],
                           capture_output=True, text=True, env=env)
     say(f"minfer core: {info.stdout.strip() or info.stderr.strip()[-500:]}")
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("MINFER_SWEEP_COMMIT", "?")
+    # The GPU machine's copy of the tree may carry a stale .git: the caller's word wins.
+    commit = os.environ.get("MINFER_SWEEP_COMMIT") or subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     head = (f"minfer {commit} vs llama.cpp {(inputs / 'llama-src.version').read_text().strip()} on {cpu} "
             f"({os.cpu_count()} CPUs), random-weight Q4_K_M with the prepared model's shapes, "
