@@ -353,6 +353,53 @@ def test_attention_explicit_span():
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("nt,nh,nkv,hd", [(1, 14, 2, 64), (4, 28, 4, 128), (1, 8, 8, 32)])
+def test_split_attention_is_one_launch_and_reusable(nt, nh, nkv, hd):
+    """Decode attention over several KV chunks merges them inside its one launch (the
+    last chunk to finish, by an integer ticket). Two attention steps share the plan's
+    tickets; the plan runs direct, is captured, and replays, with fresh q and positions
+    each time and the outputs poisoned in between: every run must match float64 (a
+    ticket left nonzero would leave the poison in place), and a replay at the direct
+    run's inputs must give its bits."""
+    n_ctx = 2048
+    rng = np.random.default_rng(nt * 7 + hd)
+    kv_dim = nkv * hd
+    K = rng.standard_normal((n_ctx, kv_dim)).astype(np.float16)
+    V = rng.standard_normal((n_ctx, kv_dim)).astype(np.float16)
+    r = Rig()
+    Ki, Vi = r.buf(K), r.buf(V)
+    qa, qb = r.buf(np.zeros((nt, nh * hd), np.float32)), r.buf(np.zeros((nt, nh * hd), np.float32))
+    pi = r.buf(np.zeros(nt, np.int32))
+    ya, yb = r.out(nt * nh * hd), r.out(nt * nh * hd)
+    ip = [nt, nh, nkv, hd, n_ctx, nh * hd, F16_KV]
+    plan = r.plan([("attn", [ya, qa, Ki, Vi, pi, -1], ip, [hd**-0.5], []),
+                   ("attn", [yb, qb, Ki, Vi, pi, -1], ip, [hd**-0.5], [])])
+    Kf, Vf = K.astype(np.float32), V.astype(np.float32)
+    poison = np.full(nt * nh * hd, np.nan, np.float32)
+    n = nt * nh * hd
+    qs = [rng.standard_normal((2, nt, nh * hd)).astype(np.float32) for _ in range(4)]
+    runs = [(1000, qs[0]), (5, qs[1]), (2047 - nt, qs[2]), (300, qs[3]), (1000, qs[0])]
+    outs = []
+    for k, (p0, (q1, q2)) in enumerate(runs):
+        pos = np.arange(p0, p0 + nt, dtype=np.int32)
+        for bid, arr in ((qa, q1), (qb, q2), (pi, pos), (ya, poison), (yb, poison)):
+            r.pool.write(bid, arr)
+        if k == 0:
+            _core.cuda_sync()
+            _core.testing.cuda_reset_counters()
+        r.run(plan)
+        if k == 0:
+            assert _core.testing.cuda_counters()["launches"] == 2, "one launch per attention step"
+        for y, q in ((ya, q1), (yb, q2)):
+            got = r.read(y, n).reshape(nt, -1)
+            np.testing.assert_allclose(got, _attn64(q, Kf, Vf, pos, nh, nkv, hd), rtol=0, atol=2e-5,
+                                       err_msg=f"run {k} at position {p0}")
+        outs.append(r.read(ya, n).tobytes() + r.read(yb, n).tobytes())
+    assert outs[4] == outs[0], "graph replay vs the direct run at the same inputs"
+    info = _core.testing.cuda_plan_info(plan)
+    assert info["captured"] and info["launches"] == 2
+
+
 def test_device_argmax_first_on_ties():
     r = Rig()
     x = np.random.default_rng(3).standard_normal(151936).astype(np.float32)

@@ -44,6 +44,8 @@ struct CudaPlanState : PlanState {
     size_t xh_bytes = 0;
     float* attn = nullptr;  // attention chunk partials
     size_t attn_bytes = 0;
+    int* attn_tk = nullptr;  // attention merge tickets: zeroed at allocation, left zero by every launch
+    size_t attn_tk_bytes = 0;
     void* xq = nullptr;  // the decode matvec's int8 activation copy
     size_t xq_bytes = 0;
     int direct_runs = 0;
@@ -66,6 +68,7 @@ struct CudaPlanState : PlanState {
         if (wh) cudaFree(wh);
         if (xh) cudaFree(xh);
         if (attn) cudaFree(attn);
+        if (attn_tk) cudaFree(attn_tk);
         if (xq) cudaFree(xq);
     }
 };
@@ -211,7 +214,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = pool.size(id);
         return true;
     });
-    size_t wh = 0, xh = 0, attn = 0, xqb = 0;
+    size_t wh = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0;
     for (const Step& s : plan.steps) {
         const int64_t* ip = s.ip;
         switch (s.op) {
@@ -246,6 +249,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 if (ip[6] != T_F16) fail(s, "the cuda backend stores KV as f16 only (kv_type " + std::to_string(ip[6]) + ")");
                 if (!attn_head_dim_supported(ip[3])) fail(s, "head dim " + std::to_string(ip[3]) + " has no CUDA kernel");
                 attn = std::max(attn, attn_scratch_floats(ip[0], ip[1], ip[3], ip[4]) * 4);
+                attn_tk = std::max(attn_tk, attn_tickets(ip[0], ip[1], ip[4]) * sizeof(int));
                 break;
             default:
                 fail(s, std::string("op ") + op_name(s.op) + " has no CUDA kernel");
@@ -261,7 +265,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         p = dev_alloc(need);
         have = need;
     };
-    if (st.exec && (wh > st.wh_bytes || xh > st.xh_bytes || attn > st.attn_bytes || xqb > st.xq_bytes)) {
+    if (st.exec && (wh > st.wh_bytes || xh > st.xh_bytes || attn > st.attn_bytes || attn_tk > st.attn_tk_bytes ||
+                    xqb > st.xq_bytes)) {
         cudaStreamSynchronize(ctx().stream);
         cudaGraphExecDestroy(st.exec);
         st.exec = nullptr;
@@ -272,6 +277,13 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     void* a = st.attn;
     grow(a, st.attn_bytes, attn);
     st.attn = (float*)a;
+    void* tk = st.attn_tk;
+    if (attn_tk > st.attn_tk_bytes) {
+        grow(tk, st.attn_tk_bytes, attn_tk);
+        // Stream-ordered, so it lands before any launch that draws a ticket.
+        MC_CHECK(cudaMemsetAsync(tk, 0, attn_tk, ctx().stream));
+    }
+    st.attn_tk = (int*)tk;
     build_program(plan, ws, st);
     st.pool = &pool;
     st.pool_count = pool.count();
@@ -346,7 +358,7 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
             a.out = F(0);
             a.nt = ip[0]; a.nh = ip[1]; a.nkv = ip[2]; a.hd = ip[3]; a.n_ctx = ip[4];
             a.scale = s.fp[0];
-            attention(a, st.attn, c.err_dev);
+            attention(a, st.attn, st.attn_tk, c.err_dev);
             break;
         }
         default: fail(s, "unknown op code " + std::to_string(s.op));
@@ -547,14 +559,8 @@ std::map<std::string, ProfileEntry> take_profile() {
 size_t plan_launches(const Plan& plan) {
     const CudaPlanState* st = peek_state(plan);
     if (!st) return 0;
-    size_t n = 0;
-    for (const auto& L : st->program) {
-        const Step& s = plan.steps[L.s[0]];
-        n += 1;
-        // attention adds its chunk merge; a multi-token matmul its conversions and bias
-        if (L.kind == L_STEP && s.op == OP_ATTN && attn_splits(s.ip[0], s.ip[4]) > 1) n += 1;
-    }
-    return n;
+    // One launch per entry: attention merges its chunks inside its own launch.
+    return st->program.size();
 }
 
 bool plan_captured(const Plan& plan) {

@@ -5,8 +5,11 @@
 // sum are warp butterflies (every lane ends with the same bits), and then each lane
 // accumulates its own slice of head dims over the group's cells in cell order.
 // Decode splits the context into a fixed number of chunks (a function of n_ctx only,
-// so a captured graph serves every position); a second kernel merges the chunks in
-// chunk order. Nothing depends on timing: the same inputs give the same bits.
+// so a captured graph serves every position), all in one launch: each chunk's warp
+// stores its partial (max, sum, acc), fences, and takes an integer ticket for its
+// (token, head); the warp that takes the last ticket merges the chunks in chunk order
+// (0..n-1, whichever warp that is) and resets the ticket for the next launch. Nothing
+// depends on timing: the same inputs give the same bits.
 #include <cuda_fp16.h>
 
 #include <cmath>
@@ -31,9 +34,36 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Merge the n_splits partials of one (token, head) in chunk order: out[d] for the
+// lane's dims. The partials are read through L2 (__ldcg): other SMs wrote them during
+// this launch, and this SM's L1 may hold older lines of the scratch.
+template <int HD>
+__device__ __forceinline__ void merge_chunks(const float* pp, int n_splits, int lane, float* __restrict__ out) {
+    constexpr int EPL = HD / 32;
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; ++s)
+        if (__ldcg(pp + s * (HD + 2) + 1) > 0.0f) M = fmaxf(M, __ldcg(pp + s * (HD + 2)));
+    float L = 0.0f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float l = __ldcg(pp + s * (HD + 2) + 1);
+        if (l > 0.0f) L += l * expf(__ldcg(pp + s * (HD + 2)) - M);
+    }
+    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) {
+        const int d = lane * EPL + j;
+        float o = 0.0f;
+        for (int s = 0; s < n_splits; ++s) {
+            const float l = __ldcg(pp + s * (HD + 2) + 1);
+            if (l > 0.0f) o += __ldcg(pp + s * (HD + 2) + 2 + d) * expf(__ldcg(pp + s * (HD + 2)) - M);
+        }
+        out[d] = o * inv;
+    }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, int chunk, float* __restrict__ part,
-                                                     int* err) {
+                                                     int* __restrict__ ticket, int* err) {
     constexpr int EPL = HD / 32;  // head dims per lane
     __shared__ float qs[WARPS][HD];
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -115,37 +145,26 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
 #pragma unroll
         for (int j = 0; j < EPL; ++j) o[j] = acc[j] * inv;
     } else {
-        float* pp = part + (pair * n_splits + split) * (HD + 2);
+        float* pp = part + pair * n_splits * (HD + 2);
+        float* mine = pp + split * (HD + 2);
         if (lane == 0) {
-            pp[0] = m;
-            pp[1] = l;
+            mine[0] = m;
+            mine[1] = l;
         }
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) pp[2 + lane * EPL + j] = acc[j];
-    }
-}
-
-// Merge the chunks of one (token, head) in chunk order.
-__global__ void k_attn_combine(const float* __restrict__ part, int n_splits, int hd, int64_t nh,
-                               float* __restrict__ out) {
-    const int64_t pair = blockIdx.x;
-    const float* pp = part + pair * n_splits * (hd + 2);
-    float M = -INFINITY;
-    for (int s = 0; s < n_splits; ++s)
-        if (pp[s * (hd + 2) + 1] > 0.0f) M = fmaxf(M, pp[s * (hd + 2)]);
-    float L = 0.0f;
-    for (int s = 0; s < n_splits; ++s) {
-        const float l = pp[s * (hd + 2) + 1];
-        if (l > 0.0f) L += l * expf(pp[s * (hd + 2)] - M);
-    }
-    const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float o = 0.0f;
-        for (int s = 0; s < n_splits; ++s) {
-            const float l = pp[s * (hd + 2) + 1];
-            if (l > 0.0f) o += pp[s * (hd + 2) + 2 + d] * expf(pp[s * (hd + 2)] - M);
-        }
-        out[pair * hd + d] = o * inv;
+        for (int j = 0; j < EPL; ++j) mine[2 + lane * EPL + j] = acc[j];
+        // Publish the partial before taking a ticket (threadFenceReduction's pattern):
+        // whoever draws the last ticket then sees every chunk's stores.
+        __threadfence();
+        __syncwarp();
+        int tk = 0;
+        if (lane == 0) tk = atomicAdd(ticket + pair, 1);
+        tk = __shfl_sync(0xffffffffu, tk, 0);
+        if (tk != n_splits - 1) return;
+        __threadfence();
+        merge_chunks<HD>(pp, n_splits, lane, a.out + t * a.nh * HD + h * HD);
+        // Every chunk of this pair has drawn its ticket: ready for the next launch.
+        if (lane == 0) ticket[pair] = 0;
     }
 }
 
@@ -169,24 +188,24 @@ size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx) {
     return s > 1 ? (size_t)(nt * nh * s * (hd + 2)) : 0;
 }
 
-void attention(const AttnDev& a, float* scratch, int* err) {
+size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx) {
+    return attn_splits(nt, n_ctx) > 1 ? (size_t)(nt * nh) : 0;
+}
+
+void attention(const AttnDev& a, float* scratch, int* tickets, int* err) {
     const int n_splits = attn_splits(a.nt, a.n_ctx);
     const int chunk = chunk_of(a.n_ctx, n_splits);
     const int64_t pairs = a.nt * a.nh;
     dim3 grid((unsigned)((pairs + WARPS - 1) / WARPS), (unsigned)n_splits);
     cudaStream_t st = ctx().stream;
     switch (a.hd) {
-        case 32: k_attn<32><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, err); break;
-        case 64: k_attn<64><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, err); break;
-        case 128: k_attn<128><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, err); break;
-        case 256: k_attn<256><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, err); break;
+        case 32: k_attn<32><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, tickets, err); break;
+        case 64: k_attn<64><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, tickets, err); break;
+        case 128: k_attn<128><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, tickets, err); break;
+        case 256: k_attn<256><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, tickets, err); break;
         default: throw std::invalid_argument("attention: unsupported head dim");
     }
     note_launch();
-    if (n_splits > 1) {
-        k_attn_combine<<<(unsigned)pairs, a.hd < 128 ? a.hd : 128, 0, st>>>(scratch, n_splits, (int)a.hd, a.nh, a.out);
-        note_launch();
-    }
 }
 
 }  // namespace minfer::cuda

@@ -96,8 +96,12 @@ bool attn_head_dim_supported(int64_t hd);
 constexpr int64_t kRowExactMaxTokens = 16;
 // Splits over KV a decode step uses (depends on n_ctx and nt only, never on positions).
 int attn_splits(int64_t nt, int64_t n_ctx);
+// scratch: attn_scratch_floats() floats of chunk partials; tickets: attn_tickets()
+// ints, zero before the first launch and left zero by every launch (the last chunk of
+// a (token, head) to finish merges them and resets its ticket). One launch either way.
 size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx);
-void attention(const AttnDev& a, float* scratch, int* err);
+size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx);
+void attention(const AttnDev& a, float* scratch, int* tickets, int* err);
 
 // Index of the largest of x[0..n) (first on ties) -> *out; writes -1 - code if the
 // device error word is set, so one 4-byte readback carries both.
