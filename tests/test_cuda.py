@@ -144,7 +144,7 @@ def in_dim_for(qtype):
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("nt", [1, 5, 33])
+@pytest.mark.parametrize("nt", [1, 5, 11, 33])
 def test_matmul_vs_float64(qtype, nt):
     rng = np.random.default_rng(int(qtype) * 100 + nt)
     in_dim, out_dim = in_dim_for(qtype), 300
@@ -558,7 +558,7 @@ def test_fused_equals_unfused_bitwise(synth, monkeypatch):
     seq = _sequences(ref.n_vocab, 4)[2]
     monkeypatch.setenv("MINFER_CUDA_FUSE", "none")
     base = _decode_run(path, seq, 5)
-    for fz in ("qkv", "ffn", "residual", "all"):
+    for fz in ("qkv", "ffn", "residual", "norm", "all"):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         got = _decode_run(path, seq, 5)
         assert got.tobytes() == base.tobytes(), f"fusion {fz} changed the logits"

@@ -5,10 +5,12 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cuda/context.h"
 #include "common/ggml_types.h"
 #include "cuda/kernels.h"
+#include "cuda/layout.h"
 
 namespace minfer::cuda {
 
@@ -21,13 +23,26 @@ DevWeights::~DevWeights() {
 }
 
 const void* DevWeights::ensure(const WeightStore& ws, int h) {
-    if ((int)ptr.size() < ws.count()) ptr.resize(ws.count(), nullptr);
+    if ((int)ptr.size() < ws.count()) {
+        ptr.resize(ws.count(), nullptr);
+        row_bytes.resize(ws.count(), 0);
+    }
     if (!ptr[h]) {
         const Weight& w = ws.get(h);
-        void* d = dev_alloc(w.nbytes);
-        MC_CHECK(cudaMemcpy(d, w.data, w.nbytes, cudaMemcpyHostToDevice));
+        const bool pack = packed_layout(w.type);
+        const size_t stride = pack ? device_row_bytes(w.type, w.row_bytes) : w.row_bytes;
+        const size_t n = pack ? stride * (size_t)w.ne1 : w.nbytes;
+        void* d = dev_alloc(n);
+        if (pack) {
+            std::vector<uint8_t> tmp(n);
+            pack_rows(w.type, w.data, w.row_bytes, w.ne1, w.ne0, tmp.data());
+            MC_CHECK(cudaMemcpy(d, tmp.data(), n, cudaMemcpyHostToDevice));
+        } else {
+            MC_CHECK(cudaMemcpy(d, w.data, n, cudaMemcpyHostToDevice));
+        }
         ptr[h] = d;
-        bytes += w.nbytes;
+        row_bytes[h] = stride;
+        bytes += n;
     }
     return ptr[h];
 }
@@ -59,6 +74,7 @@ struct CudaPlanState : PlanState {
         int kind;
         int s[4];
         int n;
+        bool xq_ready = false;  // the preceding rms_norm_q8 wrote this matvec's int8 input
     };
     std::vector<Launch> program;
     ~CudaPlanState() override {
@@ -91,7 +107,7 @@ const Weight& need_weight(const Step& s, const WeightStore& ws, int slot) {
     return ws.get(s.w[slot]);
 }
 
-enum LaunchKind { L_STEP = 0, L_MV, L_SWIGLU, L_MV_ADD, L_ROPE_STORE };
+enum LaunchKind { L_STEP = 0, L_MV, L_SWIGLU, L_MV_ADD, L_ROPE_STORE, L_NORM_Q };
 
 // Buffers a step reads / writes (plan.h's field contract).
 void step_io(const Step& s, int rd[6], int& nr, int wr[2], int& nw) {
@@ -193,6 +209,19 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         st.program.push_back({L_STEP, {(int)i, 0, 0, 0}, 1});
         ++i;
     }
+    // A one-row RMSNorm whose output is the next launch's matvec input quantizes it too.
+    for (size_t k = 0; (f & FUSE_NORM) && k + 1 < st.program.size(); ++k) {
+        auto& L = st.program[k];
+        auto& N = st.program[k + 1];
+        if (L.kind != L_STEP || N.kind == L_ROPE_STORE || N.kind == L_NORM_Q) continue;
+        const Step& nm = S[L.s[0]];
+        const Step& m = S[N.s[0]];
+        if (nm.op == OP_RMS_NORM && nm.ip[1] == 1 && is_mv(m) && m.buf[1] == nm.buf[0] && m.ip[0] == nm.ip[0] &&
+            nm.ip[0] % 32 == 0) {
+            L.kind = L_NORM_Q;
+            N.xq_ready = true;
+        }
+    }
     st.flags = plan.flags;
     if (st.exec) {
         cudaStreamSynchronize(ctx().stream);
@@ -227,7 +256,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 const Weight& w = need_weight(s, ws, 0);
                 if (!matvec_type_supported(w.type)) fail(s, "weight type " + std::to_string(w.type) + " has no CUDA kernel");
                 if (ip[0] % 32) fail(s, "CUDA matmuls need a row length that is a multiple of 32");
-                if (ip[2] <= kRowExactMaxTokens) xqb = std::max(xqb, matvec_scratch_bytes(ip[0]));
+                if (ip[2] <= kRowExactMaxTokens) xqb = std::max(xqb, matvec_scratch_bytes(ip[0], ip[2]));
                 if (ip[2] > kRowExactMaxTokens) {
                     if (w.type != T_F32 && w.type != T_F16) wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
                     if (w.type != T_F32) xh = std::max(xh, (size_t)(ip[0] * ip[2] * 2));
@@ -292,7 +321,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
 
 namespace {
 
-void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) {
+void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st,
+                 bool xq_ready = false) {
     Context& c = ctx();
     const int64_t* ip = s.ip;
     auto F = [&](int slot) { return (float*)pool.data(s.buf[slot]); };
@@ -311,8 +341,14 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
             const int64_t in = ip[0], out = ip[1], nt = ip[2];
             const float* bias = (const float*)W(1);
             if (nt <= kRowExactMaxTokens) {
-                for (int64_t r = 0; r < nt; ++r)
-                    matvec(w.type, W(0), w.row_bytes, in, out, F(1) + r * in, bias, nullptr, F(0) + r * out, st.xq);
+                MvJob j{};
+                j.W = (const uint8_t*)W(0);
+                j.row_bytes = dw.stride(s.w[0]);
+                j.type = w.type;
+                j.rows = (int)out;
+                j.bias = bias;
+                j.y = F(0);
+                matvec_multi(&j, 1, in, F(1), st.xq, (int)nt, xq_ready);
                 break;
             }
             const float one = 1.0f, zero = 0.0f;
@@ -324,7 +360,7 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
             } else {
                 const void* a = W(0);
                 if (w.type != T_F16) {
-                    dequant_f16(w.type, W(0), w.row_bytes, in, out, st.wh);
+                    dequant_f16(w.type, W(0), dw.stride(s.w[0]), in, out, st.wh);
                     a = st.wh;
                 }
                 f32_to_f16(F(1), st.xh, in * nt);
@@ -339,7 +375,7 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
         }
         case OP_GET_ROWS_W: {
             const Weight& w = ws.get(s.w[0]);
-            get_rows_w(w.type, W(0), w.row_bytes, ip[0], I(1), ip[1], w.ne1, F(0), c.err_dev);
+            get_rows_w(w.type, W(0), dw.stride(s.w[0]), ip[0], I(1), ip[1], w.ne1, F(0), c.err_dev);
             break;
         }
         case OP_GET_ROWS: get_rows_f32(F(1), ip[0], I(2), ip[1], ip[2], F(0), c.err_dev); break;
@@ -369,7 +405,7 @@ MvJob job_of(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeigh
     const Weight& w = ws.get(s.w[0]);
     MvJob j{};
     j.W = (const uint8_t*)dw.get(s.w[0]);
-    j.row_bytes = w.row_bytes;
+    j.row_bytes = dw.stride(s.w[0]);
     j.type = w.type;
     j.rows = (int)s.ip[1];
     j.bias = s.w[1] >= 0 ? (const float*)dw.get(s.w[1]) : nullptr;
@@ -382,11 +418,16 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
     const auto& S = plan.steps;
     auto F = [&](const Step& s, int slot) { return (float*)pool.data(s.buf[slot]); };
     switch (L.kind) {
-        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st); break;
+        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready); break;
+        case L_NORM_Q: {
+            const Step& s = S[L.s[0]];
+            rms_norm_q8(F(s, 1), s.w[0] >= 0 ? (const float*)dw.get(s.w[0]) : nullptr, F(s, 0), s.ip[0], s.fp[0], st.xq);
+            break;
+        }
         case L_MV: {
             MvJob jobs[MV_MAX_JOBS];
             for (int k = 0; k < L.n; ++k) jobs[k] = job_of(S[L.s[k]], pool, ws, dw);
-            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), st.xq);
+            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), st.xq, 1, L.xq_ready);
             break;
         }
         case L_SWIGLU: {
@@ -398,7 +439,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             j.type2 = ju.type;
             j.bias2 = ju.bias;
             j.y = F(sw, 0);
-            matvec_multi(&j, 1, g.ip[0], F(g, 1), st.xq);
+            matvec_multi(&j, 1, g.ip[0], F(g, 1), st.xq, 1, L.xq_ready);
             break;
         }
         case L_MV_ADD: {
@@ -406,7 +447,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             MvJob j = job_of(m, pool, ws, dw);
             j.resid = F(ad, ad.buf[1] == m.buf[0] ? 2 : 1);
             j.y = F(ad, 0);
-            matvec_multi(&j, 1, m.ip[0], F(m, 1), st.xq);
+            matvec_multi(&j, 1, m.ip[0], F(m, 1), st.xq, 1, L.xq_ready);
             break;
         }
         case L_ROPE_STORE: {
@@ -434,6 +475,7 @@ const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
         case L_SWIGLU: return "fused_ffn_swiglu";
         case L_MV_ADD: return "matvec_residual";
         case L_ROPE_STORE: return "fused_rope_kv_store";
+        case L_NORM_Q: return "rms_norm_q8";
         default: {
             const Step& s = plan.steps[L.s[0]];
             if (s.op == OP_MATMUL) return s.ip[2] <= kRowExactMaxTokens ? "matvec" : "gemm";

@@ -14,13 +14,16 @@
 namespace minfer::cuda {
 
 // The device copy of a host WeightStore: one buffer per handle, uploaded on first use
-// by a validated plan and kept in its GGUF block format.
+// by a validated plan, quantized as in the GGUF, rows in the device layout
+// (cuda/layout.h: rearranged within the row for the types whose blocks are unaligned).
 struct DevWeights {
     std::vector<void*> ptr;
+    std::vector<size_t> row_bytes;  // device row stride per handle
     size_t bytes = 0;
     ~DevWeights();
     const void* ensure(const WeightStore& ws, int h);
     const void* get(int h) const { return ptr[h]; }
+    size_t stride(int h) const { return row_bytes[h]; }
 };
 
 void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights& dw);
@@ -33,6 +36,7 @@ enum PlanFlags : int32_t {
     FUSE_QKV = 1,       // consecutive matvecs over one input in one launch; rope q + rope k + KV store in one
     FUSE_FFN = 2,       // gate|up matvecs + SwiGLU in one launch
     FUSE_RESIDUAL = 4,  // a matvec followed by a residual add: the add in the matvec epilogue
+    FUSE_NORM = 8,      // a one-row RMSNorm feeding a matvec also writes the matvec's int8 input
 };
 
 struct ProfileEntry {

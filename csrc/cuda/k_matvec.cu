@@ -1,142 +1,372 @@
-// Quantized matrix-vector products (decode), the f16 operands of the prefill GEMM, and
-// embedding gathers from quantized tables. Weights stay in their GGUF blocks.
-#include <algorithm>
+// Matrix-vector products (decode and small blocks), the f16 operands of the prefill
+// GEMM, and embedding gathers from quantized tables. Weights are in the device layout
+// (cuda/layout.h).
+#include <stdexcept>
 
 #include "cuda/context.h"
 #include "cuda/kernels.h"
 #include "cuda/quant.cuh"
+#include "cuda/norm.cuh"
 #include "cuda/silu.cuh"
 
 namespace minfer::cuda {
 
 namespace {
 
-// Decode matvec. One group of tpr threads per output row; thread g of a group takes
-// quarter chunks g, g+tpr, ... of the row (four consecutive lanes share a chunk, so a
-// warp's weight and activation loads are contiguous), then the group reduces with a
-// fixed butterfly (and, past a warp, a fixed-order sum over its warps). tpr depends on
-// the row length only, so a row's bits do not depend on which launch computed it: the
-// fused launches (several matrices, a SwiGLU pair) equal the separate ones bitwise.
-template <int T>
-__device__ __forceinline__ float dot8(const uint8_t* __restrict__ wr, const float* __restrict__ x, int u) {
-    float v[8];
-    int o0, o1;
-    deq8<T>(wr, u, v, o0, o1);
-    const float4 a = *reinterpret_cast<const float4*>(x + o0);
-    const float4 b = *reinterpret_cast<const float4*>(x + o1);
-    float s = v[0] * a.x;
-    s = fmaf(v[1], a.y, s);
-    s = fmaf(v[2], a.z, s);
-    s = fmaf(v[3], a.w, s);
-    s = fmaf(v[4], b.x, s);
-    s = fmaf(v[5], b.y, s);
-    s = fmaf(v[6], b.z, s);
-    s = fmaf(v[7], b.w, s);
+// ---- decode matvec ------------------------------------------------------------------
+// One warp per output row; lane l takes units l, l + 32, ... of the row (a unit is what
+// one thread decodes per trip: a 32-element block, or a quarter of a K-quant superblock),
+// two units per trip with all their loads issued before the arithmetic, every weight
+// load 16 bytes wide. A lane adds its units' sums in ascending order, then the warp
+// reduces with a fixed butterfly: a row's bits depend on the row length alone, never on
+// which launch computed it, how many rows or columns it had, or which jobs it fused.
+// Every float operation is spelled out (_rn) so no instantiation contracts differently.
+
+struct MvArgs {
+    MvJob job[MV_MAX_JOBS];
+    int block0[MV_MAX_JOBS];
+    int njobs;
+    int in_dim, nb;       // elements and 32-element blocks per row
+    const float* x;       // f32 activations (F32 / F16 weights)
+    const int8_t* xq;     // int8 copy, column c at xq + c * in_dim
+    const float2* xds;    // per block (d, d * sum(q)), column c at xds + c * nb
+};
+
+constexpr int MV_WARPS = 4;
+
+__device__ __forceinline__ uint4 ldg4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ float ldh(const uint8_t* p) {
+    return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+}
+__device__ __forceinline__ uint32_t ldw(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+__device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
+__device__ __forceinline__ uint32_t W_(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ uint4 xq16(const MvArgs& a, int col, int o) {
+    return ldg4(a.xq + (size_t)col * a.in_dim + o);
+}
+__device__ __forceinline__ float2 xds_at(const MvArgs& a, int col, int blk) {
+    return __ldg(a.xds + (size_t)col * a.nb + blk);
+}
+// sum over i of dot4(w[i], x[i]) for two 16-byte groups, in order.
+__device__ __forceinline__ int dot32(const uint32_t w[8], const uint4& x0, const uint4& x1) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s = dp4(w[i], W_(x0, i), s);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s = dp4(w[4 + i], W_(x1, i), s);
     return s;
 }
+__device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
 
-// The main loop takes MV_BATCH quarter chunks per trip with no branch between them, so
-// all their loads issue before the first use (several loads in flight per thread);
-// sums are still added in ascending u, as the tail loop does.
-constexpr int MV_BATCH = 4;
-
-// F32/F16 weights meet the f32 activation; quantized weights its int8 copy.
-template <int T>
-__device__ __forceinline__ float dot_one(const uint8_t* __restrict__ wr, const MvArgs& a, int u) {
-    if constexpr (T == T_F32 || T == T_F16) return dot8<T>(wr, a.x, u);
-    else return dotq8<T>(wr, u, a.xq, a.xds);
+// Bits j..j+3 of qh to bit 4 of bytes 0..3 (the fifth bit of four 5-bit quants).
+__device__ __forceinline__ uint32_t spread4(uint32_t qh, int j) {
+    const uint32_t b = (qh >> j) & 0xF;
+    return ((b & 1) << 4) | ((b & 2) << 11) | ((b & 4) << 18) | ((b & 8) << 25);
 }
 
+template <int T> struct Unit;
+
+// Legacy 4/5-bit blocks (packed): 16 quant bytes, low nibbles = elements 0..15, high
+// nibbles = 16..31; Q5 adds a fifth bit from qh; Q4_0 / Q5_0 are offset by 8 / 16, Q4_1 /
+// Q5_1 carry a min m (added as m * sum(x)).
 template <int T>
-__device__ __forceinline__ float dot_part(const uint8_t* __restrict__ wr, const MvArgs& a, int g) {
-    const int tpr = a.tpr, n_sub = a.n_sub;
-    float acc = 0.0f;
-    int u = g;
-    for (; u + (MV_BATCH - 1) * tpr < n_sub; u += MV_BATCH * tpr) {
-        float s[MV_BATCH];
-#pragma unroll
-        for (int b = 0; b < MV_BATCH; ++b) s[b] = dot_one<T>(wr, a, u + b * tpr);
-#pragma unroll
-        for (int b = 0; b < MV_BATCH; ++b) acc += s[b];
+struct UnitQ45 {
+    static constexpr bool kHigh = T == T_Q5_0 || T == T_Q5_1;
+    static constexpr bool kMin = T == T_Q4_1 || T == T_Q5_1;
+    uint4 q;
+    uint32_t qh, dm;
+    __device__ static int count(int nb) { return nb; }
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
+        q = ldg4(row + 16 * u);
+        if constexpr (kHigh) qh = ldw(row + 16 * nb + 4 * u);
+        constexpr int sc_at = kHigh ? 20 : 16;
+        if constexpr (kMin) dm = ldw(row + sc_at * nb + 4 * u);
+        else dm = __ldg(reinterpret_cast<const unsigned short*>(row + sc_at * nb + 2 * u));
     }
-    for (; u < n_sub; u += tpr) acc += dot_one<T>(wr, a, u);
-    return acc;
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
+        uint32_t w[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            uint32_t lo = W_(q, i) & 0x0F0F0F0Fu, hi = (W_(q, i) >> 4) & 0x0F0F0F0Fu;
+            if constexpr (kHigh) {
+                lo |= spread4(qh, 4 * i);
+                hi |= spread4(qh, 4 * i + 16);
+            }
+            if constexpr (T == T_Q4_0) { lo = __vsubss4(lo, 0x08080808u); hi = __vsubss4(hi, 0x08080808u); }
+            if constexpr (T == T_Q5_0) { lo = __vsubss4(lo, 0x10101010u); hi = __vsubss4(hi, 0x10101010u); }
+            w[i] = lo;
+            w[4 + i] = hi;
+        }
+        const int s = dot32(w, xq16(a, col, 32 * u), xq16(a, col, 32 * u + 16));
+        const float2 ds = xds_at(a, col, u);
+        const float d = __half2float(__ushort_as_half((unsigned short)(dm & 0xFFFF)));
+        float r = fmul(fmul(d, ds.x), (float)s);
+        if constexpr (kMin) r = fadd(r, fmul(__half2float(__ushort_as_half((unsigned short)(dm >> 16))), ds.y));
+        return r;
+    }
+};
+template <> struct Unit<T_Q4_0> : UnitQ45<T_Q4_0> {};
+template <> struct Unit<T_Q4_1> : UnitQ45<T_Q4_1> {};
+template <> struct Unit<T_Q5_0> : UnitQ45<T_Q5_0> {};
+template <> struct Unit<T_Q5_1> : UnitQ45<T_Q5_1> {};
+
+template <> struct Unit<T_Q8_0> {
+    uint4 q0, q1;
+    float d;
+    __device__ static int count(int nb) { return nb; }
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
+        q0 = ldg4(row + 32 * u);
+        q1 = ldg4(row + 32 * u + 16);
+        d = ldh(row + 32 * nb + 2 * u);
+    }
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
+        const uint32_t w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        const int s = dot32(w, xq16(a, col, 32 * u), xq16(a, col, 32 * u + 16));
+        return fmul(fmul(d, xds_at(a, col, u).x), (float)s);
+    }
+};
+
+// Q4_K / Q5_K (GGUF layout): unit = sub-blocks 2p and 2p+1 of superblock sb (u = 4 sb + p):
+// the 32 quant bytes they share (low nibbles: 2p, high: 2p+1), the 16-byte header
+// (d, dmin, 12 scale bytes) and for Q5_K the 32 high-bit bytes.
+template <int T>
+struct UnitK45 {
+    static constexpr int kBlock = T == T_Q5_K ? 176 : 144;
+    static constexpr int kQs = T == T_Q5_K ? 48 : 16;
+    uint4 h, q0, q1, qh0, qh1;
+    __device__ static int count(int nb) { return nb / 2; }
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int) {
+        const uint8_t* b = row + (size_t)kBlock * (u >> 2);
+        h = ldg4(b);
+        q0 = ldg4(b + kQs + 32 * (u & 3));
+        q1 = ldg4(b + kQs + 32 * (u & 3) + 16);
+        if constexpr (T == T_Q5_K) {
+            qh0 = ldg4(b + 16);
+            qh1 = ldg4(b + 32);
+        }
+    }
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
+        const int p = u & 3, j0 = 2 * p, j1 = j0 + 1;
+        uint32_t wl[8], wh[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t q = i < 4 ? W_(q0, i) : W_(q1, i - 4);
+            wl[i] = q & 0x0F0F0F0Fu;
+            wh[i] = (q >> 4) & 0x0F0F0F0Fu;
+            if constexpr (T == T_Q5_K) {
+                const uint32_t hb = i < 4 ? W_(qh0, i) : W_(qh1, i - 4);
+                wl[i] |= ((hb >> j0) & 0x01010101u) << 4;
+                wh[i] |= ((hb >> j1) & 0x01010101u) << 4;
+            }
+        }
+        const int o = 256 * (u >> 2) + 64 * p;
+        const int s0 = dot32(wl, xq16(a, col, o), xq16(a, col, o + 16));
+        const int s1 = dot32(wh, xq16(a, col, o + 32), xq16(a, col, o + 48));
+        const float4 ds = __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)col * a.nb + 8 * (u >> 2) + j0));
+        int sc0, m0, sc1, m1;
+        k4_scale_min_w(j0, h.y, h.z, h.w, sc0, m0);
+        k4_scale_min_w(j1, h.y, h.z, h.w, sc1, m1);
+        const float d = __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFF)));
+        const float dmin = __half2float(__ushort_as_half((unsigned short)(h.x >> 16)));
+        const float fs = fadd(fmul((float)(sc0 * s0), ds.x), fmul((float)(sc1 * s1), ds.z));
+        const float fm = fadd(fmul((float)m0, ds.y), fmul((float)m1, ds.w));
+        return __fsub_rn(fmul(d, fs), fmul(dmin, fm));
+    }
+};
+template <> struct Unit<T_Q4_K> : UnitK45<T_Q4_K> {};
+template <> struct Unit<T_Q5_K> : UnitK45<T_Q5_K> {};
+
+// Q6_K (packed): unit u = 4 sb + 2 n + k1 covers chunks 4n + k1 (low nibbles of its 32
+// ql bytes, qh bits 2k1) and 4n + k1 + 2 (high nibbles, qh bits 2k1 + 4); each chunk's
+// halves have their own int8 scale.
+template <> struct Unit<T_Q6_K> {
+    uint4 l0, l1, h0, h1, sc;
+    float d;
+    __device__ static int count(int nb) { return nb / 2; }
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
+        const int ns = nb / 8, s = u >> 2, n = (u >> 1) & 1, k1 = u & 1;
+        l0 = ldg4(row + q6k_ql(s) + 64 * n + 32 * k1);
+        l1 = ldg4(row + q6k_ql(s) + 64 * n + 32 * k1 + 16);
+        h0 = ldg4(row + q6k_qh(ns, s) + 32 * n);
+        h1 = ldg4(row + q6k_qh(ns, s) + 32 * n + 16);
+        sc = ldg4(row + q6k_sc(ns, s));
+        d = ldh(row + q6k_d(ns, s));
+    }
+    __device__ __forceinline__ static int sbyte(const uint4& v, int i) {
+        return (int)(int8_t)((W_(v, i >> 2) >> (8 * (i & 3))) & 0xFF);
+    }
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
+        const int s = u >> 2, n = (u >> 1) & 1, k1 = u & 1;
+        uint32_t wa[8], wb[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t l = i < 4 ? W_(l0, i) : W_(l1, i - 4);
+            const uint32_t hb = i < 4 ? W_(h0, i) : W_(h1, i - 4);
+            wa[i] = __vsubss4((l & 0x0F0F0F0Fu) | (((hb >> (2 * k1)) & 0x03030303u) << 4), 0x20202020u);
+            wb[i] = __vsubss4(((l >> 4) & 0x0F0F0F0Fu) | (((hb >> (2 * k1 + 4)) & 0x03030303u) << 4), 0x20202020u);
+        }
+        const int ja = 4 * n + k1, jb = ja + 2;
+        const int oa = 256 * s + 32 * ja, ob = 256 * s + 32 * jb;
+        const uint4 xa0 = xq16(a, col, oa), xa1 = xq16(a, col, oa + 16);
+        const uint4 xb0 = xq16(a, col, ob), xb1 = xq16(a, col, ob + 16);
+        int sa0 = 0, sa1 = 0, sb0 = 0, sb1 = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            sa0 = dp4(wa[i], W_(xa0, i), sa0);
+            sa1 = dp4(wa[4 + i], W_(xa1, i), sa1);
+            sb0 = dp4(wb[i], W_(xb0, i), sb0);
+            sb1 = dp4(wb[4 + i], W_(xb1, i), sb1);
+        }
+        const int ia = sbyte(sc, 8 * n + 2 * k1) * sa0 + sbyte(sc, 8 * n + 2 * k1 + 1) * sa1;
+        const int ib = sbyte(sc, 8 * n + 2 * k1 + 4) * sb0 + sbyte(sc, 8 * n + 2 * k1 + 5) * sb1;
+        const float fa = fmul(xds_at(a, col, 8 * s + ja).x, (float)ia);
+        const float fb = fmul(xds_at(a, col, 8 * s + jb).x, (float)ib);
+        return fmul(d, fadd(fa, fb));
+    }
+};
+
+// F16 / F32 against the f32 activation: unit = 32 elements.
+template <> struct Unit<T_F16> {
+    uint4 w[4];
+    __device__ static int count(int nb) { return nb; }
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = ldg4(row + 64 * u + 16 * i);
+    }
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
+        const float4* x = reinterpret_cast<const float4*>(a.x + (size_t)col * a.in_dim + 32 * u);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const __half2* h = reinterpret_cast<const __half2*>(&w[i]);
+            const float4 x0 = __ldg(x + 2 * i), x1 = __ldg(x + 2 * i + 1);
+            const float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]);
+            const float2 f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+            s = __fmaf_rn(f0.x, x0.x, s); s = __fmaf_rn(f0.y, x0.y, s);
+            s = __fmaf_rn(f1.x, x0.z, s); s = __fmaf_rn(f1.y, x0.w, s);
+            s = __fmaf_rn(f2.x, x1.x, s); s = __fmaf_rn(f2.y, x1.y, s);
+            s = __fmaf_rn(f3.x, x1.z, s); s = __fmaf_rn(f3.y, x1.w, s);
+        }
+        return s;
+    }
+};
+template <> struct Unit<T_F32> {
+    float4 w[8];
+    __device__ static int count(int nb) { return nb; }
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = __ldg(reinterpret_cast<const float4*>(row + 128 * u) + i);
+    }
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
+        const float4* x = reinterpret_cast<const float4*>(a.x + (size_t)col * a.in_dim + 32 * u);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float4 xv = __ldg(x + i);
+            s = __fmaf_rn(w[i].x, xv.x, s); s = __fmaf_rn(w[i].y, xv.y, s);
+            s = __fmaf_rn(w[i].z, xv.z, s); s = __fmaf_rn(w[i].w, xv.w, s);
+        }
+        return s;
+    }
+};
+
+template <int T, int NC>
+__device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int lane, float acc[NC]) {
+    const int nu = Unit<T>::count(a.nb);
+    int u = lane;
+    for (; u + 32 < nu; u += 64) {
+        Unit<T> w0, w1;
+        w0.load(row, u, a.nb);
+        w1.load(row, u + 32, a.nb);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            acc[c] = fadd(acc[c], w0.dot(a, c, u));
+            acc[c] = fadd(acc[c], w1.dot(a, c, u + 32));
+        }
+    }
+    if (u < nu) {
+        Unit<T> w0;
+        w0.load(row, u, a.nb);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] = fadd(acc[c], w0.dot(a, c, u));
+    }
 }
 
-__device__ __forceinline__ float dot_any(int type, const uint8_t* __restrict__ wr, const MvArgs& a, int g) {
+template <int NC>
+__device__ __forceinline__ void row_dot_any(int type, const uint8_t* __restrict__ row, const MvArgs& a, int lane,
+                                            float acc[NC]) {
     switch (type) {
-        case T_F32: return dot_part<T_F32>(wr, a, g);
-        case T_F16: return dot_part<T_F16>(wr, a, g);
-        case T_Q4_0: return dot_part<T_Q4_0>(wr, a, g);
-        case T_Q4_1: return dot_part<T_Q4_1>(wr, a, g);
-        case T_Q5_0: return dot_part<T_Q5_0>(wr, a, g);
-        case T_Q5_1: return dot_part<T_Q5_1>(wr, a, g);
-        case T_Q8_0: return dot_part<T_Q8_0>(wr, a, g);
-        case T_Q4_K: return dot_part<T_Q4_K>(wr, a, g);
-        case T_Q5_K: return dot_part<T_Q5_K>(wr, a, g);
-        default: return dot_part<T_Q6_K>(wr, a, g);
+        case T_F32: row_dot<T_F32, NC>(row, a, lane, acc); break;
+        case T_F16: row_dot<T_F16, NC>(row, a, lane, acc); break;
+        case T_Q4_0: row_dot<T_Q4_0, NC>(row, a, lane, acc); break;
+        case T_Q4_1: row_dot<T_Q4_1, NC>(row, a, lane, acc); break;
+        case T_Q5_0: row_dot<T_Q5_0, NC>(row, a, lane, acc); break;
+        case T_Q5_1: row_dot<T_Q5_1, NC>(row, a, lane, acc); break;
+        case T_Q8_0: row_dot<T_Q8_0, NC>(row, a, lane, acc); break;
+        case T_Q4_K: row_dot<T_Q4_K, NC>(row, a, lane, acc); break;
+        case T_Q5_K: row_dot<T_Q5_K, NC>(row, a, lane, acc); break;
+        default: row_dot<T_Q6_K, NC>(row, a, lane, acc); break;
     }
 }
 
-// The activation's int8 copy: one warp per block of 32, d = amax / 127 (0 for an
-// all-zero block), q = rint(x / d); ds = (d, d * sum(q)).
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+template <int NC>
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
+    int j = 0;
+    while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
+    const MvJob& jb = a.job[j];
+    const int lane = threadIdx.x & 31;
+    const int row = (blockIdx.x - a.block0[j]) * MV_WARPS + (threadIdx.x >> 5);
+    if (row >= jb.rows) return;  // a whole warp: no block-wide sync below
+    float acc[NC], acc2[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
+    row_dot_any<NC>(jb.type, jb.W + (size_t)row * jb.row_bytes, a, lane, acc);
+    if (jb.W2) row_dot_any<NC>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        acc[c] = warp_sum(acc[c]);
+        if (jb.W2) acc2[c] = warp_sum(acc2[c]);
+    }
+    if (lane != 0) return;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        float r = acc[c];
+        if (jb.bias) r = fadd(r, jb.bias[row]);
+        if (jb.resid) r = fadd(r, jb.resid[(size_t)c * jb.rows + row]);
+        if (jb.W2) {
+            float u = acc2[c];
+            if (jb.bias2) u = fadd(u, jb.bias2[row]);
+            r = silu_f(r) * u;
+        }
+        jb.y[(size_t)c * jb.rows + row] = r;
+    }
+}
+
+// The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
 __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
     const int blk = (int)((blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32);
     const int lane = threadIdx.x % 32;
     if (blk >= n_blocks) return;
-    const float v = x[blk * 32 + lane];
-    float amax = fabsf(v);
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.0f;
-    const int qi = d > 0.0f ? __float2int_rn(v / d) : 0;
-    int sum = qi;
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    q[blk * 32 + lane] = (int8_t)qi;
-    if (lane == 0) ds[blk] = make_float2(d, d * (float)sum);
+    quant_block_q8(x[blk * 32 + lane], lane, q + blk * 32, ds + blk);
 }
 
-__device__ __forceinline__ float group_sum(float acc, int tid, int g, int rloc, int tpr, float* red) {
-    const int wl = tpr < 32 ? tpr : 32;
-    for (int off = wl / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (tpr > 32) {
-        const int warp = tid / 32, lane = tid % 32;
-        __syncthreads();
-        if (lane == 0) red[warp] = acc;
-        __syncthreads();
-        const int wpg = tpr / 32;
-        float s = 0.0f;
-        for (int i = 0; i < wpg; ++i) s += red[rloc * wpg + i];
-        acc = s;
-    }
-    return acc;
-}
-
-__global__ void __launch_bounds__(256) k_matvec(MvArgs a) {
-    __shared__ float red[2][8];
-    int j = 0;
-    while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
-    const MvJob& jb = a.job[j];
-    const int tid = threadIdx.x;
-    const int g = tid % a.tpr;
-    const int rloc = tid / a.tpr;
-    const int row = (blockIdx.x - a.block0[j]) * a.rpb + rloc;
-    float acc = 0.0f, acc2 = 0.0f;
-    if (row < jb.rows) {
-        acc = dot_any(jb.type, jb.W + (size_t)row * jb.row_bytes, a, g);
-        if (jb.W2) acc2 = dot_any(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, g);
-    }
-    acc = group_sum(acc, tid, g, rloc, a.tpr, red[0]);
-    if (jb.W2) acc2 = group_sum(acc2, tid, g, rloc, a.tpr, red[1]);
-    if (g == 0 && row < jb.rows) {
-        float r = acc;
-        if (jb.bias) r += jb.bias[row];
-        if (jb.resid) r += jb.resid[row];
-        if (jb.W2) {
-            float u = acc2;
-            if (jb.bias2) u += jb.bias2[row];
-            r = silu_f(r) * u;
-        }
-        jb.y[row] = r;
+// One row: y = rms_norm(x) * w as k_rms_norm computes it, and y's int8 copy.
+__global__ void k_rms_norm_q8(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+                              int64_t d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds) {
+    const float scale = rms_inv(x, d, eps);
+    const int lane = threadIdx.x % 32;
+    // d is a multiple of 32 and the block of warps: each trip of a warp is one aligned block.
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = rms_elem(x, w, i, scale);
+        y[i] = v;
+        quant_block_q8(v, lane, q + (i - lane), ds + i / 32);
     }
 }
 
@@ -148,7 +378,7 @@ __global__ void k_dequant_f16(const uint8_t* __restrict__ W, size_t row_bytes, i
     const int64_t row = i / n_chunks;
     const int c = (int)(i % n_chunks);
     float v[32];
-    deq32<T>(W + (size_t)row * row_bytes, c, v);
+    deq32<T>(W + (size_t)row * row_bytes, c, n_chunks, v);
     uint4* o = reinterpret_cast<uint4*>(out + row * (int64_t)n_chunks * 32 + c * 32);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -171,7 +401,7 @@ __global__ void k_get_rows_q(const uint8_t* __restrict__ table, size_t row_bytes
     for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) {
         float v[32];
         if (ok) {
-            deq32<T>(table + (size_t)id * row_bytes, c, v);
+            deq32<T>(table + (size_t)id * row_bytes, c, n_chunks, v);
         } else {
 #pragma unroll
             for (int j = 0; j < 32; ++j) v[j] = 0.0f;
@@ -219,48 +449,67 @@ bool matvec_type_supported(int32_t wtype) {
     }
 }
 
-int matvec_tpr(int64_t in_dim) {
-    const int n_sub = (int)(in_dim / 8);
-    int tpr = 32;
-    while (tpr < 256 && n_sub > 8 * tpr) tpr *= 2;
-    return tpr;
+size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols) {
+    return (size_t)ncols * ((size_t)in_dim + (size_t)(in_dim / 32) * sizeof(float2));
 }
 
-size_t matvec_scratch_bytes(int64_t in_dim) { return (size_t)in_dim + (size_t)(in_dim / 32) * sizeof(float2); }
+namespace {
 
-void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch) {
+template <int NC>
+void launch_mv(const MvArgs& a, unsigned blocks) {
+    k_matvec<NC><<<blocks, MV_WARPS * 32, 0, ctx().stream>>>(a);
+    note_launch();
+}
+
+}  // namespace
+
+void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols,
+                  bool xq_ready) {
     if (njobs < 1 || njobs > MV_MAX_JOBS) throw std::invalid_argument("matvec_multi: 1..4 jobs");
+    if (ncols < 1 || (ncols > 1 && (njobs != 1 || jobs[0].resid || jobs[0].W2)))
+        throw std::invalid_argument("matvec_multi: several columns take one plain job");
+    const int nb = (int)(in_dim / 32);
     MvArgs a;
     a.x = x;
-    a.xq = nullptr;
-    a.xds = nullptr;
+    a.in_dim = (int)in_dim;
+    a.nb = nb;
+    a.xq = (const int8_t*)scratch;
+    a.xds = scratch ? (const float2*)((uint8_t*)scratch + (size_t)ncols * in_dim) : nullptr;
     bool quant = false;
     for (int i = 0; i < njobs; ++i)
         quant |= !(jobs[i].type == T_F32 || jobs[i].type == T_F16) || (jobs[i].W2 && !(jobs[i].type2 == T_F32 || jobs[i].type2 == T_F16));
-    if (quant) {
-        if (!scratch) throw std::invalid_argument("matvec_multi: quantized weights need the activation scratch");
-        const int nb = (int)(in_dim / 32);
-        a.xq = (const int8_t*)scratch;
-        a.xds = (const float2*)((uint8_t*)scratch + in_dim);
-        k_quant_q8<<<(unsigned)((nb * 32 + 255) / 256), 256, 0, ctx().stream>>>(x, nb, (int8_t*)a.xq, (float2*)a.xds);
+    if (quant && !scratch) throw std::invalid_argument("matvec_multi: quantized weights need the activation scratch");
+    if (quant && !xq_ready) {
+        const int n = nb * ncols;
+        k_quant_q8<<<(unsigned)((n * 32 + 255) / 256), 256, 0, ctx().stream>>>(x, n, (int8_t*)a.xq, (float2*)a.xds);
         note_launch();
     }
-    a.n_sub = (int)(in_dim / 8);
-    a.tpr = matvec_tpr(in_dim);
     a.njobs = njobs;
-    int64_t total = 0;
-    for (int i = 0; i < njobs; ++i) total += jobs[i].rows;
-    // Rows per block: enough blocks to cover the SMs twice.
-    const int n_sm = ctx().n_sm;
-    a.rpb = (int)std::max<int64_t>(1, std::min<int64_t>(256 / a.tpr, total / (2 * n_sm)));
     int b = 0;
     for (int i = 0; i < njobs; ++i) {
         a.job[i] = jobs[i];
         a.block0[i] = b;
-        b += (jobs[i].rows + a.rpb - 1) / a.rpb;
+        b += (jobs[i].rows + MV_WARPS - 1) / MV_WARPS;
     }
-    k_matvec<<<(unsigned)b, a.tpr * a.rpb, 0, ctx().stream>>>(a);
-    note_launch();
+    // Columns in launches of 8, 4, 2, 1: each column's bits are the same in all of them.
+    for (int c0 = 0; c0 < ncols;) {
+        const int left = ncols - c0;
+        const int nc = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        MvArgs ac = a;
+        ac.x = x + (size_t)c0 * in_dim;
+        if (ac.xq) {
+            ac.xq += (size_t)c0 * in_dim;
+            ac.xds += (size_t)c0 * nb;
+        }
+        ac.job[0].y += (size_t)c0 * jobs[0].rows;
+        switch (nc) {
+            case 8: launch_mv<8>(ac, (unsigned)b); break;
+            case 4: launch_mv<4>(ac, (unsigned)b); break;
+            case 2: launch_mv<2>(ac, (unsigned)b); break;
+            default: launch_mv<1>(ac, (unsigned)b); break;
+        }
+        c0 += nc;
+    }
 }
 
 void matvec(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t out_dim, const float* x,
@@ -274,6 +523,13 @@ void matvec(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int6
     j.resid = resid;
     j.y = y;
     matvec_multi(&j, 1, in_dim, x, scratch);
+}
+
+void rms_norm_q8(const float* x, const float* w, float* y, int64_t d, float eps, void* scratch) {
+    int8_t* q = (int8_t*)scratch;
+    float2* ds = (float2*)((uint8_t*)scratch + d);
+    k_rms_norm_q8<<<1, rms_threads(d), 0, ctx().stream>>>(x, w, y, d, eps, q, ds);
+    note_launch();
 }
 
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out) {

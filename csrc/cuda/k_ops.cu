@@ -7,6 +7,7 @@
 
 #include "cuda/context.h"
 #include "cuda/kernels.h"
+#include "cuda/norm.cuh"
 #include "cuda/silu.cuh"
 
 namespace minfer::cuda {
@@ -28,25 +29,11 @@ __global__ void k_binary(const float* __restrict__ a, const float* __restrict__ 
 // One block per row; a fixed tree over double partial sums.
 __global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int64_t d,
                            float eps) {
-    __shared__ double red[8];
-    __shared__ float sc;
     const int64_t r = blockIdx.x;
     const float* xr = x + r * d;
     float* yr = y + r * d;
-    double ss = 0.0;
-    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
-    // Warp butterflies, then the warps' sums in warp order: a fixed tree.
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (int w = 0; w < (int)blockDim.x / 32; ++w) t += red[w];
-        sc = (float)(1.0 / sqrt(t / (double)d + (double)eps));
-    }
-    __syncthreads();
-    const float scale = sc;
-    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) yr[i] = w ? xr[i] * scale * w[i] : xr[i] * scale;
+    const float scale = rms_inv(xr, d, eps);
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) yr[i] = rms_elem(xr, w, i, scale);
 }
 
 // Element k of one (token, head) row: a rotated pair (k < n_rot/2: writes k and
@@ -206,7 +193,7 @@ void silu(const float* x, float* y, int64_t n) {
     note_launch();
 }
 void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps) {
-    const int threads = d >= 256 ? 256 : (d >= 128 ? 128 : (d >= 64 ? 64 : 32));
+    const int threads = rms_threads(d);
     k_rms_norm<<<(unsigned)nrows, threads, 0, ctx().stream>>>(x, w, y, d, eps);
     note_launch();
 }

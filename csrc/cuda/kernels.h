@@ -10,11 +10,13 @@ namespace minfer::cuda {
 
 bool matvec_type_supported(int32_t wtype);
 
-// y[r] = dot(W row r, x) (+ bias[r]) (+ resid[r]) for r < out_dim; W rows of in_dim
-// elements of wtype (in_dim a multiple of 32), x f32. One token (decode).
-// One launch computing several matrices against the same x (fused q|k|v, gate|up):
-// each job's rows are bitwise what a separate matvec() gives. With W2 set, a job is a
-// SwiGLU pair: y = silu(W x + bias) * (W2 x + bias2).
+// Decode matvec: y[r] = dot(W row r, x) (+ bias[r]) (+ resid[r]) for r < rows. W rows
+// of in_dim elements of a weight type, in the device layout (cuda/layout.h), row_bytes
+// apart (in_dim a multiple of 32); x f32. Quantized weights meet an int8 copy of x
+// (blocks of 32, like the CPU's Q8 activations) in __dp4a; F32/F16 weights meet x in f32.
+// One launch computes several matrices against the same x (fused q|k|v, gate|up): each
+// job's rows are bitwise what a separate launch gives. With W2 set, a job is a SwiGLU
+// pair: y = silu(W x + bias) * (W2 x + bias2).
 struct MvJob {
     const uint8_t* W = nullptr;
     size_t row_bytes = 0;
@@ -29,25 +31,24 @@ struct MvJob {
     const float* bias2 = nullptr;
 };
 constexpr int MV_MAX_JOBS = 4;
-struct MvArgs {
-    MvJob job[MV_MAX_JOBS];
-    int block0[MV_MAX_JOBS];
-    int njobs, n_sub, tpr, rpb;
-    const float* x;
-    const int8_t* xq;   // x quantized to int8 in blocks of 32 (quantized weights)
-    const float2* xds;  // per block: (d, d * sum(q))
-};
-// scratch: matvec_scratch_bytes(in_dim) device bytes for the activation's int8 copy
-// (quantized weights dot it with __dp4a; F32/F16 weights use x itself). The
-// quantization is one more launch, shared by every job of the call.
-void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch);
-size_t matvec_scratch_bytes(int64_t in_dim);
-int matvec_tpr(int64_t in_dim);
+// scratch: matvec_scratch_bytes(in_dim, ncols) device bytes for the activations' int8
+// copy. xq_ready: the copy is already there (written by rms_norm_q8), skip the
+// quantization launch.
+// ncols > 1 (one job, no resid/W2): ncols tokens at once, x / y / the scratch holding
+// the tokens' rows one after another; each column's bits are those of ncols == 1 (the
+// weights are read once for all of them: a speculative block costs little more than a
+// single step).
+void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols = 1,
+                  bool xq_ready = false);
+size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols = 1);
+// rms_norm of one row (bitwise the plain kernel's y) that also writes the int8 copy of y
+// into scratch as matvec_multi lays it out.
+void rms_norm_q8(const float* x, const float* w, float* y, int64_t d, float eps, void* scratch);
 
 void matvec(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t out_dim, const float* x,
             const float* bias, const float* resid, float* y, void* scratch);
 
-// W (rows x in_dim of wtype) -> f16 rows (prefill GEMM operand).
+// W (rows x in_dim of wtype, device layout) -> f16 rows (prefill GEMM operand).
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out_f16);
 void f32_to_f16(const float* x, void* y, int64_t n);
 // y[t][o] += bias[o] (+ resid[t][o])

@@ -1,0 +1,56 @@
+#include "cuda/layout.h"
+
+#include <cstring>
+#include <stdexcept>
+
+namespace minfer::cuda {
+
+namespace {
+
+// GGUF block: where its scale(s), high bits and quants sit, and how big the scale is.
+struct Native {
+    int block, sc, sc_bytes, qh, qs;
+};
+Native native_of(int32_t t) {
+    switch (t) {
+        case T_Q4_0: return {18, 0, 2, -1, 2};
+        case T_Q4_1: return {20, 0, 4, -1, 4};
+        case T_Q5_0: return {22, 0, 2, 2, 6};
+        case T_Q5_1: return {24, 0, 4, 4, 8};
+        case T_Q8_0: return {34, 0, 2, -1, 2};
+        default: throw std::invalid_argument("pack_rows: not a packed type");
+    }
+}
+
+}  // namespace
+
+void pack_rows(int32_t t, const uint8_t* src, size_t row_bytes, int64_t rows, int64_t in_dim, uint8_t* dst) {
+    const size_t stride = device_row_bytes(t, row_bytes);
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* s = src + (size_t)r * row_bytes;
+        uint8_t* d = dst + (size_t)r * stride;
+        std::memset(d + row_bytes, 0, stride - row_bytes);
+        if (t == T_Q6_K) {
+            const int ns = (int)(in_dim / 256);
+            for (int b = 0; b < ns; ++b) {
+                const uint8_t* blk = s + (size_t)210 * b;
+                std::memcpy(d + q6k_ql(b), blk, 128);
+                std::memcpy(d + q6k_qh(ns, b), blk + 128, 64);
+                std::memcpy(d + q6k_sc(ns, b), blk + 192, 16);
+                std::memcpy(d + q6k_d(ns, b), blk + 208, 2);
+            }
+            continue;
+        }
+        const Native nv = native_of(t);
+        const Packed pk = packed_fields(t);
+        const int nb = (int)(in_dim / 32);
+        for (int c = 0; c < nb; ++c) {
+            const uint8_t* blk = s + (size_t)nv.block * c;
+            std::memcpy(d + (size_t)pk.qs_bytes * c, blk + nv.qs, pk.qs_bytes);
+            if (nv.qh >= 0) std::memcpy(d + (size_t)pk.qh_at * nb + 4 * c, blk + nv.qh, 4);
+            std::memcpy(d + (size_t)pk.sc_at * nb + (size_t)nv.sc_bytes * c, blk + nv.sc, nv.sc_bytes);
+        }
+    }
+}
+
+}  // namespace minfer::cuda

@@ -1,0 +1,48 @@
+// RMSNorm of one row, shared by the plain kernel and the one that also writes the int8
+// copy the next matvec reads: both reduce in the same fixed tree with the same block
+// size, so they give the same bits.
+#pragma once
+#include <cstdint>
+
+namespace minfer::cuda {
+
+inline int rms_threads(int64_t d) { return d >= 256 ? 256 : (d >= 128 ? 128 : (d >= 64 ? 64 : 32)); }
+
+// 1 / sqrt(mean(x^2) + eps) of row xr, in double; every thread of the block gets it.
+__device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int64_t d, float eps) {
+    __shared__ double red[8];
+    __shared__ float sc;
+    double ss = 0.0;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    // Warp butterflies, then the warps' sums in warp order: a fixed tree.
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double t = 0.0;
+        for (int w = 0; w < (int)blockDim.x / 32; ++w) t += red[w];
+        sc = (float)(1.0 / sqrt(t / (double)d + (double)eps));
+    }
+    __syncthreads();
+    return sc;
+}
+
+__device__ __forceinline__ float rms_elem(const float* __restrict__ xr, const float* __restrict__ w, int64_t i,
+                                          float scale) {
+    return w ? xr[i] * scale * w[i] : xr[i] * scale;
+}
+
+// One warp quantizes 32 consecutive values (v from lane) to int8: d = amax / 127 (0 for
+// an all-zero block), q = rint(v / d); ds = (d, d * sum(q)).
+__device__ __forceinline__ void quant_block_q8(float v, int lane, int8_t* __restrict__ q, float2* __restrict__ ds) {
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    const int qi = d > 0.0f ? __float2int_rn(v / d) : 0;
+    int sum = qi;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    q[lane] = (int8_t)qi;
+    if (lane == 0) *ds = make_float2(d, d * (float)sum);
+}
+
+}  // namespace minfer::cuda
