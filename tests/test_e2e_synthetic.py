@@ -141,14 +141,18 @@ def test_reference_selfcheck(model):
 def test_prefill_all_positions_match_reference(model):
     name, ref, refq, eng = model
     errs = []
-    for seq in _sequences(ref.n_vocab, 10):
-        eng.reset()
-        got = eng.forward(seq, n_out=len(seq))
-        assert eng.n_past == len(seq)
-        errs.append(_check(name, got, ref, refq, seq))
+    for seed in (10, 11, 12, 13):
+        for seq in _sequences(ref.n_vocab, seed):
+            eng.reset()
+            got = eng.forward(seq, n_out=len(seq))
+            assert eng.n_past == len(seq)
+            errs.append(_check(name, got, ref, refq, seq))
     # Flips spread to later positions through the KV cache, so one sequence can be off
-    # almost everywhere; over the 63 positions of all four at least a quarter are exact
-    # (measured >= 58% over 3 seeds), while a systematic error would leave none.
+    # almost everywhere. One seed's four sequences (63 positions) were too few: their exact
+    # fraction ranged 0.21-1.00 with the kernels of commit 454ee20 as with the repacked
+    # K-quants (the 40-token sequence alone is 63% of them, so one early flip decides it).
+    # Pooled over four seeds (252 positions) the worst model measured 0.47 and 0.53
+    # respectively, while a systematic error would leave none exact.
     frac = float(np.mean(np.concatenate(errs) < _exact_tol(name)))
     assert frac >= MIN_EXACT_FRACTION, f"{name}: only {frac:.2f} of positions match the act_quant reference exactly"
 

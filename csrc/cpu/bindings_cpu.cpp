@@ -13,6 +13,7 @@
 #include "cpu/executor.h"
 #include "cpu/pool.h"
 #include "cpu/quants.h"
+#include "cpu/repack.h"
 #include "py_weight_store.h"
 
 namespace py = pybind11;
@@ -183,6 +184,9 @@ void register_cpu_testing(py::module_& t) {
             else throw std::invalid_argument("kernel path must be 'scalar' or 'simd'");
         });
     t.def("kernel_path", []() { return kernel_path() == KernelPath::Scalar ? "scalar" : "simd"; });
+    // Whether the SIMD matmul of this build reads weights of a type from a repacked copy
+    // (cpu/repack.h), so tests know which kernel they pin.
+    t.def("repack_packable", [](int type) { return repack::packable(type); }, py::arg("type"));
 }
 
 }  // namespace minfer

@@ -13,6 +13,7 @@
 // So step s (s < 8) of a block pairs codes 4s..4s+3 of every row with activation bytes
 // 4s..4s+3, which one broadcast 32-bit load provides.
 #include "cpu/repack.h"
+#include "cpu/repack_k.h"
 
 #include <omp.h>
 
@@ -29,20 +30,7 @@
 #include <unistd.h>
 
 #include "common/ggml_types.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define RP_AVX2 1
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define RP_AVX512 1
-#endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define RP_VNNI 1
-#elif defined(__AVXVNNI__)
-#define RP_VNNI 1
-#define RP_AVXVNNI 1
-#endif
-#endif
+#include "cpu/repack_vec.h"
 
 namespace minfer::cpu::repack {
 
@@ -62,12 +50,6 @@ Layout layout_of(int32_t type) {
         case T_Q8_0: return {512, 0, 32, 128};
         default: throw std::invalid_argument("repack: unsupported type " + std::to_string(type));
     }
-}
-
-inline uint32_t load_u32(const uint8_t* p) {
-    uint32_t v;
-    std::memcpy(&v, p, 4);
-    return v;
 }
 
 // Unsigned codes (signed code + offset) and scale of one block of one row.
@@ -136,88 +118,6 @@ inline int32_t sum32(const int8_t* q) {
     return (int32_t)(_mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1)) - 32 * 128;
 }
 
-#define RP_UNROLL _Pragma("GCC unroll 8")
-
-// Vector traits: N lanes of 32 bits.
-#if defined(RP_AVX512)
-// GCC 12's own _mm512_undefined_* trips -Wmaybe-uninitialized inside its intrinsics.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-struct V16 {
-    static constexpr int N = 16;
-    using I = __m512i;
-    using F = __m512;
-    static I load(const uint8_t* p) { return _mm512_load_si512((const void*)p); }
-    static I set8(int v) { return _mm512_set1_epi8((char)v); }
-    static I and_(I a, I b) { return _mm512_and_si512(a, b); }
-    static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-    // a | (b & c) in one instruction
-    static I or_and(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0xF8); }
-    template <int K> static I srl16(I a) { return K == 0 ? a : _mm512_srli_epi16(a, K); }
-    template <int K> static I sll16(I a) { return K == 0 ? a : _mm512_slli_epi16(a, K); }
-    static I bcast(int32_t v) { return _mm512_set1_epi32(v); }
-    static I dot(I acc, I w, uint32_t a4) {
-#if defined(__AVX512VNNI__)
-        return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32((int)a4));
-#else
-        const __m512i p = _mm512_maddubs_epi16(w, _mm512_set1_epi32((int)a4));
-        return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
-#endif
-    }
-    static F zero() { return _mm512_setzero_ps(); }
-    static F loadh(const half* p) { return _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)p)); }
-    static F scale(F dw, float da) { return _mm512_mul_ps(dw, _mm512_set1_ps(da)); }
-    static F fma(F a, I b, F c) { return _mm512_fmadd_ps(a, _mm512_cvtepi32_ps(b), c); }
-    static void store(float* y, F v, int lo, int hi) {
-        if (lo == 0 && hi == N) _mm512_storeu_ps(y, v);
-        else _mm512_mask_storeu_ps(y, (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1)), v);
-    }
-};
-#endif
-
-struct V8 {
-    static constexpr int N = 8;
-    using I = __m256i;
-    using F = __m256;
-    static I load(const uint8_t* p) { return _mm256_load_si256((const __m256i*)p); }
-    static I set8(int v) { return _mm256_set1_epi8((char)v); }
-    static I and_(I a, I b) { return _mm256_and_si256(a, b); }
-    static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-    static I or_and(I a, I b, I c) {
-#if defined(RP_AVX512)
-        return _mm256_ternarylogic_epi32(a, b, c, 0xF8);
-#else
-        return _mm256_or_si256(a, _mm256_and_si256(b, c));
-#endif
-    }
-    template <int K> static I srl16(I a) { return K == 0 ? a : _mm256_srli_epi16(a, K); }
-    template <int K> static I sll16(I a) { return K == 0 ? a : _mm256_slli_epi16(a, K); }
-    static I bcast(int32_t v) { return _mm256_set1_epi32(v); }
-    static I dot(I acc, I w, uint32_t a4) {
-#if defined(RP_AVXVNNI)
-        return _mm256_dpbusd_avx_epi32(acc, w, _mm256_set1_epi32((int)a4));
-#elif defined(RP_VNNI)
-        return _mm256_dpbusd_epi32(acc, w, _mm256_set1_epi32((int)a4));
-#else
-        // No saturation: codes <= 31 here (Q8_0 is only packed where vpdpbusd exists).
-        const __m256i p = _mm256_maddubs_epi16(w, _mm256_set1_epi32((int)a4));
-        return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-#endif
-    }
-    static F zero() { return _mm256_setzero_ps(); }
-    static F loadh(const half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-    static F scale(F dw, float da) { return _mm256_mul_ps(dw, _mm256_set1_ps(da)); }
-    static F fma(F a, I b, F c) { return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(b), c); }
-    static void store(float* y, F v, int lo, int hi) {
-        if (lo == 0 && hi == N) {
-            _mm256_storeu_ps(y, v);
-            return;
-        }
-        alignas(32) float t[8];
-        _mm256_store_ps(t, v);
-        for (int i = lo; i < hi; ++i) y[i] = t[i];
-    }
-};
-
 // The 8 code vectors of block ib for lanes [lane0, lane0 + V::N) of the group.
 template <class V, int32_t T>
 inline void unpack(const uint8_t* g, int64_t nb, int64_t ib, int lane0, typename V::I w[8]) {
@@ -228,23 +128,9 @@ inline void unpack(const uint8_t* g, int64_t nb, int64_t ib, int lane0, typename
         RP_UNROLL
         for (int s = 0; s < 8; ++s) w[s] = V::load(qs + 64 * s);
     } else {
-        const uint8_t* qs = g + ib * 256 + bo;
-        const I m4 = V::set8(0x0F);
-        [[maybe_unused]] I h, m10;
+        nibbles<V>(g + ib * 256 + bo, w);
         if constexpr (T == T_Q5_0) {
-            h = V::load(g + nb * 256 + ib * 64 + bo);
-            m10 = V::set8(0x10);
-        }
-        const I q0 = V::load(qs), q1 = V::load(qs + 64), q2 = V::load(qs + 128), q3 = V::load(qs + 192);
-        w[0] = V::and_(q0, m4);
-        w[1] = V::and_(V::template srl16<4>(q0), m4);
-        w[2] = V::and_(q1, m4);
-        w[3] = V::and_(V::template srl16<4>(q1), m4);
-        w[4] = V::and_(q2, m4);
-        w[5] = V::and_(V::template srl16<4>(q2), m4);
-        w[6] = V::and_(q3, m4);
-        w[7] = V::and_(V::template srl16<4>(q3), m4);
-        if constexpr (T == T_Q5_0) {
+            const I h = V::load(g + nb * 256 + ib * 64 + bo), m10 = V::set8(0x10);
             // Bit t (low half of chunk t) and bit 4 + t (high half) moved to bit 4.
             w[0] = V::or_and(w[0], V::template sll16<4>(h), m10);
             w[1] = V::or_and(w[1], h, m10);
@@ -285,14 +171,6 @@ void group_kernel(const uint8_t* g, int64_t nb, size_t dplane, int lane0, const 
     RP_UNROLL
     for (int j = 0; j < NA; ++j) V::store(y + j * ldy, acc[j], lo, hi);
 }
-
-#if defined(RP_AVX512)
-using VK = V16;
-constexpr int kNA = 8;
-#else
-using VK = V8;
-constexpr int kNA = 4;
-#endif
 
 template <int32_t T>
 using KernFn = void (*)(const uint8_t*, int64_t, size_t, int, const uint8_t*, size_t, const Meta*, float*, int64_t,
@@ -342,6 +220,7 @@ void free_aligned(void* p) { std::free(p); }
 }  // namespace
 
 bool packable(int32_t type) {
+    if (k::handles(type)) return true;
 #if defined(RP_AVX2)
     if (type == T_Q4_0 || type == T_Q5_0) return true;
 #if defined(RP_VNNI)
@@ -362,16 +241,18 @@ static void drop_pages(const uint8_t* p, size_t n) {
 std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64_t out, int n_threads,
                              bool release_source) {
     if (!packable(type)) throw std::invalid_argument("repack: type " + std::to_string(type) + " is not packable here");
-    if (in <= 0 || in % 32 || out <= 0) throw std::invalid_argument("repack: bad shape");
-    const Layout L = layout_of(type);
+    const bool kq = k::handles(type);
+    const int64_t be = type_block_elems(type);
+    if (in <= 0 || in % be || out <= 0) throw std::invalid_argument("repack: bad shape");
+    const Layout L = kq ? Layout{} : layout_of(type);
     auto p = std::make_unique<Packed>();
     p->type = type;
     p->in = in;
     p->out = out;
-    p->nb = in / 32;
+    p->nb = in / be;
     p->groups = (out + G - 1) / G;
     // Rounded to 64 bytes so every group (and so every vector load in it) is aligned.
-    p->group_bytes = ((size_t)p->nb * (L.qs + L.qh + L.d) + 63) / 64 * 64;
+    p->group_bytes = kq ? k::group_bytes(type, p->nb) : ((size_t)p->nb * (L.qs + L.qh + L.d) + 63) / 64 * 64;
     const size_t total = (p->bytes() + 63) / 64 * 64;
     void* mem = std::aligned_alloc(64, total);
     if (!mem) throw std::bad_alloc();
@@ -389,7 +270,9 @@ std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64
         for (int64_t gi = g0; gi < g1; ++gi) {
             const uint8_t* rows[G];
             for (int r = 0; r < G; ++r) rows[r] = gi * G + r < out ? src + (size_t)(gi * G + r) * rb : nullptr;
-            for (int64_t ib = 0; ib < nb; ++ib) pack_block(type, L, rows, blk, ib, nb, dst + gi * p->group_bytes);
+            if (kq) k::pack_group(type, rows, nb, dst + gi * p->group_bytes);
+            else
+                for (int64_t ib = 0; ib < nb; ++ib) pack_block(type, L, rows, blk, ib, nb, dst + gi * p->group_bytes);
         }
         if (release_source) {
             const int64_t r0 = g0 * G, r1 = std::min(out, g1 * G);
@@ -405,6 +288,7 @@ void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* 
     r1 = std::min(r1, p.out);
     if (r0 >= r1 || nt <= 0) return;
     switch (p.type) {
+        case T_Q4_K: case T_Q6_K: return k::matmul(p, act, arb, nt, y, ldy, r0, r1);
         case T_Q4_0: return matmul_t<T_Q4_0>(p, act, arb, nt, y, ldy, r0, r1);
         case T_Q5_0: return matmul_t<T_Q5_0>(p, act, arb, nt, y, ldy, r0, r1);
 #if defined(RP_VNNI)

@@ -24,14 +24,15 @@
 
 namespace minfer::cpu::repack {
 
-// Whether this build repacks weights of type t (AVX2 or AVX-512 builds: Q4_0 and Q5_0;
-// Q8_0 also where vpdpbusd exists, since maddubs would saturate on code + 128).
+// Whether this build repacks weights of type t (AVX2 or AVX-512 builds: Q4_0, Q5_0, Q4_K
+// and Q6_K (cpu/repack_k.h); Q8_0 also where vpdpbusd exists, since maddubs would
+// saturate on code + 128).
 bool packable(int32_t type);
 
 struct Packed {
     int32_t type = 0;
     int64_t in = 0, out = 0;   // row length, rows
-    int64_t nb = 0;            // 32-element blocks per row
+    int64_t nb = 0;            // blocks per row (32 elements; 256 for the K-quants)
     int64_t groups = 0;        // ceil(out / 16); the last group is zero-padded
     size_t group_bytes = 0;    // nb * bytes per 16-row block
     std::unique_ptr<uint8_t, void (*)(void*)> data{nullptr, nullptr};
@@ -45,7 +46,7 @@ std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64
                              bool release_source = false);
 
 // Rows [r0, r1) of y[t * ldy + r] = dot(row r, activation t) for t < nt, activations in
-// the Q8_0 row format (arb bytes per row). r0 should be a multiple of 16 (any value is
+// the row format act_type_for(type) gives (Q8_0, or Q8_K for the K-quants; arb bytes per row). r0 should be a multiple of 16 (any value is
 // correct; a range that starts inside a group recomputes that group's other rows).
 void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
             int64_t r1);

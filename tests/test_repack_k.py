@@ -1,0 +1,101 @@
+"""The repacked K-quant matmul (csrc/cpu/repack_k.cpp: Q4_K / Q6_K weights interleaved in
+16-row groups, VNNI int8 dots against Q8_K activations) through one-step MATMUL plans.
+
+References are independent of the kernel: gguf's dequantization of the weight in float64,
+times the activation after ggml's Q8_K quantization (a NumPy port, test_quant_kernels.
+q8_K_roundtrip), and the exact product; the tolerances are test_quant_kernels'
+check_against_references ("tight": K-quant recursive-summation bound 8 * n * 2^-24 *
+sum|w||y|; "semantic": plus the Q8_K activation rounding amax/254 per element).
+
+Shapes cover row counts that are not a multiple of the 16-row group (1, 17, 40), token
+counts around the kernel's tile of 8 (AVX-512) or 4 (AVX2) tokens, and thread counts
+whose row split cuts groups unevenly (3, 5, 16 threads on 17-40 rows).
+"""
+
+import numpy as np
+import pytest
+
+import gguf
+from minfer import _core
+from test_quant_kernels import check_against_references, make_weight, run_matmul
+
+Q = gguf.GGMLQuantizationType
+KTYPES = [Q.Q4_K, Q.Q6_K]
+IN_DIM = 768  # three super-blocks
+
+
+@pytest.fixture(autouse=True)
+def simd_path():
+    _core.testing.set_kernel_path("simd")
+    yield
+
+
+def test_k_quants_are_packed_on_x86_simd_builds():
+    """The tests below pin the repacked kernel wherever the build has AVX2 or wider."""
+    f = _core.testing.cpu_features()
+    for qtype in KTYPES:
+        assert _core.testing.repack_packable(int(qtype)) == (f["simd_path"] in ("avx2", "avx512"))
+    assert not _core.testing.repack_packable(int(Q.Q5_K))
+
+
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("out_dim", [1, 17, 40])
+@pytest.mark.parametrize("nt", [1, 8, 9, 37])
+def test_packed_k_matches_reference(qtype, out_dim, nt):
+    rng = np.random.default_rng(17 * int(qtype) + 3 * out_dim + nt)
+    raw, deq = make_weight(qtype, out_dim, IN_DIM, rng)
+    x = rng.standard_normal((nt, IN_DIM)).astype(np.float32)
+    for n_threads in (1, 3, 16):
+        got = run_matmul(raw, qtype, IN_DIM, out_dim, x, n_threads=n_threads)
+        check_against_references(got, x, deq, qtype)
+
+
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_packed_k_bitwise_across_threads_and_batches(qtype):
+    """A (row, token) result does not depend on the thread split or on which tokens share
+    its tile: decode (one token) and prefill agree bit for bit."""
+    rng = np.random.default_rng(int(qtype))
+    out_dim, nt = 40, 19
+    raw, _ = make_weight(qtype, out_dim, IN_DIM, rng)
+    x = rng.standard_normal((nt, IN_DIM)).astype(np.float32)
+    ref = run_matmul(raw, qtype, IN_DIM, out_dim, x, n_threads=1)
+    for n_threads in (2, 3, 5, 16):
+        got = run_matmul(raw, qtype, IN_DIM, out_dim, x, n_threads=n_threads)
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), n_threads
+    for t in (0, 8, 18):
+        alone = run_matmul(raw, qtype, IN_DIM, out_dim, x[t:t + 1], n_threads=2)
+        assert np.array_equal(alone[0].view(np.uint32), ref[t].view(np.uint32)), t
+    tail = run_matmul(raw, qtype, IN_DIM, out_dim, x[5:], n_threads=3)
+    assert np.array_equal(tail.view(np.uint32), ref[5:].view(np.uint32))
+
+
+def extreme_blocks(qtype, rows, rng):
+    """Random blocks whose first rows hold the extreme codes and scales: the integer sums
+    that come closest to int32 (and the maddubs int16 pairs on AVX2) are exercised."""
+    raw, _ = make_weight(qtype, rows, IN_DIM, rng)
+    blocks = raw.reshape(rows, IN_DIM // 256, -1)
+    if qtype == Q.Q4_K:
+        blocks[0, :, 4:] = 0xFF  # scales = mins = 63, codes 15
+        blocks[1, :, 4:16] = 0xFF  # scales = mins = 63, codes 0
+        blocks[1, :, 16:] = 0
+    else:
+        blocks[0, :, :192] = 0xFF  # codes 63 (+31 signed)
+        blocks[0, :, 192:208] = np.uint8(0x7F)  # scales 127
+        blocks[1, :, :192] = 0  # codes 0 (-32 signed)
+        blocks[1, :, 192:208] = np.uint8(0x80)  # scales -128
+    raw = blocks.reshape(rows, -1)
+    deq = gguf.quants.dequantize(raw, qtype).reshape(rows, IN_DIM).astype(np.float32)
+    return raw, deq
+
+
+@pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
+def test_packed_k_extreme_codes(qtype):
+    rng = np.random.default_rng(100 + int(qtype))
+    raw, deq = extreme_blocks(qtype, 18, rng)
+    x = (rng.standard_normal((6, IN_DIM)) * 30).astype(np.float32)
+    x[1] = 0.0  # all-zero activation: d = 0, no division by zero
+    x[2] = 5.0  # every activation code 127
+    x[3] = -5.0  # every activation code -127
+    got = run_matmul(raw, qtype, IN_DIM, 18, x, n_threads=2)
+    check_against_references(got, x, deq, qtype)
+    assert np.all(got[1] == 0.0)
