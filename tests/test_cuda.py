@@ -558,7 +558,7 @@ def test_fused_equals_unfused_bitwise(synth, monkeypatch):
     seq = _sequences(ref.n_vocab, 4)[2]
     monkeypatch.setenv("MINFER_CUDA_FUSE", "none")
     base = _decode_run(path, seq, 5)
-    for fz in ("qkv", "ffn", "residual", "norm", "all"):
+    for fz in ("qkv", "ffn", "residual", "quant", "all"):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         got = _decode_run(path, seq, 5)
         assert got.tobytes() == base.tobytes(), f"fusion {fz} changed the logits"

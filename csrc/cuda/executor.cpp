@@ -63,6 +63,10 @@ struct CudaPlanState : PlanState {
     size_t attn_tk_bytes = 0;
     void* xq = nullptr;  // the decode matvec's int8 activation copy
     size_t xq_bytes = 0;
+    void* xq2 = nullptr;  // a second one: gate|up writes down's input while reading its own
+    size_t xq2_bytes = 0;
+    int* mv_tk = nullptr;  // matvec 32-row group tickets: zeroed at allocation, left zero by every launch
+    size_t mv_tk_bytes = 0;
     int direct_runs = 0;
     bool no_graph = false;  // capture failed once: launch directly from then on
     cudaGraphExec_t exec = nullptr;
@@ -74,7 +78,9 @@ struct CudaPlanState : PlanState {
         int kind;
         int s[4];
         int n;
-        bool xq_ready = false;  // the preceding rms_norm_q8 wrote this matvec's int8 input
+        bool xq_ready = false;  // the launch before wrote this matvec's int8 input (in scratch `slot`)
+        bool q_next = false;    // this launch writes the next one's int8 input
+        int slot = 0;           // the int8 input scratch this matvec reads: 0 = xq, 1 = xq2
     };
     std::vector<Launch> program;
     ~CudaPlanState() override {
@@ -86,6 +92,8 @@ struct CudaPlanState : PlanState {
         if (attn) cudaFree(attn);
         if (attn_tk) cudaFree(attn_tk);
         if (xq) cudaFree(xq);
+        if (xq2) cudaFree(xq2);
+        if (mv_tk) cudaFree(mv_tk);
     }
 };
 
@@ -166,7 +174,11 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
             const Step& ad = S[i + 1];
             const int y = S[i].buf[0];
             const bool one = (ad.buf[1] == y) != (ad.buf[2] == y);
-            if (one && ad.buf[0] != S[i].buf[1] && dead_after(plan, i + 1, y)) {
+            // Writing over the matvec's own input is safe when the kernel reads only
+            // its int8 copy (quantized weights: made before the matvec starts).
+            const int wt = ws.get(S[i].w[0]).type;
+            const bool reads_x = wt == T_F32 || wt == T_F16;
+            if (one && (ad.buf[0] != S[i].buf[1] || !reads_x) && dead_after(plan, i + 1, y)) {
                 st.program.push_back({L_MV_ADD, {(int)i, (int)i + 1, 0, 0}, 2});
                 i += 2;
                 continue;
@@ -209,17 +221,28 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         st.program.push_back({L_STEP, {(int)i, 0, 0, 0}, 1});
         ++i;
     }
-    // A one-row RMSNorm whose output is the next launch's matvec input quantizes it too.
-    for (size_t k = 0; (f & FUSE_NORM) && k + 1 < st.program.size(); ++k) {
+    // A one-token matvec's int8 input written by the launch producing it: a one-row
+    // RMSNorm, attention (the o projection's input) or gate|up + SwiGLU (down's, into
+    // the second scratch, as gate|up reads the first).
+    for (size_t k = 0; (f & FUSE_QUANT) && k + 1 < st.program.size(); ++k) {
         auto& L = st.program[k];
         auto& N = st.program[k + 1];
-        if (L.kind != L_STEP || N.kind == L_ROPE_STORE || N.kind == L_NORM_Q) continue;
-        const Step& nm = S[L.s[0]];
+        if (N.kind == L_ROPE_STORE || N.kind == L_NORM_Q) continue;
         const Step& m = S[N.s[0]];
-        if (nm.op == OP_RMS_NORM && nm.ip[1] == 1 && is_mv(m) && m.buf[1] == nm.buf[0] && m.ip[0] == nm.ip[0] &&
-            nm.ip[0] % 32 == 0) {
+        if (!is_mv(m)) continue;
+        const Step& p = S[L.s[0]];
+        if (L.kind == L_STEP && p.op == OP_RMS_NORM && p.ip[1] == 1 && m.buf[1] == p.buf[0] && m.ip[0] == p.ip[0] &&
+            p.ip[0] % 32 == 0) {
             L.kind = L_NORM_Q;
             N.xq_ready = true;
+        } else if (L.kind == L_STEP && p.op == OP_ATTN && p.ip[0] == 1 && m.buf[1] == p.buf[0] &&
+                   m.ip[0] == p.ip[1] * p.ip[3]) {
+            L.q_next = true;
+            N.xq_ready = true;
+        } else if (L.kind == L_SWIGLU && S[L.s[2]].buf[0] == m.buf[1] && p.ip[1] % 32 == 0 && m.ip[0] == p.ip[1]) {
+            L.q_next = true;
+            N.xq_ready = true;
+            N.slot = 1;
         }
     }
     st.flags = plan.flags;
@@ -243,7 +266,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = pool.size(id);
         return true;
     });
-    size_t wh = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0;
+    size_t wh = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, mvtk = 0;
     for (const Step& s : plan.steps) {
         const int64_t* ip = s.ip;
         switch (s.op) {
@@ -257,6 +280,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 if (!matvec_type_supported(w.type)) fail(s, "weight type " + std::to_string(w.type) + " has no CUDA kernel");
                 if (ip[0] % 32) fail(s, "CUDA matmuls need a row length that is a multiple of 32");
                 if (ip[2] <= kRowExactMaxTokens) xqb = std::max(xqb, matvec_scratch_bytes(ip[0], ip[2]));
+                // gate|up's rows are down's input: its 32-row group tickets and the second scratch
+                if (ip[2] == 1) mvtk = std::max(mvtk, (size_t)(ip[1] / 32 + 1) * sizeof(int));
                 if (ip[2] > kRowExactMaxTokens) {
                     if (w.type != T_F32 && w.type != T_F16) wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
                     if (w.type != T_F32) xh = std::max(xh, (size_t)(ip[0] * ip[2] * 2));
@@ -295,7 +320,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = need;
     };
     if (st.exec && (wh > st.wh_bytes || xh > st.xh_bytes || attn > st.attn_bytes || attn_tk > st.attn_tk_bytes ||
-                    xqb > st.xq_bytes)) {
+                    xqb > st.xq_bytes || xqb > st.xq2_bytes || mvtk > st.mv_tk_bytes)) {
         cudaStreamSynchronize(ctx().stream);
         cudaGraphExecDestroy(st.exec);
         st.exec = nullptr;
@@ -303,6 +328,13 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     grow(st.wh, st.wh_bytes, wh);
     grow(st.xh, st.xh_bytes, xh);
     grow(st.xq, st.xq_bytes, xqb);
+    grow(st.xq2, st.xq2_bytes, xqb);
+    if (mvtk > st.mv_tk_bytes) {
+        void* m = st.mv_tk;
+        grow(m, st.mv_tk_bytes, mvtk);
+        MC_CHECK(cudaMemsetAsync(m, 0, mvtk, ctx().stream));
+        st.mv_tk = (int*)m;
+    }
     void* a = st.attn;
     grow(a, st.attn_bytes, attn);
     st.attn = (float*)a;
@@ -321,8 +353,10 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
 
 namespace {
 
+// xq_ready / xq: a one-token matvec's int8 input is already in xq (else it uses st.xq);
+// q_next: attention also writes its output's int8 copy into st.xq.
 void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st,
-                 bool xq_ready = false) {
+                 bool xq_ready = false, void* xq = nullptr, bool q_next = false) {
     Context& c = ctx();
     const int64_t* ip = s.ip;
     auto F = [&](int slot) { return (float*)pool.data(s.buf[slot]); };
@@ -348,7 +382,7 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
                 j.rows = (int)out;
                 j.bias = bias;
                 j.y = F(0);
-                matvec_multi(&j, 1, in, F(1), st.xq, (int)nt, xq_ready);
+                matvec_multi(&j, 1, in, F(1), xq ? xq : st.xq, (int)nt, xq_ready);
                 break;
             }
             const float one = 1.0f, zero = 0.0f;
@@ -394,6 +428,10 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
             a.out = F(0);
             a.nt = ip[0]; a.nh = ip[1]; a.nkv = ip[2]; a.hd = ip[3]; a.n_ctx = ip[4];
             a.scale = s.fp[0];
+            if (q_next) {
+                a.q_out = (int8_t*)st.xq;
+                a.ds_out = (float2*)((uint8_t*)st.xq + ip[1] * ip[3]);
+            }
             attention(a, st.attn, st.attn_tk, c.err_dev);
             break;
         }
@@ -417,8 +455,9 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
                    const DevWeights& dw, CudaPlanState& st) {
     const auto& S = plan.steps;
     auto F = [&](const Step& s, int slot) { return (float*)pool.data(s.buf[slot]); };
+    void* xq = L.slot ? st.xq2 : st.xq;
     switch (L.kind) {
-        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready); break;
+        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready, xq, L.q_next); break;
         case L_NORM_Q: {
             const Step& s = S[L.s[0]];
             rms_norm_q8(F(s, 1), s.w[0] >= 0 ? (const float*)dw.get(s.w[0]) : nullptr, F(s, 0), s.ip[0], s.fp[0], st.xq);
@@ -427,7 +466,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
         case L_MV: {
             MvJob jobs[MV_MAX_JOBS];
             for (int k = 0; k < L.n; ++k) jobs[k] = job_of(S[L.s[k]], pool, ws, dw);
-            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), st.xq, 1, L.xq_ready);
+            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready);
             break;
         }
         case L_SWIGLU: {
@@ -439,7 +478,12 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             j.type2 = ju.type;
             j.bias2 = ju.bias;
             j.y = F(sw, 0);
-            matvec_multi(&j, 1, g.ip[0], F(g, 1), st.xq, 1, L.xq_ready);
+            if (L.q_next) {
+                j.q_out = (int8_t*)st.xq2;
+                j.ds_out = (float2*)((uint8_t*)st.xq2 + g.ip[1]);
+                j.tickets = st.mv_tk;
+            }
+            matvec_multi(&j, 1, g.ip[0], F(g, 1), xq, 1, L.xq_ready);
             break;
         }
         case L_MV_ADD: {
@@ -447,7 +491,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             MvJob j = job_of(m, pool, ws, dw);
             j.resid = F(ad, ad.buf[1] == m.buf[0] ? 2 : 1);
             j.y = F(ad, 0);
-            matvec_multi(&j, 1, m.ip[0], F(m, 1), st.xq, 1, L.xq_ready);
+            matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready);
             break;
         }
         case L_ROPE_STORE: {

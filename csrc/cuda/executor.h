@@ -36,7 +36,8 @@ enum PlanFlags : int32_t {
     FUSE_QKV = 1,       // consecutive matvecs over one input in one launch; rope q + rope k + KV store in one
     FUSE_FFN = 2,       // gate|up matvecs + SwiGLU in one launch
     FUSE_RESIDUAL = 4,  // a matvec followed by a residual add: the add in the matvec epilogue
-    FUSE_NORM = 8,      // a one-row RMSNorm feeding a matvec also writes the matvec's int8 input
+    FUSE_QUANT = 8,     // a decode matvec's int8 input is written by the kernel producing it
+                        // (one-row RMSNorm, attention, gate|up + SwiGLU) instead of a launch of its own
 };
 
 struct ProfileEntry {

@@ -16,6 +16,8 @@
 
 #include "cuda/context.h"
 #include "cuda/kernels.h"
+#include "cuda/launch.cuh"
+#include "cuda/norm.cuh"
 
 namespace minfer::cuda {
 
@@ -61,9 +63,22 @@ __device__ __forceinline__ void merge_chunks(const float* pp, int n_splits, int 
     }
 }
 
+// The int8 copy of one (token, head) output row the warp has just written (a head is
+// whole 32-element blocks), as k_quant_q8 would make it.
+template <int HD>
+__device__ __forceinline__ void quant_head(const AttnDev& a, int64_t off, int lane) {
+    if (!a.q_out) return;
+    __syncwarp();
+#pragma unroll
+    for (int b = 0; b < HD / 32; ++b)
+        quant_block_q8(a.out[off + 32 * b + lane], lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
+}
+
 template <int HD>
 __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, int chunk, float* __restrict__ part,
                                                      int* __restrict__ ticket, int* err) {
+    pdl_wait();
+    pdl_trigger();
     constexpr int EPL = HD / 32;  // head dims per lane
     __shared__ float qs[WARPS][HD];
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -144,6 +159,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
         for (int j = 0; j < EPL; ++j) o[j] = acc[j] * inv;
+        quant_head<HD>(a, t * a.nh * HD + h * HD, lane);
     } else {
         float* pp = part + pair * n_splits * (HD + 2);
         float* mine = pp + split * (HD + 2);
@@ -163,6 +179,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         if (tk != n_splits - 1) return;
         __threadfence();
         merge_chunks<HD>(pp, n_splits, lane, a.out + t * a.nh * HD + h * HD);
+        quant_head<HD>(a, t * a.nh * HD + h * HD, lane);
         // Every chunk of this pair has drawn its ticket: ready for the next launch.
         if (lane == 0) ticket[pair] = 0;
     }
@@ -197,15 +214,13 @@ void attention(const AttnDev& a, float* scratch, int* tickets, int* err) {
     const int chunk = chunk_of(a.n_ctx, n_splits);
     const int64_t pairs = a.nt * a.nh;
     dim3 grid((unsigned)((pairs + WARPS - 1) / WARPS), (unsigned)n_splits);
-    cudaStream_t st = ctx().stream;
     switch (a.hd) {
-        case 32: k_attn<32><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, tickets, err); break;
-        case 64: k_attn<64><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, tickets, err); break;
-        case 128: k_attn<128><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, tickets, err); break;
-        case 256: k_attn<256><<<grid, WARPS * 32, 0, st>>>(a, n_splits, chunk, scratch, tickets, err); break;
+        case 32: launch(k_attn<32>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 64: launch(k_attn<64>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 128: launch(k_attn<128>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 256: launch(k_attn<256>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
         default: throw std::invalid_argument("attention: unsupported head dim");
     }
-    note_launch();
 }
 
 }  // namespace minfer::cuda

@@ -5,6 +5,7 @@
 
 #include "cuda/context.h"
 #include "cuda/kernels.h"
+#include "cuda/launch.cuh"
 #include "cuda/quant.cuh"
 #include "cuda/norm.cuh"
 #include "cuda/silu.cuh"
@@ -272,23 +273,27 @@ template <> struct Unit<T_F32> {
     }
 };
 
+// The first trip's weights are loaded before pdl_wait(): no kernel writes weights, so
+// those loads overlap the previous kernel's tail; x is read only after the wait.
 template <int T, int NC>
 __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int lane, float acc[NC]) {
     const int nu = Unit<T>::count(a.nb);
     int u = lane;
-    for (; u + 32 < nu; u += 64) {
-        Unit<T> w0, w1;
-        w0.load(row, u, a.nb);
-        w1.load(row, u + 32, a.nb);
+    Unit<T> w0, w1;
+    if (u < nu) w0.load(row, u, a.nb);
+    if (u + 32 < nu) w1.load(row, u + 32, a.nb);
+    pdl_wait();
+    while (u + 32 < nu) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             acc[c] = fadd(acc[c], w0.dot(a, c, u));
             acc[c] = fadd(acc[c], w1.dot(a, c, u + 32));
         }
+        u += 64;
+        if (u < nu) w0.load(row, u, a.nb);
+        if (u + 32 < nu) w1.load(row, u + 32, a.nb);
     }
     if (u < nu) {
-        Unit<T> w0;
-        w0.load(row, u, a.nb);
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[c] = fadd(acc[c], w0.dot(a, c, u));
     }
@@ -318,12 +323,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 template <int NC>
 __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
+    pdl_trigger();
     int j = 0;
     while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
     const MvJob& jb = a.job[j];
     const int lane = threadIdx.x & 31;
     const int row = (blockIdx.x - a.block0[j]) * MV_WARPS + (threadIdx.x >> 5);
-    if (row >= jb.rows) return;  // a whole warp: no block-wide sync below
+    if (row >= jb.rows) return;  // a whole warp (it reads and writes nothing): no block-wide sync below
     float acc[NC], acc2[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
@@ -334,23 +340,43 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
         acc[c] = warp_sum(acc[c]);
         if (jb.W2) acc2[c] = warp_sum(acc2[c]);
     }
-    if (lane != 0) return;
+    if (lane == 0) {
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        float r = acc[c];
-        if (jb.bias) r = fadd(r, jb.bias[row]);
-        if (jb.resid) r = fadd(r, jb.resid[(size_t)c * jb.rows + row]);
-        if (jb.W2) {
-            float u = acc2[c];
-            if (jb.bias2) u = fadd(u, jb.bias2[row]);
-            r = silu_f(r) * u;
+        for (int c = 0; c < NC; ++c) {
+            float r = acc[c];
+            if (jb.bias) r = fadd(r, jb.bias[row]);
+            if (jb.resid) r = fadd(r, jb.resid[(size_t)c * jb.rows + row]);
+            if (jb.W2) {
+                float u = acc2[c];
+                if (jb.bias2) u = fadd(u, jb.bias2[row]);
+                r = silu_f(r) * u;
+            }
+            jb.y[(size_t)c * jb.rows + row] = r;
         }
-        jb.y[(size_t)c * jb.rows + row] = r;
+    }
+    if (NC == 1 && jb.q_out) {
+        // rows % 32 == 0: every warp of the block has a row, all reach the barriers.
+        // Publish y, then draw the group's ticket (threadFenceReduction's pattern); the
+        // block drawing the last one reads the group through L2 and quantizes it.
+        __shared__ int s_ticket;
+        constexpr int kBlocksPerGroup = 32 / MV_WARPS;
+        const int g = row / 32;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) s_ticket = atomicAdd(jb.tickets + g, 1);
+        __syncthreads();
+        if (s_ticket == kBlocksPerGroup - 1 && threadIdx.x < 32) {
+            __threadfence();
+            quant_block_q8(__ldcg(jb.y + 32 * g + lane), lane, jb.q_out + 32 * g, jb.ds_out + g);
+            if (lane == 0) jb.tickets[g] = 0;
+        }
     }
 }
 
 // The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
 __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
+    pdl_wait();
+    pdl_trigger();
     const int blk = (int)((blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32);
     const int lane = threadIdx.x % 32;
     if (blk >= n_blocks) return;
@@ -360,6 +386,8 @@ __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __
 // One row: y = rms_norm(x) * w as k_rms_norm computes it, and y's int8 copy.
 __global__ void k_rms_norm_q8(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                               int64_t d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds) {
+    pdl_wait();
+    pdl_trigger();
     const float scale = rms_inv(x, d, eps);
     const int lane = threadIdx.x % 32;
     // d is a multiple of 32 and the block of warps: each trip of a warp is one aligned block.
@@ -393,6 +421,8 @@ __global__ void k_dequant_f16(const uint8_t* __restrict__ W, size_t row_bytes, i
 template <int T>
 __global__ void k_get_rows_q(const uint8_t* __restrict__ table, size_t row_bytes, int n_chunks,
                              const int32_t* __restrict__ ids, int64_t n_rows, float* __restrict__ y, int* err) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t t = blockIdx.x;
     const int32_t id = ids[t];
     float* yr = y + t * (int64_t)n_chunks * 32;
@@ -415,6 +445,8 @@ __global__ void k_get_rows_q(const uint8_t* __restrict__ table, size_t row_bytes
 // F32/F16 tables whose rows are not a whole number of 32-element chunks.
 __global__ void k_get_rows_plain(int32_t wtype, const uint8_t* __restrict__ table, size_t row_bytes, int64_t d,
                                  const int32_t* __restrict__ ids, int64_t n_rows, float* __restrict__ y, int* err) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t t = blockIdx.x;
     const int32_t id = ids[t];
     const bool ok = id >= 0 && id < n_rows;
@@ -457,8 +489,7 @@ namespace {
 
 template <int NC>
 void launch_mv(const MvArgs& a, unsigned blocks) {
-    k_matvec<NC><<<blocks, MV_WARPS * 32, 0, ctx().stream>>>(a);
-    note_launch();
+    launch(k_matvec<NC>, blocks, MV_WARPS * 32, a);
 }
 
 }  // namespace
@@ -481,8 +512,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     if (quant && !scratch) throw std::invalid_argument("matvec_multi: quantized weights need the activation scratch");
     if (quant && !xq_ready) {
         const int n = nb * ncols;
-        k_quant_q8<<<(unsigned)((n * 32 + 255) / 256), 256, 0, ctx().stream>>>(x, n, (int8_t*)a.xq, (float2*)a.xds);
-        note_launch();
+        launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int8_t*)a.xq, (float2*)a.xds);
     }
     a.njobs = njobs;
     int b = 0;
@@ -528,8 +558,7 @@ void matvec(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int6
 void rms_norm_q8(const float* x, const float* w, float* y, int64_t d, float eps, void* scratch) {
     int8_t* q = (int8_t*)scratch;
     float2* ds = (float2*)((uint8_t*)scratch + d);
-    k_rms_norm_q8<<<1, rms_threads(d), 0, ctx().stream>>>(x, w, y, d, eps, q, ds);
-    note_launch();
+    launch(k_rms_norm_q8, 1, rms_threads(d), x, w, y, d, eps, q, ds);
 }
 
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out) {

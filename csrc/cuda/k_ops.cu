@@ -7,6 +7,7 @@
 
 #include "cuda/context.h"
 #include "cuda/kernels.h"
+#include "cuda/launch.cuh"
 #include "cuda/norm.cuh"
 #include "cuda/silu.cuh"
 
@@ -18,6 +19,8 @@ inline unsigned blocks_for(int64_t n, int threads) { return (unsigned)((n + thre
 
 template <int OP>
 __global__ void k_binary(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y, int64_t n) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     if (OP == 0) y[i] = a[i] + b[i];
@@ -29,6 +32,8 @@ __global__ void k_binary(const float* __restrict__ a, const float* __restrict__ 
 // One block per row; a fixed tree over double partial sums.
 __global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int64_t d,
                            float eps) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t r = blockIdx.x;
     const float* xr = x + r * d;
     float* yr = y + r * d;
@@ -58,6 +63,8 @@ __device__ __forceinline__ void rope_elem(const float* __restrict__ xr, int64_t 
 // One thread per (token, head, rotated pair); pass-through of dims past n_rot.
 __global__ void k_rope_neox(const float* __restrict__ x, float* __restrict__ y, const int32_t* __restrict__ pos,
                             int64_t nt, int64_t nh, int64_t hd, int64_t n_rot, float freq_base, int* err) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t half = n_rot / 2;
     const int64_t per_row = hd - half;  // half pairs + (hd - n_rot) pass-through
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -75,6 +82,8 @@ __global__ void k_rope_neox(const float* __restrict__ x, float* __restrict__ y, 
 // v rows into the f16 cache, in one launch. Every value is computed by rope_elem and
 // converted by __float2half_rn exactly as the separate kernels do.
 __global__ void k_rope2_store(RopeStoreArgs a) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t half = a.n_rot / 2;
     const int64_t per_row = a.hd - half;
     const int64_t nq = a.nt * a.nhq * per_row, nk = a.nt * a.nhk * per_row, kv_dim = a.nhk * a.hd;
@@ -121,6 +130,8 @@ __global__ void k_rope2_store(RopeStoreArgs a) {
 
 __global__ void k_get_rows_f32(const float* __restrict__ x, int64_t d, const int32_t* __restrict__ ids, int64_t n_src,
                                float* __restrict__ y, int* err) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t t = blockIdx.x;
     const int32_t id = ids[t];
     const bool ok = id >= 0 && id < n_src;
@@ -130,6 +141,8 @@ __global__ void k_get_rows_f32(const float* __restrict__ x, int64_t d, const int
 
 __global__ void k_kv_store(const float* __restrict__ k, const float* __restrict__ v, const int32_t* __restrict__ cells,
                            int64_t kv_dim, int64_t n_ctx, __half* __restrict__ kc, __half* __restrict__ vc, int* err) {
+    pdl_wait();
+    pdl_trigger();
     const int64_t t = blockIdx.x;
     const int32_t c = cells[t];
     if (c < 0 || c >= n_ctx) {
@@ -177,46 +190,37 @@ __global__ void k_argmax(const float* __restrict__ x, int64_t n, int32_t* out, c
 }  // namespace
 
 void add(const float* a, const float* b, float* y, int64_t n) {
-    k_binary<0><<<blocks_for(n, 256), 256, 0, ctx().stream>>>(a, b, y, n);
-    note_launch();
+    launch(k_binary<0>, blocks_for(n, 256), 256, a, b, y, n);
 }
 void mul(const float* a, const float* b, float* y, int64_t n) {
-    k_binary<1><<<blocks_for(n, 256), 256, 0, ctx().stream>>>(a, b, y, n);
-    note_launch();
+    launch(k_binary<1>, blocks_for(n, 256), 256, a, b, y, n);
 }
 void swiglu(const float* g, const float* u, float* y, int64_t n) {
-    k_binary<2><<<blocks_for(n, 256), 256, 0, ctx().stream>>>(g, u, y, n);
-    note_launch();
+    launch(k_binary<2>, blocks_for(n, 256), 256, g, u, y, n);
 }
 void silu(const float* x, float* y, int64_t n) {
-    k_binary<3><<<blocks_for(n, 256), 256, 0, ctx().stream>>>(x, x, y, n);
-    note_launch();
+    launch(k_binary<3>, blocks_for(n, 256), 256, x, x, y, n);
 }
 void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps) {
     const int threads = rms_threads(d);
-    k_rms_norm<<<(unsigned)nrows, threads, 0, ctx().stream>>>(x, w, y, d, eps);
-    note_launch();
+    launch(k_rms_norm, (unsigned)nrows, threads, x, w, y, d, eps);
 }
 void rope_neox(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
                float freq_base, int* err) {
     const int64_t n = nt * nh * (hd - n_rot / 2);
-    k_rope_neox<<<blocks_for(n, 128), 128, 0, ctx().stream>>>(x, y, pos, nt, nh, hd, n_rot, freq_base, err);
-    note_launch();
+    launch(k_rope_neox, blocks_for(n, 128), 128, x, y, pos, nt, nh, hd, n_rot, freq_base, err);
 }
 void rope2_store(const RopeStoreArgs& a) {
     const int64_t per_row = a.hd - a.n_rot / 2;
     const int64_t n = a.nt * (a.nhq + a.nhk) * per_row + a.nt * a.nhk * a.hd;
-    k_rope2_store<<<blocks_for(n, 128), 128, 0, ctx().stream>>>(a);
-    note_launch();
+    launch(k_rope2_store, blocks_for(n, 128), 128, a);
 }
 void get_rows_f32(const float* x, int64_t d, const int32_t* ids, int64_t n, int64_t n_src, float* y, int* err) {
-    k_get_rows_f32<<<(unsigned)n, 128, 0, ctx().stream>>>(x, d, ids, n_src, y, err);
-    note_launch();
+    launch(k_get_rows_f32, (unsigned)n, 128, x, d, ids, n_src, y, err);
 }
 void kv_store_f16(const float* k, const float* v, const int32_t* cells, int64_t nt, int64_t kv_dim, int64_t n_ctx,
                   void* kc, void* vc, int* err) {
-    k_kv_store<<<(unsigned)nt, 128, 0, ctx().stream>>>(k, v, cells, kv_dim, n_ctx, (__half*)kc, (__half*)vc, err);
-    note_launch();
+    launch(k_kv_store, (unsigned)nt, 128, k, v, cells, kv_dim, n_ctx, (__half*)kc, (__half*)vc, err);
 }
 void argmax(const float* x, int64_t n, int32_t* out, const int* err) {
     k_argmax<<<1, 1024, 0, ctx().stream>>>(x, n, out, err);

@@ -29,6 +29,12 @@ struct MvJob {
     size_t row_bytes2 = 0;
     int type2 = 0;
     const float* bias2 = nullptr;
+    // Also write y's int8 copy (the next matvec's input, laid out as its scratch) here:
+    // the last of the blocks that computed a 32-row group (an integer ticket per group,
+    // zero before and after every launch) quantizes it. Needs ncols == 1, rows % 32 == 0.
+    int8_t* q_out = nullptr;
+    float2* ds_out = nullptr;
+    int* tickets = nullptr;
 };
 constexpr int MV_MAX_JOBS = 4;
 // scratch: matvec_scratch_bytes(in_dim, ncols) device bytes for the activations' int8
@@ -88,6 +94,9 @@ struct AttnDev {
     float* out;
     int64_t nt, nh, nkv, hd, n_ctx;
     float scale;
+    // Also write out's int8 copy (the next matvec's input, laid out as its scratch).
+    int8_t* q_out = nullptr;
+    float2* ds_out = nullptr;
 };
 bool attn_head_dim_supported(int64_t hd);
 // Up to this many token rows, matmuls run the decode matvec once per row and attention

@@ -6,11 +6,12 @@
 
 namespace minfer::cuda {
 
-inline int rms_threads(int64_t d) { return d >= 256 ? 256 : (d >= 128 ? 128 : (d >= 64 ? 64 : 32)); }
+// A thread per element up to 1024: the norm is one block on the decode critical path.
+inline int rms_threads(int64_t d) { return d >= 1024 ? 1024 : (int)((d + 31) / 32 * 32); }
 
 // 1 / sqrt(mean(x^2) + eps) of row xr, in double; every thread of the block gets it.
 __device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int64_t d, float eps) {
-    __shared__ double red[8];
+    __shared__ double red[32];
     __shared__ float sc;
     double ss = 0.0;
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];

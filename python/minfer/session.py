@@ -70,7 +70,7 @@ class Context:
         fz = _cuda_fusions() if gpu and fuse else frozenset()
         self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
                                gpu=gpu, fuse_qkv="qkv" in fz, fuse_ffn="ffn" in fz,
-                               fuse_residual="residual" in fz, fuse_norm="norm" in fz, kv_type=kv_type)
+                               fuse_residual="residual" in fz, fuse_quant="quant" in fz, kv_type=kv_type)
         self._params: dict = {}        # (n_tokens, n_out) -> GraphParams for self.cparams
         self._installed = None         # the params of the graph whose plans are current
         self._out = None               # (device, buffer id, n_vocab, rows) of the logits

@@ -1,0 +1,54 @@
+// Programmatic dependent launch (PDL, sm_90): a kernel launched with launch() may start
+// while the kernel before it on the stream is finishing. It must call pdl_wait() before
+// it touches anything an earlier kernel writes (every input, and every output an
+// earlier kernel may still read); what it does before that (index math, loading
+// weights, which no kernel writes) overlaps the previous kernel's tail. pdl_trigger()
+// lets the next kernel launch once every block of this one has started.
+// MINFER_CUDA_PDL=0 launches plainly (the waits then return at once).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "cuda/context.h"
+
+namespace minfer::cuda {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+inline bool pdl_enabled() {
+    static const bool on = [] {
+        const char* e = std::getenv("MINFER_CUDA_PDL");
+        return !(e && std::strcmp(e, "0") == 0);
+    }();
+    return on;
+}
+
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, Args&&... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = ctx().stream;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = pdl_enabled() ? 1 : 0;
+    check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "cudaLaunchKernelEx");
+    note_launch();
+}
+
+}  // namespace minfer::cuda
