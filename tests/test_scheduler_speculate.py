@@ -106,6 +106,22 @@ def test_mixed_speculating_and_plain_jobs_equal_each_alone(model):
     assert drafted > 0 and accepted > 0  # prompt lookup found something, and some of it held
 
 
+def test_greedy_with_a_repeat_penalty_equals_plain(model):
+    """Temperature 0 with a penalty: the verify reads the penalised argmax, with the
+    block's own accepted drafts in the penalty window, as plain steps would."""
+    sp = SamplingParams(temperature=0.0, repeat_penalty=1.3, repeat_last_n=16)
+    ps = prompts(3, seed=8)
+    sched = scheduler(model)
+    try:
+        got = run_jobs(sched, [dict(prompt_ids=p, n_predict=30, sampling=sp, speculate=SpecRequest("ngram", 6))
+                               for p in ps])
+    finally:
+        assert sched.stop()
+    for p, g in zip(ps, got):
+        assert g["ids"] == Session(model, n_ctx=CTX).generate(p, 30, sp, stop_at_eog=False).ids
+    assert sum(g["done"].usage["speculation"]["drafted"] for g in got) > 0
+
+
 def test_the_same_job_alone_or_batched_with_speculating_neighbours(model):
     p = prompts(1, seed=2)[0]
     sched = scheduler(model)
