@@ -264,3 +264,31 @@ def test_a_scheduler_default_must_be_ngram(model):
         Scheduler(model, n_slots=1, n_ctx=64, speculate=SpecRequest("draft", 8))
     with pytest.raises(MinferError):
         Scheduler(model, n_slots=1, n_ctx=64, speculate=SpecRequest("ngram", 0))
+
+
+def test_drafts_stay_within_the_backends_row_exact_limit(model):
+    """Where a backend computes only up to N rows exactly (CUDA: 16), a decode-only step
+    never exceeds N rows with its drafts, and a step with a prompt chunk drafts nothing.
+    Set here on the CPU context, whose rows are exact at any count."""
+    ps = prompts(4, seed=9)
+    sched = Scheduler(model, n_slots=3, n_ctx=CTX, chunk=8)
+    sched.ctx.row_exact_max = 6
+    seen = []
+    real = sched.ctx.decode_batch
+
+    def spy(items, copy=True):
+        seen.append([(len(it[1]), it[2]) for it in items])
+        return real(items, copy)
+
+    sched.ctx.decode_batch = spy
+    sched.start()
+    try:
+        got = run_jobs(sched, [dict(prompt_ids=p, n_predict=30, speculate=SpecRequest("ngram", 8)) for p in ps])
+    finally:
+        assert sched.stop()
+    for p, g in zip(ps, got):
+        assert g["ids"] == alone(model, p, 30).ids
+    drafted_steps = [step for step in seen if any(k > 1 for _, k in step)]
+    assert drafted_steps  # the cap left room to draft
+    for step in drafted_steps:
+        assert sum(n for n, _ in step) <= 6 and all(n == k for n, k in step)  # no prompt chunk rode along

@@ -42,6 +42,11 @@ def _cuda_fusions() -> frozenset:
     return fusions_from_env()
 
 
+def _cuda_row_exact_max() -> int:
+    from minfer import _core
+    return int(_core.CUDA_ROW_EXACT_MAX_TOKENS)
+
+
 class Context:
     """One graph cache + KV arena shared by up to n_seq sequences run together."""
 
@@ -71,6 +76,10 @@ class Context:
         self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
                                gpu=gpu, fuse_qkv="qkv" in fz, fuse_ffn="ffn" in fz,
                                fuse_residual="residual" in fz, fuse_quant="quant" in fz, kv_type=kv_type)
+        # Up to how many token rows a forward gives each row's logits bitwise as a lone
+        # step would (None: any number; the CPU kernels are row-independent). The CUDA
+        # backend takes a GEMM path above its limit.
+        self.row_exact_max = _cuda_row_exact_max() if gpu else None
         self._params: dict = {}        # (n_tokens, n_out) -> GraphParams for self.cparams
         self._installed = None         # the params of the graph whose plans are current
         self._out = None               # (device, buffer id, n_vocab, rows) of the logits

@@ -290,6 +290,14 @@ class Scheduler:
             self._rr += self.max_batch
         items = []
         budget = self.chunk
+        # Drafted rows must not push the step past the rows the backend computes exactly
+        # (row by row as a lone step would): on CUDA, drafts only while a decode-only
+        # step stays within its limit. On the CPU any number of rows is exact.
+        cap = self.ctx.row_exact_max
+        spare = 1 << 30
+        if cap is not None:
+            decoding = sum(1 for s in active if not s.pending)
+            spare = 0 if any(s.pending for s in active) else max(0, cap - decoding)
         # Decoding slots first; prompt chunks share the per-step prompt budget.
         for s in active:
             if not s.pending:
@@ -297,8 +305,9 @@ class Scheduler:
                 if s.spec is not None:
                     # Never draft past max_tokens or the context: the block's last row
                     # then picks the job's last token at most.
-                    limit = min(s.job.n_predict - s.picks - 1, self.n_ctx - s.session.n_past - 1)
+                    limit = min(s.job.n_predict - s.picks - 1, self.n_ctx - s.session.n_past - 1, spare)
                     s.draft, s.bucket = s.spec.propose(limit)
+                    spare -= len(s.draft)
                 items.append((s, [s.next_tok] + s.draft, 1 + len(s.draft)))
         for s in active:
             if s.pending and budget > 0:
