@@ -292,3 +292,37 @@ def test_drafts_stay_within_the_backends_row_exact_limit(model):
     assert drafted_steps  # the cap left room to draft
     for step in drafted_steps:
         assert sum(n for n, _ in step) <= 6 and all(n == k for n, k in step)  # no prompt chunk rode along
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_cancel_between_the_picks_of_a_block(model, oracle, speculate):
+    """A job cancelled while its k-th token is handed out ends right after it, whether
+    that token came from a plain step or from the middle of an accepted block."""
+    p = prompts(1, seed=10)[0]
+    full = alone(model, p, 40).ids
+    oracle.refs[tuple(p)] = full
+    sched = scheduler(model, n_slots=1)
+    try:
+        for k in (1, 4, 11):
+            q: queue.Queue = queue.Queue()
+            got = []
+
+            def emit(ev, k=k):
+                if ev.kind == "token":
+                    got.append(ev.id)
+                    if len(got) == k:
+                        job.cancel()
+                q.put(ev)
+
+            job = Job(prompt_ids=p, n_predict=40, sampling=GREEDY, stop_at_eog=False, emit=emit,
+                      speculate=SpecRequest("ngram", 8) if speculate else None)
+            sched.submit(job)
+            while (ev := q.get(timeout=60)).kind == "token":
+                pass
+            assert ev.kind == "done" and ev.reason == "cancelled"
+            assert got == full[:k] and ev.usage["completion_tokens"] == k
+            if speculate and k > 4:
+                assert ev.usage["speculation"]["accepted"] > 0
+            assert sched.slots[0].session.tokens == p + full[:k - 1]
+    finally:
+        assert sched.stop()
