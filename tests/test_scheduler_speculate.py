@@ -326,3 +326,22 @@ def test_cancel_between_the_picks_of_a_block(model, oracle, speculate):
             assert sched.slots[0].session.tokens == p + full[:k - 1]
     finally:
         assert sched.stop()
+
+
+def test_a_job_that_fills_the_context_exactly(model, oracle):
+    """prompt + max_tokens = the slot's context: drafts shrink to the room that is left
+    and the job ends with all its tokens, as plain greedy's."""
+    ctx = 64
+    p = prompts(1, seed=11)[0]
+    n = ctx - len(p)
+    s = Session(model, n_ctx=ctx)
+    full = s.generate(p, n, GREEDY, stop_at_eog=False).ids
+    oracle.refs[tuple(p)] = full
+    sched = scheduler(model, n_slots=2, n_ctx=ctx)
+    try:
+        g = run_jobs(sched, [dict(prompt_ids=p, n_predict=n, speculate=SpecRequest("ngram", 8))])[0]
+    finally:
+        assert sched.stop()
+    assert g["ids"] == full and g["done"].reason == "length"
+    sp = g["done"].usage["speculation"]
+    assert sp["drafted"] == sp["accepted"] > 0
