@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <tuple>
+#include <vector>
 #include <stdexcept>
 
 #include "bindings.h"
@@ -14,6 +16,7 @@
 #include "cpu/pool.h"
 #include "cpu/quants.h"
 #include "cpu/repack.h"
+#include "cpu/work_split.h"
 #include "py_weight_store.h"
 
 namespace py = pybind11;
@@ -187,6 +190,18 @@ void register_cpu_testing(py::module_& t) {
     // Whether the SIMD matmul of this build reads weights of a type from a repacked copy
     // (cpu/repack.h), so tests know which kernel they pin.
     t.def("repack_packable", [](int type) { return repack::packable(type); }, py::arg("type"));
+    t.def("repack_token_tile", &repack::token_tile);
+    // The repacked matmul's work split (cpu/work_split.h), for every thread of nth: lists
+    // of (r0, r1, t0, t1), so tests can check coverage and balance at any thread count.
+    t.def("matmul_split", [](int64_t out, int64_t nt, int64_t tile, int nth) {
+            std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>> all(nth);
+            for (int i = 0; i < nth; ++i) {
+                Rect r[3];
+                const int k = matmul_split(out, nt, tile, i, nth, r);
+                for (int j = 0; j < k; ++j) all[i].emplace_back(r[j].r0, r[j].r1, r[j].t0, r[j].t1);
+            }
+            return all;
+        }, py::arg("out"), py::arg("nt"), py::arg("tile"), py::arg("nth"));
 }
 
 }  // namespace minfer

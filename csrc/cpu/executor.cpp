@@ -29,6 +29,7 @@
 #include "cpu/repack.h"
 #include "cpu/step_barrier.h"
 #include "cpu/vec_math.h"
+#include "cpu/work_split.h"
 
 namespace minfer::cpu {
 
@@ -223,6 +224,31 @@ void prepare_packed(const Plan& plan, const WeightStore& ws, int n_threads) {
     }
 }
 
+void add_bias(const float* b, float* y, int64_t out, const Rect& R) {
+    for (int64_t t = R.t0; t < R.t1; ++t)
+        for (int64_t r = R.r0; r < R.r1; ++r) y[t * out + r] += b[r];
+}
+
+// This thread's share of quantizing nt activation rows (x: nt rows of `in` floats; q:
+// nt rows of arb bytes). Whole rows while there are at least as many rows as threads;
+// otherwise (decode) the rows' blocks are split, so one thread no longer quantizes a
+// 4864-wide row while the others wait. Blocks are quantized independently, so the bytes
+// are the same either way.
+void quantize_share(int32_t wtype, const float* x, uint8_t* q, int64_t in, size_t arb, int64_t nt, int ith, int nth) {
+    if (nt >= nth) {
+        for (int64_t t = ith; t < nt; t += nth) quantize_act_row(wtype, x + t * in, q + t * arb, in);
+        return;
+    }
+    const int64_t be = type_block_elems(act_type_for(wtype)), nblk = in / be;
+    const size_t bb = arb / (size_t)nblk;
+    const int64_t n = nt * nblk, i0 = n * ith / nth, i1 = n * (ith + 1) / nth;
+    for (int64_t i = i0; i < i1;) {
+        const int64_t t = i / nblk, b0 = i % nblk, b1 = std::min(nblk, b0 + (i1 - i));
+        quantize_act_row(wtype, x + t * in + b0 * be, q + t * arb + b0 * bb, (b1 - b0) * be);
+        i = t * nblk + b1;
+    }
+}
+
 void run_matmul(const Ctx& c) {
     const Step& s = c.s;
     const Weight& w = c.ws.get(s.w[0]);
@@ -237,28 +263,28 @@ void run_matmul(const Ctx& c) {
         arb = act_row_bytes(w.type, in);
         uint8_t* q = c.scratch.act[slot].data();
         if (c.memo.enter(slot, s)) {
-            const float* x = c.F(1);
-            for (int64_t t = c.ith; t < nt; t += c.nth) quantize_act_row(w.type, x + t * in, q + t * arb, in);
+            quantize_share(w.type, c.F(1), q, in, arb, nt, c.ith, c.nth);
             c.barrier.wait();
         }
         act = q;
     }
     float* y = c.F(0);
-    int64_t r0, r1;
+    const float* bias = s.w[1] >= 0 ? (const float*)c.ws.get(s.w[1]).data : nullptr;
     if (const auto pk = packed_of(w)) {
-        // Repacked weights (cpu/repack.h): whole 16-row groups per thread.
-        vm::share(out, c.ith, c.nth, 16, r0, r1);
-        repack::matmul(*pk, act, arb, nt, y, out, r0, r1);
-    } else {
-        // Rows split into contiguous per-thread ranges (multiples of 4 keep tiles whole).
-        std::tie(r0, r1) = row_range(out, c.ith, c.nth);
-        matmul_tiles(w, in, nt, act, arb, y, out, r0, r1);
+        // Repacked weights (cpu/repack.h): (16-row group, token tile) items, cpu/work_split.h.
+        Rect rects[3];
+        const int k = matmul_split(out, nt, repack::token_tile(), c.ith, c.nth, rects);
+        for (int i = 0; i < k; ++i) {
+            const Rect& R = rects[i];
+            repack::matmul(*pk, act + R.t0 * arb, arb, R.t1 - R.t0, y + R.t0 * out, out, R.r0, R.r1);
+            if (bias) add_bias(bias, y, out, R);
+        }
+        return;
     }
-    if (s.w[1] >= 0 && r1 > r0) {
-        const float* b = (const float*)c.ws.get(s.w[1]).data;
-        for (int64_t t = 0; t < nt; ++t)
-            for (int64_t r = r0; r < r1; ++r) y[t * out + r] += b[r];
-    }
+    // Rows split into contiguous per-thread ranges (multiples of 4 keep tiles whole).
+    const auto [r0, r1] = row_range(out, c.ith, c.nth);
+    matmul_tiles(w, in, nt, act, arb, y, out, r0, r1);
+    if (bias && r1 > r0) add_bias(bias, y, out, Rect{r0, r1, 0, nt});
 }
 
 void check_matmul(const Step& s, const WeightStore& ws) {

@@ -282,6 +282,14 @@ std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64
     return p;
 }
 
+int token_tile() {
+#if defined(RP_AVX2)
+    return kNA;
+#else
+    return 1;
+#endif
+}
+
 void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
             int64_t r1) {
 #if defined(RP_AVX2)

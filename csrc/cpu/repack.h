@@ -45,6 +45,9 @@ struct Packed {
 std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64_t out, int n_threads,
                              bool release_source = false);
 
+// Tokens the kernel computes per pass over a group (work splits keep to multiples).
+int token_tile();
+
 // Rows [r0, r1) of y[t * ldy + r] = dot(row r, activation t) for t < nt, activations in
 // the row format act_type_for(type) gives (Q8_0, or Q8_K for the K-quants; arb bytes per row). r0 should be a multiple of 16 (any value is
 // correct; a range that starts inside a group recomputes that group's other rows).
