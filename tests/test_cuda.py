@@ -411,6 +411,24 @@ def test_device_argmax_first_on_ties():
     assert _core.argmax(r.pool, xi, x.size, 1) == 5
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_device_argmax_flags_non_finite(bad):
+    """The greedy loop's NaN/Inf check rides on the argmax's 4-byte answer: -1 for a
+    row holding a non-finite value anywhere (first, last, beside the max), the index
+    otherwise; the buffer is rewritten in between so a stale answer cannot pass."""
+    r = Rig()
+    x = np.random.default_rng(4).standard_normal(151936).astype(np.float32)
+    x[1234] = 40.0
+    xi = r.buf(x)
+    for k in (0, 1235, x.size - 1):
+        y = x.copy()
+        y[k] = bad
+        r.pool.write(xi, y)
+        assert _core.argmax(r.pool, xi, y.size, 1) == -1, f"{bad} at {k}"
+        r.pool.write(xi, x)
+        assert _core.argmax(r.pool, xi, x.size, 1) == 1234
+
+
 # ------------------------------------------------------------------ whole models
 
 from test_e2e_synthetic import IDEAL_TOL, MARGIN, MODELS, _row_err, _sequences  # noqa: E402
@@ -533,6 +551,70 @@ def test_reused_greedy_step_budget(synth):
     assert c["h2d"] <= 3 * n and c["h2d_bytes"] <= 64 * c["h2d"]
     assert c["d2h"] == n and c["d2h_bytes"] == 4 * n
     assert c["syncs"] == n
+
+
+def test_greedy_generation_reads_back_four_bytes_per_pick(synth):
+    """The generation loop's greedy pick is the device argmax, which also checks the row
+    for NaN/Inf: a reused generation reads back 4 bytes per token and nothing else."""
+    _, path, ref = synth
+    eng = _engine(path, ["cuda"])
+    p = [int(t) for t in _sequences(ref.n_vocab, 1)[0]]
+    n = 8
+    first = eng.generate_ids(p, n)
+    _core.cuda_sync()
+    _core.testing.cuda_reset_counters()
+    assert eng.generate_ids(p, n) == first
+    c = _core.testing.cuda_counters()
+    assert c["d2h"] == n and c["d2h_bytes"] == 4 * n, c
+
+
+def _nan_message(fn):
+    from minfer.errors import NumericsError
+    with pytest.raises(NumericsError) as e:
+        fn()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_logits_raise_as_on_cpu(tmp_path, bad):
+    """Poisoned logits stop a greedy pick with the CPU's one-line error: word for word
+    for a row poisoned in place (the hook); for a model whose output norm is poisoned
+    (the prompt) and one whose first greedy pick has a poisoned embedding row (decode
+    step 1) the same error naming the same step (the NaN/Inf split of the counts may
+    follow each backend's arithmetic)."""
+    from minfer.io.gguf_file import GGUFFile
+
+    small = dict(n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=128)
+    path = write_model(tmp_path / "ok.gguf", **small).path
+    msgs = {}
+    for b in ("cuda", "cpu"):
+        eng = _engine(path, [b])
+        eng.forward([1, 2, 3], copy=None)
+        dev, buf, nv, _ = eng.context._out
+        row = np.random.default_rng(9).standard_normal(nv).astype(np.float32)
+        row[[7, nv - 1]] = bad
+        dev.write(buf, row)
+        msgs[b] = _nan_message(lambda: eng.argmax_last(4))
+    assert msgs["cuda"] == msgs["cpu"] and "at step 4: " in msgs["cuda"], msgs
+
+    nan_norm = write_model(tmp_path / "nan.gguf", fill={"output_norm.weight": float(bad)}, **small).path
+    got = {b: _nan_message(lambda: _engine(nan_norm, [b]).generate_ids([5, 6, 7], 4)) for b in ("cuda", "cpu")}
+    assert got["cuda"].split(":")[0] == got["cpu"].split(":")[0], got
+    assert got["cuda"].endswith(got["cpu"].split(" of ")[-1]) and "at the prompt (step 0)" in got["cuda"], got
+
+    # Decode step 1: NaN in the embedding row of the prompt's greedy pick (not a prompt token).
+    prompt = next(q for q in ([5, 6, 7], [9, 10, 11, 12], [20, 3]) if
+                  _engine(path, ["cpu"]).generate_ids(q, 1)[0] not in q)
+    g0 = _engine(path, ["cpu"]).generate_ids(prompt, 1)[0]
+    poisoned = tmp_path / "row.gguf"
+    poisoned.write_bytes(Path(path).read_bytes())
+    with GGUFFile.open(poisoned) as g:
+        off = g.tensors["token_embd.weight"].offset + g0 * small["n_embd"] * 4
+    with open(poisoned, "r+b") as f:
+        f.seek(off)
+        f.write(np.full(small["n_embd"], bad, np.float32).tobytes())
+    got = {b: _nan_message(lambda: _engine(poisoned, [b]).generate_ids(prompt, 4)) for b in ("cuda", "cpu")}
+    assert got["cuda"].split(":")[0] == got["cpu"].split(":")[0] and "at step 1: " in got["cuda"], got
 
 
 def test_greedy_generation_cuda_vs_cpu(synth):

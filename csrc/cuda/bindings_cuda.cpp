@@ -147,10 +147,14 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 sync_stream();
                 r = *pk.host;
             }
-            if (r < 0) raise_device_error();
+            if (r < 0 && r != kArgmaxNonFinite) {
+                raise_device_error();
+                throw std::runtime_error("CUDA argmax: error code " + std::to_string(r));
+            }
             return (int64_t)r;
         }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("n_threads") = 1,
-        "Device argmax (first index on ties): one 4-byte readback and one wait.");
+        "Device argmax (first index on ties): one 4-byte readback and one wait. -1 when any of "
+        "the n values is NaN or Inf (the caller raises, naming the step).");
 
     // Boundary copies for every pair that involves a device pool.
     m.def("copy_buffer", [](DevPool& src, int src_id, DevPool& dst, int dst_id, size_t nbytes) {

@@ -156,19 +156,22 @@ __global__ void k_kv_store(const float* __restrict__ k, const float* __restrict_
 }
 
 // One block: strided scan (ascending indices per thread, so strict > keeps the first),
-// then a fixed tree that prefers the lower index on ties.
+// then a fixed tree that prefers the lower index on ties. The scan also notes any NaN
+// or Inf (the greedy loop's finiteness check, without reading the row back).
 __global__ void k_argmax(const float* __restrict__ x, int64_t n, int32_t* out, const int* err) {
     __shared__ float bv[1024];
     __shared__ int32_t bi[1024];
     float best = -FLT_MAX;
     int32_t idx = -1;
+    int bad = 0;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
         const float v = x[i];
+        bad |= !isfinite(v);
         if (idx < 0 || v > best) { best = v; idx = (int32_t)i; }
     }
     bv[threadIdx.x] = best;
     bi[threadIdx.x] = idx;
-    __syncthreads();
+    bad = __syncthreads_or(bad);
     for (int s = blockDim.x / 2; s > 0; s >>= 1) {
         if ((int)threadIdx.x < s) {
             const float v2 = bv[threadIdx.x + s];
@@ -183,7 +186,7 @@ __global__ void k_argmax(const float* __restrict__ x, int64_t n, int32_t* out, c
     }
     if (threadIdx.x == 0) {
         const int e = *(volatile const int*)err;
-        *out = e ? -1 - e : bi[0];
+        *out = e ? -1 - e : bad ? kArgmaxNonFinite : bi[0];
     }
 }
 

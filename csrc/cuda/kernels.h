@@ -113,8 +113,10 @@ size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx);
 size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx);
 void attention(const AttnDev& a, float* scratch, int* tickets, int* err);
 
-// Index of the largest of x[0..n) (first on ties) -> *out; writes -1 - code if the
-// device error word is set, so one 4-byte readback carries both.
+// Index of the largest of x[0..n) (first on ties) -> *out; writes -1 - code (<= -2)
+// if the device error word is set, else kArgmaxNonFinite if any x is NaN or Inf, so
+// one 4-byte readback carries all three.
+constexpr int32_t kArgmaxNonFinite = -1;
 void argmax(const float* x, int64_t n, int32_t* out, const int* err);
 
 }  // namespace minfer::cuda

@@ -11,8 +11,9 @@ import numpy as np
 from minfer.errors import NumericsError
 
 
-def check_logits_finite(logits: np.ndarray, step: int, what: str = "step") -> None:
-    """Raise NumericsError unless every value of `logits` is finite.
+def check_logits_finite(logits: np.ndarray, step: int | None, what: str = "step") -> None:
+    """Raise NumericsError unless every value of `logits` is finite (step None: a pick
+    outside a counted loop, named as the last forward).
 
     One float64 reduction: finite float32 values cannot overflow a float64 sum, so the
     sum is finite exactly when every element is (no temporary mask on the hot path)."""
@@ -21,7 +22,10 @@ def check_logits_finite(logits: np.ndarray, step: int, what: str = "step") -> No
     a = np.asarray(logits)
     n_nan = int(np.isnan(a).sum())
     n_inf = int(np.isinf(a).sum())
-    where = "the prompt (step 0)" if what == "step" and step == 0 else f"{what} {step}"
+    if step is None:
+        where = "the last forward"
+    else:
+        where = "the prompt (step 0)" if what == "step" and step == 0 else f"{what} {step}"
     raise NumericsError(
         f"the model produced non-finite logits at {where}: {n_nan} NaN and {n_inf} Inf of {a.size} "
         f"values; the model file's weights or hyper-parameters are broken"

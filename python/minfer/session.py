@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minfer.errors import ContextError, MinferError
+from minfer.errors import ContextError, MinferError, NumericsError
 from minfer.graph.cache import GraphCache
 from minfer.graph.params import KV_TYPES, CParams, GraphParams, GraphType
 from minfer.graph.trace import trace_enabled, trace_summary
@@ -142,13 +142,27 @@ class Context:
             return None
         return alloc.copy_to_host(g.outputs[0]) if copy else alloc.host_view(g.outputs[0])
 
-    def argmax_last(self) -> int:
+    def argmax_last(self, step: int | None = None) -> int:
         """Greedy pick from the last logits row, taken by the backend that holds it (the
-        CPU scans it in C++ with the threads that wrote it)."""
+        CPU scans it in C++ with the threads that wrote it). Never the argmax of NaNs:
+        with `step` given the row is checked first (NumericsError naming the step), on
+        the host, or on the device by a backend whose argmax flags NaN/Inf itself (then
+        the 4-byte pick is the step's only readback; the row is read only to word the
+        error). A device's flag raises even without `step`."""
         dev, buf, n, rows = self._out
+        out = self.cache.graph.outputs[0]
         if rows != 1:
-            return int(np.argmax(self.cache.alloc.copy_to_host(self.cache.graph.outputs[0])[-1]))
-        return int(dev.argmax(buf, n))
+            row = self.cache.alloc.copy_to_host(out)[-1]
+            if step is not None:
+                check_logits_finite(row, step)
+            return int(np.argmax(row))
+        if step is not None and not getattr(dev, "argmax_checks_finite", False):
+            check_logits_finite(self.cache.alloc.host_view(out)[-1], step)
+        t = int(dev.argmax(buf, n))
+        if t < 0:  # a device argmax's answer for a row holding NaN or Inf
+            check_logits_finite(self.cache.alloc.copy_to_host(out)[-1], step)
+            raise NumericsError(f"the device flagged non-finite logits (step {step}) that read back finite")
+        return t
 
     def decode_batch(self, items: list, copy: bool = True) -> np.ndarray:
         """Append each item's tokens to its session's sequence in one forward. An item is
@@ -383,9 +397,10 @@ class Session:
             raise ContextError(f"{self.n_past} + {nt} tokens exceed the context of {self.n_ctx}")
 
     # -- forward -------------------------------------------------------------------
-    def forward(self, tokens, n_out: int = 1, copy: bool = True) -> np.ndarray:
+    def forward(self, tokens, n_out: int = 1, copy: bool | None = True) -> np.ndarray | None:
         """Append tokens to this sequence; logits [n_out, n_vocab] of the last n_out.
-        copy=False: a read-only view, valid until the next forward of the context."""
+        copy=False: a read-only view, valid until the next forward of the context;
+        copy=None: nothing read back (a greedy pick follows through argmax_last)."""
         nt = len(tokens)
         if nt == 0:
             raise MinferError("forward needs at least one token")
@@ -408,10 +423,10 @@ class Session:
         self.tokens.extend(ids.tolist())
         return logits
 
-    def argmax_last(self) -> int:
-        return self.context.argmax_last()
+    def argmax_last(self, step: int | None = None) -> int:
+        return self.context.argmax_last(step)
 
-    def prefill(self, prompt_ids: list[int], copy: bool = False) -> tuple[np.ndarray, int]:
+    def prefill(self, prompt_ids: list[int], copy: bool | None = False) -> tuple[np.ndarray | None, int]:
         """Process what follows the longest prefix the KV already holds; returns the
         last logits row and how many prompt tokens were reused. At least one token is
         processed so there are logits to pick from."""
@@ -448,13 +463,20 @@ class Session:
             yield TokenEvent(None, "", done=True, stop_reason="length", timings=tm)
             return
         text = TextState(self.tokenizer, stop=stop, stop_at_eog=stop_at_eog)
-        # Greedy without penalties needs only the argmax, which C++ takes in place.
+        # Greedy without penalties needs only the argmax, which the backend holding the
+        # logits takes in place (checking them for NaN/Inf as it goes): nothing else is
+        # read back, so forwards pass copy=None and pick(None) asks the context.
         greedy = sampling.temperature <= 0.0 and sampling.repeat_penalty == 1.0 and not logprobs
+        copy = None if greedy else False
 
         step = 0  # 0 = the prompt, then one per decode step
 
         def pick(logits) -> tuple[int, float | None]:
             nonlocal step
+            if logits is None:
+                t = self.context.argmax_last(step)  # never the argmax of NaNs
+                step += 1
+                return t, None
             check_logits_finite(logits[-1], step)  # never the argmax of NaNs
             step += 1
             if greedy:
@@ -462,7 +484,7 @@ class Session:
             return pick_token(logits[-1], sampler, logprobs)
 
         t0 = time.perf_counter()
-        logits, tm.cached_tokens = self.prefill(prompt_ids)
+        logits, tm.cached_tokens = self.prefill(prompt_ids, copy=copy)
         nxt, lp = pick(logits)
         tm.prompt_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
@@ -486,7 +508,7 @@ class Session:
                 if self._cancel.is_set():
                     reason = "cancelled"
                     break
-                nxt, lp = source.next(nxt) if source else pick(self.forward([nxt], n_out=1, copy=False))
+                nxt, lp = source.next(nxt) if source else pick(self.forward([nxt], n_out=1, copy=copy))
                 picks += 1
             rest, reason = text.finish(reason)
         finally:

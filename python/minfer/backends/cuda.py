@@ -85,7 +85,10 @@ def plan_flags(cparams) -> int:
 class CudaDevice:
     """One GraphCache's CUDA state: a device pool (write = stream-ordered H2D from a
     pinned mirror, read = D2H + wait, view = read-only window on the pinned mirror,
-    argmax = device argmax returning one int)."""
+    argmax = device argmax returning one int, -1 when a value is NaN or Inf)."""
+
+    # The greedy loop may skip its host-side NaN/Inf check of the row: argmax makes it.
+    argmax_checks_finite = True
 
     def __init__(self, name: str, options: Mapping) -> None:
         from minfer import _core
