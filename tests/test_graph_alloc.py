@@ -306,3 +306,39 @@ def test_fill_input_checks():
     assert c.alloc.devices[ref.backend].read(ref.id, "int32", 2).tolist() == [1, 0]   # real int32, not f32 bits
     with pytest.raises(MinferError, match="no buffer"):
         c.alloc.buffer(999)
+
+
+
+def test_inputs_form_one_group_and_a_step_fills_them_in_one_write(tmp_path):
+    """A device with alloc_group/write_many (the CUDA pool has them) gets a graph's
+    inputs as one group and a forward's inputs in one write_many (one H2D there), all
+    checked before any is written; the logits stay those of the plain path (the CPU's)."""
+    from minfer.session import Session
+    from minfer.testing.synth import write_model
+
+    path = write_model(tmp_path / "m.gguf").path
+    plain = Session.open(path, n_ctx=32, backends=["cpu"])
+    eng = Session.open(path, n_ctx=32, backends=["cpu"])
+    (dev,) = eng.context.cache.alloc.devices.values()
+    groups, writes = [], []
+
+    def alloc_group(sizes):
+        ids = [dev.pool.alloc_fresh(n) for n in sizes]
+        groups.append((list(sizes), ids))
+        return ids
+
+    def write_many(ids, arrays):
+        writes.append(list(ids))
+        for i, a in zip(ids, arrays):
+            dev.pool.write(i, a)
+
+    dev.alloc_group, dev.write_many = alloc_group, write_many
+    for toks, n_out in (([1, 2, 3], 1), ([4], 1), ([5], 1)):
+        got = eng.forward(toks, n_out=n_out)
+        assert np.array_equal(got, plain.forward(toks, n_out=n_out))
+    # prefill: token ids, positions, cells (3 x i32) and the tail row; decode: 3 x one i32
+    assert [g[0] for g in groups] == [[12, 12, 12, 4], [4, 4, 4]]
+    assert [sorted(w) for w in writes] == [sorted(groups[0][1]), sorted(groups[1][1]), sorted(groups[1][1])]
+    with pytest.raises(MinferError, match="exactly 1"):
+        eng.context.cache.alloc.fill_inputs(eng.context.cache.graph, {"token_ids": [7], "positions": [1, 2]})
+    assert len(writes) == 3, "a bad input stops the fill before anything is written"

@@ -78,6 +78,8 @@ void register_cuda(py::module_& m, py::module_& testing) {
         .def_property_readonly("name", &DevPool::name)
         .def("alloc", &DevPool::alloc, py::arg("nbytes"))
         .def("alloc_fresh", &DevPool::alloc_fresh, py::arg("nbytes"))
+        .def("alloc_group", &DevPool::alloc_group, py::arg("sizes"),
+             "Buffers of these sizes in one block (a graph's inputs): write_many copies adjacent ones at once.")
         .def("free", &DevPool::free, py::arg("id"))
         .def("size", &DevPool::size, py::arg("id"))
         .def("count", &DevPool::count)
@@ -87,6 +89,19 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 p.write(id, data.data(), (size_t)data.nbytes(), offset);
             }, py::arg("id"), py::arg("data"), py::arg("offset") = 0,
             "Stream-ordered H2D through the buffer's pinned mirror.")
+        .def("write_many", [](DevPool& p, const std::vector<int>& ids, const std::vector<py::array>& data) {
+                if (ids.size() != data.size()) throw std::invalid_argument("write_many: as many arrays as buffer ids");
+                std::vector<const void*> src(ids.size());
+                std::vector<size_t> nb(ids.size());
+                for (size_t k = 0; k < ids.size(); ++k) {
+                    if (!(data[k].flags() & py::array::c_style))
+                        throw std::invalid_argument("write_many needs C-contiguous arrays");
+                    src[k] = data[k].data();
+                    nb[k] = (size_t)data[k].nbytes();
+                }
+                p.write_many(ids, src, nb);
+            }, py::arg("ids"), py::arg("data"),
+            "Whole-buffer writes; adjacent members of one group (alloc_group) in one H2D.")
         .def("read", [](DevPool& p, int id, const std::string& dtype, py::ssize_t count, size_t offset) {
                 py::dtype dt(dtype);
                 size_t nbytes = (size_t)count * dt.itemsize();

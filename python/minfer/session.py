@@ -127,13 +127,12 @@ class Context:
         self.ensure_graph(params)
         cache = self.cache
         g, alloc = cache.graph, cache.alloc
-        alloc.fill_input(g, "token_ids", tokens)
-        alloc.fill_input(g, "positions", positions)
-        alloc.fill_input(g, "cells", cells)
+        inputs = {"token_ids": tokens, "positions": positions, "cells": cells}
         if self.cparams.explicit_span:
-            alloc.fill_input(g, "kv_span", span)
+            inputs["kv_span"] = span
         if n_out < nt:
-            alloc.fill_input(g, "tail_ids", tail if tail is not None else np.arange(nt - n_out, nt, dtype=np.int32))
+            inputs["tail_ids"] = tail if tail is not None else np.arange(nt - n_out, nt, dtype=np.int32)
+        alloc.fill_inputs(g, inputs)  # one H2D on a device whose pool groups the inputs
         if self.tracer is None:
             cache.execute()
         else:

@@ -97,6 +97,8 @@ class CudaDevice:
         self.alloc, self.alloc_fresh, self.free = pool.alloc, pool.alloc_fresh, pool.free
         self.count, self.bytes_total, self.size = pool.count, pool.bytes_total, pool.size
         self.write, self.read, self.view = pool.write, pool.read, pool.view
+        # A graph's inputs share one block, so a decode step's fill is one H2D.
+        self.alloc_group, self.write_many = pool.alloc_group, pool.write_many
         self.argmax = functools.partial(_core.argmax, pool, n_threads=1)
 
     def new_plan(self, label: str):

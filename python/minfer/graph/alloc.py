@@ -211,7 +211,7 @@ class GraphAllocator:
                 raise GraphError(f"node {node.id} ({node.name}) is assigned to backend {node.backend}, "
                                  f"which has no pool here (participating: {sorted(self.devices)})")
         slot_of, slots = plan_buffers(graph, range(len(graph.nodes)))
-        slot_ids = [self.devices[b].alloc(nbytes) for b, nbytes in slots]
+        slot_ids = self._alloc_slots(slots, [slot_of[nid] for nid in pinned_inputs(graph)])
         for nid, s in slot_of.items():
             self.node_to_buf[nid] = BufRef(slots[s][0], slot_ids[s])
         kv_nodes = [n for n in graph.nodes if n.id not in graph.dead and (n.op in KV_BOUND or n.op in KV_WRITERS)]
@@ -226,6 +226,24 @@ class GraphAllocator:
             ref = self.node_to_buf[nid]
             self._inputs[node.name] = (node, self.devices[ref.backend], ref.id)
         self._graph = graph
+
+    def _alloc_slots(self, slots: list, input_slots: list) -> list:
+        """Buffer ids for the planned slots, in slot order. A device that offers
+        alloc_group gets its input slots (never shared, see plan_buffers) as one group,
+        so fill_inputs can move a step's inputs in one copy; the rest one by one."""
+        ids: list = [None] * len(slots)
+        by_backend: dict = {}
+        for s in input_slots:
+            by_backend.setdefault(slots[s][0], []).append(s)
+        for b, ss in sorted(by_backend.items()):
+            group = getattr(self.devices[b], "alloc_group", None)
+            if group is not None and len(ss) > 1:
+                for s, bid in zip(ss, group([slots[s][1] for s in ss])):
+                    ids[s] = bid
+        for s, (b, nbytes) in enumerate(slots):
+            if ids[s] is None:
+                ids[s] = self.devices[b].alloc(nbytes)
+        return ids
 
     def _reserve_kv(self, kv_nodes: list) -> None:
         """Check and allocate every layer the graph adds at once, so an impossible KV is
@@ -354,6 +372,29 @@ class GraphAllocator:
     # ---- host access ----
 
     def fill_input(self, graph: ComputeGraph, name: str, data) -> None:
+        _, dev, bid, arr = self._input_array(graph, name, data)
+        dev.write(bid, arr)
+
+    def fill_inputs(self, graph: ComputeGraph, values: dict) -> None:
+        """Several inputs at once ({name: data}, each checked as fill_input does): one
+        write_many per device that has it (a device then copies adjacent inputs in one
+        transfer), else one write each."""
+        per_dev: dict = {}
+        for name, data in values.items():
+            _, dev, bid, arr = self._input_array(graph, name, data)
+            per_dev.setdefault(id(dev), (dev, [], []))
+            per_dev[id(dev)][1].append(bid)
+            per_dev[id(dev)][2].append(arr)
+        for dev, bids, arrs in per_dev.values():
+            many = getattr(dev, "write_many", None)
+            if many is not None and len(bids) > 1:
+                many(bids, arrs)
+            else:
+                for bid, arr in zip(bids, arrs):
+                    dev.write(bid, arr)
+
+    def _input_array(self, graph: ComputeGraph, name: str, data) -> tuple:
+        """(node, device, buffer id, C-contiguous 1-D array of the node's dtype) for a fill."""
         if graph is not self._graph:
             raise GraphError("fill_input: this graph is not the one currently allocated")
         try:
@@ -374,7 +415,7 @@ class GraphAllocator:
             raise GraphError(f"input {name!r} has dtype {node.out_dtype.value}; host fill supports f32 and i32")
         if arr.size != node.n_elements:
             raise GraphError(f"input {name!r} takes exactly {node.n_elements} values, got {arr.size}")
-        dev.write(bid, np.ascontiguousarray(arr).reshape(-1))
+        return node, dev, bid, np.ascontiguousarray(arr).reshape(-1)
 
     def copy_to_host(self, node_id: int) -> np.ndarray:
         """A node's value as a token-major array [rows, d]."""
