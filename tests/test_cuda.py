@@ -180,6 +180,53 @@ def test_matmul_vs_float64(qtype, nt):
     assert np.all(err <= tol), f"{qtype.name} nt={nt}: max err/tol {np.max(err / tol):.3g}"
 
 
+@pytest.mark.parametrize("rows", [5000, 9000, 60000])
+def test_matvec_many_rows_bitwise_and_fused_ffn(rows):
+    """Tall matrices take several rows per warp (the count depends on the row total); a
+    row's bits must not. The same rows alone, and gate|up + SwiGLU with down's int8
+    input written through the 32-row group tickets, against the unfused steps."""
+    rng = np.random.default_rng(rows)
+    in_dim, few = 64, 96
+    raw, deq = make_weight(Q.Q8_0, rows, in_dim, rng)
+    x = rng.standard_normal((1, in_dim)).astype(np.float32)
+    r = Rig()
+    wh = r.weight("w", raw, Q.Q8_0, in_dim, rows)
+    w_few = r.weight("w_few", raw[:few].copy(), Q.Q8_0, in_dim, few)
+    xi, yi, yf = r.buf(x), r.out(rows), r.out(few)
+    r.run(r.plan([("matmul", [yi, xi], [in_dim, rows, 1], [], [wh, -1]),
+                  ("matmul", [yf, xi], [in_dim, few, 1], [], [w_few, -1])]))
+    got = r.read(yi, rows)
+    assert got[:few].tobytes() == r.read(yf, few).tobytes()
+    check_matvec(got.reshape(1, -1).astype(np.float64), x, deq, Q.Q8_0)
+
+    # FFN: gate|up (rows x in_dim), SwiGLU, down (in_dim x rows), fused vs not.
+    n_ff = rows // 32 * 32
+    g_raw, _ = make_weight(Q.Q8_0, n_ff, in_dim, rng)
+    u_raw, _ = make_weight(Q.Q4_K if in_dim % 256 == 0 else Q.Q5_0, n_ff, in_dim, rng)
+    d_raw, _ = make_weight(Q.Q5_0, in_dim, n_ff, rng)
+    outs = {}
+    for flags in (0, 2 | 8):
+        r = Rig()
+        g = r.weight("g", g_raw, Q.Q8_0, in_dim, n_ff)
+        u = r.weight("u", u_raw, Q.Q4_K if in_dim % 256 == 0 else Q.Q5_0, in_dim, n_ff)
+        d = r.weight("d", d_raw, Q.Q5_0, n_ff, in_dim)
+        xi = r.buf(x)
+        gi, ui, si, yi = r.out(n_ff), r.out(n_ff), r.out(n_ff), r.out(in_dim)
+        plan = r.plan([("matmul", [gi, xi], [in_dim, n_ff, 1], [], [g, -1]),
+                       ("matmul", [ui, xi], [in_dim, n_ff, 1], [], [u, -1]),
+                       ("swiglu", [si, gi, ui], [n_ff], [], []),
+                       ("matmul", [yi, si], [n_ff, in_dim, 1], [], [d, -1])])
+        plan.flags = flags
+        _core.cuda_validate(plan, r.pool, r.weights)
+        for _ in range(3):  # direct, captured, replayed: the tickets are left at zero
+            r.run(plan)
+            y = r.read(yi, in_dim)
+            assert outs.setdefault(flags, y).tobytes() == y.tobytes()
+        if flags:
+            assert _core.testing.cuda_plan_info(plan)["launches"] < 4
+    assert outs[0].tobytes() == outs[2 | 8].tobytes()
+
+
 def test_matvec_wide_rows_and_repeat_bitwise():
     """A 7B-like shape (in 18944: the split reduction across warps), run twice: same bits."""
     rng = np.random.default_rng(7)

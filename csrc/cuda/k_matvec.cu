@@ -28,6 +28,7 @@ struct MvArgs {
     int block0[MV_MAX_JOBS];
     int njobs;
     int in_dim, nb;       // elements and 32-element blocks per row
+    int rpw;              // rows per warp (a power of two <= 8)
     const float* x;       // f32 activations (F32 / F16 weights)
     const int8_t* xq;     // int8 copy, column c at xq + c * in_dim
     const float2* xds;    // per block (d, d * sum(q)), column c at xds + c * nb
@@ -273,30 +274,34 @@ template <> struct Unit<T_F32> {
     }
 };
 
-// The first trip's weights are loaded before pdl_wait(): no kernel writes weights, so
-// those loads overlap the previous kernel's tail; x is read only after the wait.
 template <int T, int NC>
 __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int lane, float acc[NC]) {
     const int nu = Unit<T>::count(a.nb);
     int u = lane;
-    Unit<T> w0, w1;
-    if (u < nu) w0.load(row, u, a.nb);
-    if (u + 32 < nu) w1.load(row, u + 32, a.nb);
-    pdl_wait();
-    while (u + 32 < nu) {
+    for (; u + 32 < nu; u += 64) {
+        Unit<T> w0, w1;
+        w0.load(row, u, a.nb);
+        w1.load(row, u + 32, a.nb);
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             acc[c] = fadd(acc[c], w0.dot(a, c, u));
             acc[c] = fadd(acc[c], w1.dot(a, c, u + 32));
         }
-        u += 64;
-        if (u < nu) w0.load(row, u, a.nb);
-        if (u + 32 < nu) w1.load(row, u + 32, a.nb);
     }
     if (u < nu) {
+        Unit<T> w0;
+        w0.load(row, u, a.nb);
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[c] = fadd(acc[c], w0.dot(a, c, u));
     }
+}
+
+// The warp's whole weight row into L2 (fire and forget: no registers held). Issued
+// before pdl_wait(), so the row streams in while the previous kernel finishes; no
+// kernel writes weights.
+__device__ __forceinline__ void prefetch_row(const uint8_t* __restrict__ row, size_t nbytes, int lane) {
+    for (size_t o = (size_t)lane * 128; o < nbytes; o += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + o));
 }
 
 template <int NC>
@@ -321,15 +326,9 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// One row of one job: the dot products, the warp reduction, the epilogue (lane 0).
 template <int NC>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
-    pdl_trigger();
-    int j = 0;
-    while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
-    const MvJob& jb = a.job[j];
-    const int lane = threadIdx.x & 31;
-    const int row = (blockIdx.x - a.block0[j]) * MV_WARPS + (threadIdx.x >> 5);
-    if (row >= jb.rows) return;  // a whole warp (it reads and writes nothing): no block-wide sync below
+__device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
     float acc[NC], acc2[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
@@ -354,18 +353,44 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
             jb.y[(size_t)c * jb.rows + row] = r;
         }
     }
+}
+
+__device__ __forceinline__ void prefetch_job_row(const MvJob& jb, int row, int lane) {
+    prefetch_row(jb.W + (size_t)row * jb.row_bytes, jb.row_bytes, lane);
+    if (jb.W2) prefetch_row(jb.W2 + (size_t)row * jb.row_bytes2, jb.row_bytes2, lane);
+}
+
+// A warp computes a.rpw consecutive rows, keeping the next two rows' bytes on their way
+// into L2 while it computes one (the first two are requested before pdl_wait()).
+template <int NC>
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
+    pdl_trigger();
+    int j = 0;
+    while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
+    const MvJob& jb = a.job[j];
+    const int lane = threadIdx.x & 31;
+    const int row0 = ((blockIdx.x - a.block0[j]) * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
+    const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
+    if (row0 < row1) prefetch_job_row(jb, row0, lane);
+    if (row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
+    pdl_wait();
+    for (int row = row0; row < row1; ++row) {
+        if (row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
+        mv_row<NC>(a, jb, row, lane);
+    }
     if (NC == 1 && jb.q_out) {
-        // rows % 32 == 0: every warp of the block has a row, all reach the barriers.
-        // Publish y, then draw the group's ticket (threadFenceReduction's pattern); the
-        // block drawing the last one reads the group through L2 and quantizes it.
+        // rows % 32 == 0 and a block's rows (MV_WARPS * rpw, a power of two <= 32) lie in
+        // one 32-row group, all warps reach the barriers. Publish y, then draw the group's
+        // ticket (threadFenceReduction's pattern); the block drawing the last one reads
+        // the group through L2 and quantizes it.
         __shared__ int s_ticket;
-        constexpr int kBlocksPerGroup = 32 / MV_WARPS;
-        const int g = row / 32;
+        const int blocks_per_group = 32 / (MV_WARPS * a.rpw);
+        const int g = row0 / 32;
         __threadfence();
         __syncthreads();
         if (threadIdx.x == 0) s_ticket = atomicAdd(jb.tickets + g, 1);
         __syncthreads();
-        if (s_ticket == kBlocksPerGroup - 1 && threadIdx.x < 32) {
+        if (s_ticket == blocks_per_group - 1 && threadIdx.x < 32) {
             __threadfence();
             quant_block_q8(__ldcg(jb.y + 32 * g + lane), lane, jb.q_out + 32 * g, jb.ds_out + g);
             if (lane == 0) jb.tickets[g] = 0;
@@ -515,11 +540,19 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int8_t*)a.xq, (float2*)a.xds);
     }
     a.njobs = njobs;
+    int64_t total = 0;
+    for (int i = 0; i < njobs; ++i) total += jobs[i].rows;
+    // Rows per warp: the fewest that fit every row's warp in about one wave of resident
+    // warps (a launch is latency-bound when it needs several); rows' bits do not depend on it.
+    const int64_t resident = (int64_t)ctx().n_sm * 24;  // 6 blocks of 4 warps per SM at 80 registers
+    a.rpw = 1;
+    while (a.rpw < 8 && total > resident * a.rpw) a.rpw *= 2;
     int b = 0;
     for (int i = 0; i < njobs; ++i) {
+        if (jobs[i].q_out && jobs[i].rows % 32) throw std::invalid_argument("matvec_multi: q_out needs rows % 32 == 0");
         a.job[i] = jobs[i];
         a.block0[i] = b;
-        b += (jobs[i].rows + MV_WARPS - 1) / MV_WARPS;
+        b += (jobs[i].rows + MV_WARPS * a.rpw - 1) / (MV_WARPS * a.rpw);
     }
     // Columns in launches of 8, 4, 2, 1: each column's bits are the same in all of them.
     for (int c0 = 0; c0 < ncols;) {
