@@ -34,19 +34,6 @@ void check_host_range(const cpu::Pool& pool, int id, size_t nbytes) {
                                 std::to_string(pool.size(id)) + " bytes; access of " + std::to_string(nbytes));
 }
 
-struct Pick {
-    int32_t* dev = nullptr;
-    int32_t* host = nullptr;
-};
-Pick& pick() {
-    static Pick p;
-    if (!p.dev) {
-        p.dev = (int32_t*)dev_alloc(sizeof(int32_t));
-        p.host = (int32_t*)host_alloc_pinned(sizeof(int32_t));
-    }
-    return p;
-}
-
 double copy_bandwidth(size_t nbytes, int reps) {
     Context& c = ctx();
     void* a = dev_alloc(nbytes);
@@ -78,6 +65,9 @@ void register_cuda(py::module_& m, py::module_& testing) {
         .def_property_readonly("name", &DevPool::name)
         .def("alloc", &DevPool::alloc, py::arg("nbytes"))
         .def("alloc_fresh", &DevPool::alloc_fresh, py::arg("nbytes"))
+        .def("pick_target", &DevPool::add_pick_target, py::arg("id"), py::arg("n"),
+             "Logits a greedy pick reads (n f32 in buffer id): a plan whose last step writes them ends with "
+             "the argmax inside its graph.")
         .def("alloc_group", &DevPool::alloc_group, py::arg("sizes"),
              "Buffers of these sizes in one block (a graph's inputs): write_many copies adjacent ones at once.")
         .def("free", &DevPool::free, py::arg("id"))
@@ -151,11 +141,13 @@ void register_cuda(py::module_& m, py::module_& testing) {
     m.def("argmax", [](DevPool& pool, int id, int64_t n, int /*n_threads*/) {
             pool.check_range(id, 0, (size_t)n * 4);
             Context& c = ctx();
-            Pick& pk = pick();
+            PickSlot& pk = pick_slot();
             int32_t r;
             {
                 py::gil_scoped_release nogil;
-                argmax((const float*)pool.data(id), n, pk.dev, c.err_dev);
+                // The plan that wrote these logits may have taken the argmax in its graph.
+                if (!(pk.pool == &pool && pk.buf == id && pk.n == n))
+                    argmax((const float*)pool.data(id), n, pk.dev, c.err_dev);
                 MC_CHECK(cudaMemcpyAsync(pk.host, pk.dev, 4, cudaMemcpyDeviceToHost, c.stream));
                 ++c.c.d2h;
                 c.c.d2h_bytes += 4;
@@ -178,6 +170,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             Context& c = ctx();
             MC_CHECK(cudaMemcpyAsync(dst.data(dst_id), src.data(src_id), nbytes, cudaMemcpyDeviceToDevice, c.stream));
             ++c.c.d2d;
+            forget_pick();
         }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
     m.def("copy_buffer", [](DevPool& src, int src_id, cpu::Pool& dst, int dst_id, size_t nbytes) {
             check_host_range(dst, dst_id, nbytes);

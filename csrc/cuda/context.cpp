@@ -97,4 +97,19 @@ void* host_alloc_pinned(size_t nbytes) {
     return p;
 }
 
+namespace {
+PickSlot g_pick;
+}  // namespace
+
+void forget_pick() { g_pick.pool = nullptr; }
+
+PickSlot& pick_slot() {
+    PickSlot& p = g_pick;
+    if (!p.dev) {
+        p.dev = (int32_t*)dev_alloc(sizeof(int32_t));
+        p.host = (int32_t*)host_alloc_pinned(sizeof(int32_t));
+    }
+    return p;
+}
+
 }  // namespace minfer::cuda

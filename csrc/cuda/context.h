@@ -63,4 +63,18 @@ inline void note_launch() {
 void* dev_alloc(size_t nbytes);
 void* host_alloc_pinned(size_t nbytes);
 
+// The greedy pick: the argmax kernel's device int and its pinned host copy (one 4-byte
+// D2H). A plan whose last step writes a pool's pick target ends with the argmax, inside
+// its graph; `pool`/`buf`/`n` then name the logits the device int already answers for,
+// until anything else runs or writes (forget_pick), so argmax is just the readback.
+struct PickSlot {
+    int32_t* dev = nullptr;
+    int32_t* host = nullptr;
+    const void* pool = nullptr;
+    int buf = -1;
+    int64_t n = 0;
+};
+PickSlot& pick_slot();  // dev/host allocated on first use (never inside a capture)
+void forget_pick();
+
 }  // namespace minfer::cuda

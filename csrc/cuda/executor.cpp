@@ -72,6 +72,10 @@ struct CudaPlanState : PlanState {
     cudaGraphExec_t exec = nullptr;
     size_t graph_nodes = 0;
     int32_t flags = -1;  // the Plan::flags the program was built for
+    // The greedy pick the program ends with: argmax over pick_n floats of buffer
+    // pick_buf (the pool's pick target the last step writes), or none (-1).
+    int pick_buf = -1;
+    int64_t pick_n = 0;
     // The launch program of a whole run: each entry is one launch over steps
     // first[k] .. (kind-dependent), built at validation from the step merges allowed.
     struct Launch {
@@ -115,7 +119,7 @@ const Weight& need_weight(const Step& s, const WeightStore& ws, int slot) {
     return ws.get(s.w[slot]);
 }
 
-enum LaunchKind { L_STEP = 0, L_MV, L_SWIGLU, L_MV_ADD, L_ROPE_STORE, L_NORM_Q };
+enum LaunchKind { L_STEP = 0, L_MV, L_SWIGLU, L_MV_ADD, L_ROPE_STORE, L_NORM_Q, L_ARGMAX };
 
 // Buffers a step reads / writes (plan.h's field contract).
 void step_io(const Step& s, int rd[6], int& nr, int wr[2], int& nw) {
@@ -245,6 +249,8 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
             N.slot = 1;
         }
     }
+    // The greedy pick last (after the pass above, which reads entries' steps).
+    if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
     st.flags = plan.flags;
     if (st.exec) {
         cudaStreamSynchronize(ctx().stream);
@@ -257,8 +263,16 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
 
 void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights& dw) {
     CudaPlanState& st = state_of(plan);
+    // A plan whose last step writes the pool's pick target takes the argmax too.
+    int pick_buf = -1;
+    int64_t pick_n = 0;
+    if (!plan.steps.empty()) {
+        const int last = plan.steps.back().buf[0];
+        pick_n = pool.valid(last) ? pool.pick_target(last) : 0;
+        if (pick_n > 0) pick_buf = last;
+    }
     if (st.pool == &pool && st.pool_count == pool.count() && st.weight_count == ws.count() &&
-        st.flags == plan.flags)
+        st.flags == plan.flags && st.pick_buf == pick_buf && st.pick_n == pick_n)
         return;
     // The format's checks (ids, sizes, shapes), then what the CUDA kernels need.
     validate_format(plan, ws, pool.name(), [&](int id, size_t& have) {
@@ -345,6 +359,9 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         MC_CHECK(cudaMemsetAsync(tk, 0, attn_tk, ctx().stream));
     }
     st.attn_tk = (int*)tk;
+    st.pick_buf = pick_buf;
+    st.pick_n = pick_n;
+    if (pick_buf >= 0) pick_slot();  // its device int exists before any capture records it
     build_program(plan, ws, st);
     st.pool = &pool;
     st.pool_count = pool.count();
@@ -510,6 +527,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             rope2_store(a);
             break;
         }
+        case L_ARGMAX: argmax((const float*)pool.data(st.pick_buf), st.pick_n, pick_slot().dev, ctx().err_dev); break;
     }
 }
 
@@ -520,6 +538,7 @@ const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
         case L_MV_ADD: return "matvec_residual";
         case L_ROPE_STORE: return "fused_rope_kv_store";
         case L_NORM_Q: return "rms_norm_q8";
+        case L_ARGMAX: return "argmax";
         default: {
             const Step& s = plan.steps[L.s[0]];
             if (s.op == OP_MATMUL) return s.ip[2] <= kRowExactMaxTokens ? "matvec" : "gemm";
@@ -582,9 +601,20 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
     if (begin >= end) return;
     const bool whole = begin == 0 && end == n;
     const bool graphs = whole && !graphs_disabled() && !st.no_graph;
+    // Whatever this run writes, the pick slot no longer answers for old logits; a
+    // whole run of a program that ends with the argmax answers for its own.
+    forget_pick();
+    auto picked = [&] {
+        if (!whole || st.pick_buf < 0) return;
+        PickSlot& pk = pick_slot();
+        pk.pool = &pool;
+        pk.buf = st.pick_buf;
+        pk.n = st.pick_n;
+    };
     if (graphs && st.exec) {
         MC_CHECK(cudaGraphLaunch(st.exec, c.stream));
         ++c.c.graph_launches;
+        picked();
         return;
     }
     if (graphs && st.direct_runs >= 1) {
@@ -614,6 +644,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
         if (e == cudaSuccess) {
             MC_CHECK(cudaGraphLaunch(st.exec, c.stream));
             ++c.c.graph_launches;
+            picked();
             return;
         }
         // A plan that cannot be captured still runs, directly, from now on.
@@ -629,6 +660,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
     }
     MC_CHECK(cudaGetLastError());
     if (whole) ++st.direct_runs;
+    picked();
 }
 
 size_t plan_graph_nodes(const Plan& plan) {

@@ -21,6 +21,7 @@ DevPool::~DevPool() {
 }
 
 int DevPool::make(size_t nbytes) {
+    forget_pick();
     Buf b;
     b.d = dev_alloc(nbytes);
     b.n = nbytes;
@@ -34,6 +35,7 @@ int DevPool::alloc(size_t nbytes) {
         Buf& b = bufs_[i];
         if (b.free && b.n == nbytes && b.group < 0) {
             b.free = false;
+            forget_pick();
             MC_CHECK(cudaMemsetAsync(b.d, 0, nbytes ? nbytes : 1, ctx().stream));
             return (int)i;
         }
@@ -51,6 +53,7 @@ std::vector<int> DevPool::alloc_group(const std::vector<size_t>& sizes) {
         bool all_free = true;
         for (int id : g.ids) all_free &= bufs_[id].free;
         if (!all_free) continue;
+        forget_pick();
         for (int id : g.ids) bufs_[id].free = false;
         const Buf& last = bufs_[g.ids.back()];
         const Buf& first = bufs_[g.ids.front()];
@@ -90,6 +93,23 @@ std::vector<int> DevPool::alloc_group(const std::vector<size_t>& sizes) {
 void DevPool::free(int id) {
     if (!valid(id)) throw std::out_of_range("pool " + name_ + ": no buffer " + std::to_string(id));
     bufs_[id].free = true;
+    std::erase_if(pick_targets_, [&](const auto& t) { return t.first == id; });
+}
+
+void DevPool::add_pick_target(int id, int64_t n) {
+    check_range(id, 0, (size_t)n * 4);
+    for (auto& t : pick_targets_)
+        if (t.first == id) {
+            t.second = n;
+            return;
+        }
+    pick_targets_.emplace_back(id, n);
+}
+
+int64_t DevPool::pick_target(int id) const {
+    for (const auto& t : pick_targets_)
+        if (t.first == id) return t.second;
+    return 0;
 }
 
 size_t DevPool::size(int id) const {
@@ -138,6 +158,7 @@ void DevPool::write(int id, const void* src, size_t nbytes, size_t offset) {
     Buf& b = bufs_[id];
     uint8_t* m = (uint8_t*)mirror(b);
     wait_staged(b);
+    forget_pick();
     std::memcpy(m + offset, src, nbytes);
     MC_CHECK(cudaMemcpyAsync((uint8_t*)b.d + offset, m + offset, nbytes, cudaMemcpyHostToDevice, c.stream));
     MC_CHECK(cudaEventRecord(b.staged, c.stream));
@@ -158,6 +179,7 @@ void DevPool::write_many(const std::vector<int>& ids, const std::vector<const vo
         for (size_t j = 0; j < k; ++j)
             if (ids[j] == ids[k]) throw std::invalid_argument("write_many: buffer " + std::to_string(ids[k]) + " twice");
     }
+    forget_pick();
     // Stage every item in its mirror, then copy runs of consecutive group members
     // (ordered by position in the group) as one span each.
     std::vector<size_t> order(n);

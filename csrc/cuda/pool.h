@@ -10,7 +10,9 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace minfer::cuda {
@@ -35,6 +37,11 @@ public:
     int count() const { return (int)bufs_.size(); }
     size_t bytes_total() const;
     bool valid(int id) const { return id >= 0 && id < (int)bufs_.size(); }
+
+    // Greedy-pick targets (buffer, n): see PickSlot in context.h. A freed buffer stops
+    // being one.
+    void add_pick_target(int id, int64_t n);
+    int64_t pick_target(int id) const;  // its n, or 0
 
     void check_range(int id, size_t offset, size_t nbytes) const;
     // Stream-ordered H2D through the buffer's pinned mirror.
@@ -69,6 +76,7 @@ private:
     std::string name_;
     std::vector<Buf> bufs_;
     std::vector<Group> groups_;
+    std::vector<std::pair<int, int64_t>> pick_targets_;
 };
 
 }  // namespace minfer::cuda

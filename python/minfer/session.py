@@ -83,6 +83,7 @@ class Context:
         self._params: dict = {}        # (n_tokens, n_out) -> GraphParams for self.cparams
         self._installed = None         # the params of the graph whose plans are current
         self._out = None               # (device, buffer id, n_vocab, rows) of the logits
+        self._picked = None            # the _out a device was told greedy picks read
         self.builds = 0                # graph builds so far (reuse is observable in tests)
         self.lock = threading.Lock()   # one forward at a time per context
         self.tracer = None             # a tools.trace.Tracer (or Profiler) replaces execute() when set
@@ -157,6 +158,15 @@ class Context:
             return int(np.argmax(row))
         if step is not None and not getattr(dev, "argmax_checks_finite", False):
             check_logits_finite(self.cache.alloc.host_view(out)[-1], step)
+        if self._picked is not self._out:
+            # Greedy picks read these logits: a device that can takes the argmax inside
+            # the run that writes them (from the next run on), so argmax below is then
+            # only the readback. Not before the first pick: a loop that reads whole
+            # rows (bench, sampling) never pays for it.
+            self._picked = self._out
+            target = getattr(dev, "pick_target", None)
+            if target is not None:
+                target(buf, n)
         t = int(dev.argmax(buf, n))
         if t < 0:  # a device argmax's answer for a row holding NaN or Inf
             check_logits_finite(self.cache.alloc.copy_to_host(out)[-1], step)

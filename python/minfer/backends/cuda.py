@@ -99,6 +99,9 @@ class CudaDevice:
         self.write, self.read, self.view = pool.write, pool.read, pool.view
         # A graph's inputs share one block, so a decode step's fill is one H2D.
         self.alloc_group, self.write_many = pool.alloc_group, pool.write_many
+        # pick_target(buf, n): logits a greedy pick reads; the plan writing them last
+        # takes the argmax inside its graph, and argmax is then only the 4-byte readback.
+        self.pick_target = pool.pick_target
         self.argmax = functools.partial(_core.argmax, pool, n_threads=1)
 
     def new_plan(self, label: str):
