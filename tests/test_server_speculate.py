@@ -167,8 +167,8 @@ def test_bad_speculation_fields_are_400(server, extra, param, code):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
-        if extra.get("speculate") == "draft":
-            assert "draft" in err["message"] and "ngram" in err["message"]
+        if extra.get("speculate") == "draft":  # this server has no draft model: it says so
+            assert "--draft-model" in err["message"] and "ngram" in err["message"]
 
 
 def test_server_default_and_request_override(model_path):
@@ -193,10 +193,51 @@ def test_server_default_and_request_override(model_path):
     assert code == 0, err
 
 
-@pytest.mark.parametrize("args,needle", [(["--speculate", "draft"], "ngram only"),
-                                         (["--speculate", "lots"], "ngram or off"),
+@pytest.mark.parametrize("args,needle", [(["--speculate", "draft"], "needs --draft-model"),
+                                         (["--speculate", "lots"], "must be ngram, draft or off"),
                                          (["--speculate", "ngram", "--draft-max", "0"], "--draft-max")])
 def test_serve_refuses_bad_speculation_options(model_path, args, needle):
     r = subprocess.run([sys.executable, "-m", "minfer.cli", "serve", model_path, "--port", "1", *args],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory) -> str:
+    """The target's first layer, embedding and head (same seed, one layer): a draft that
+    agrees with the target often but not always."""
+    path = tmp_path_factory.mktemp("serve_spec") / "draft.gguf"
+    write_model(path, n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, ctx=512, seed=3,
+                types={"ffn_down": "Q8_0"})
+    return str(path)
+
+
+def test_draft_model_speculation_per_request(model_path, draft_path, server):
+    srv = ServerProcess.cli(model_path, "--ctx", str(CTX), "--slots", "3", "--draft-model", draft_path)
+    try:
+        drafted = 0
+        for p in PROMPTS:
+            off = plain(server.url, p)  # the plain server's text (no drafts anywhere)
+            on = chat(srv.url, p, speculate="draft", draft_max=4)
+            assert text_of(on) == text_of(off)
+            sp = on["usage"]["speculation"]
+            assert sp["mode"] == "draft" and sp["draft_max"] == 4 and 0 <= sp["accepted"] <= sp["drafted"]
+            drafted += sp["drafted"]
+            text, _, usage = chat_stream(srv.url, p, speculate="draft")
+            assert text == text_of(off) and usage["speculation"]["mode"] == "draft"
+        assert drafted > 0
+        # Draft-model, prompt-lookup and plain requests at once.
+        jobs = [(p, mode) for mode in ("draft", "ngram", "off") for p in PROMPTS[:3]]
+        with ThreadPoolExecutor(6) as ex:
+            got = list(ex.map(lambda j: text_of(chat(srv.url, j[0], speculate=j[1])), jobs))
+        for (p, mode), text in zip(jobs, got):
+            assert text == text_of(plain(server.url, p)), (p, mode)
+    finally:
+        code, err = srv.terminate()
+    assert code == 0, err
+
+
+def test_serve_refuses_a_missing_draft_model(model_path, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "minfer.cli", "serve", model_path, "--port", "1", "--draft-model",
+                        str(tmp_path / "nope.gguf")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "draft model file not found" in r.stderr and "Traceback" not in r.stderr

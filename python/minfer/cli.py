@@ -527,8 +527,9 @@ def serve(
     backend: BackendOpt = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY'. Env: MINFER_API_KEY", envvar="MINFER_API_KEY")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for a slot; more get 503.")] = 64,
-    speculate: Annotated[Optional[str], typer.Option("--speculate", help="Default for requests that do not say: ngram (prompt lookup) or off. A request overrides it with \"speculate\": \"ngram\" | \"off\".")] = None,
+    speculate: Annotated[Optional[str], typer.Option("--speculate", help="Default for requests that do not say: ngram (prompt lookup), draft (needs --draft-model) or off. A request overrides it with \"speculate\": \"ngram\" | \"draft\" | \"off\".")] = None,
     draft_max: DraftMaxOpt = 8,
+    draft_model: Annotated[Optional[Path], typer.Option("--draft-model", help="GGUF of a draft model (same vocabulary): requests may then speculate with \"speculate\": \"draft\".")] = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (chat and completions,
     streaming by server-sent events) with slots and continuous batching."""
@@ -539,16 +540,20 @@ def serve(
         raise click_exc.UsageError(f"--port must be in 1..65535, got {port}")
     if slots < 1 or ctx < 1 or max_queue < 0:
         raise click_exc.UsageError("--slots and --ctx must be >= 1, --max-queue >= 0")
-    if speculate == "draft":
-        raise click_exc.UsageError("minfer serve speculates with ngram only (--speculate draft is for generate and chat)")
-    if speculate not in (None, "ngram", "off"):
-        raise click_exc.UsageError(f"--speculate must be ngram or off, not {speculate!r}")
+    if speculate not in (None, "ngram", "draft", "off"):
+        raise click_exc.UsageError(f"--speculate must be ngram, draft or off, not {speculate!r}")
+    if speculate == "draft" and draft_model is None:
+        raise click_exc.UsageError("--speculate draft needs --draft-model PATH")
+    if draft_model is not None and not draft_model.is_file():
+        raise MinferError(f"draft model file not found: {draft_model}")
     if not 1 <= draft_max <= 64:
         raise click_exc.UsageError(f"--draft-max must be in [1, 64], got {draft_max}")
     threads = cli_args.threads(threads)
     m = Model.open(_resolve_model(model), backends=_backends(backend), n_threads=threads)
+    dm = Model.open(draft_model, backends=_backends(backend), n_threads=threads) if draft_model is not None else None
     run_server(m, ServeConfig(host=host, port=port, slots=slots, ctx=ctx, api_key=api_key or None, max_queue=max_queue,
-                              speculate=None if speculate == "off" else speculate, draft_max=draft_max))
+                              speculate=None if speculate == "off" else speculate, draft_max=draft_max,
+                              draft_model=dm))
 
 
 def _rewrite_top_level_dump_graph(argv: list[str]) -> list[str]:

@@ -149,6 +149,10 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
                 raise bad("'draft_max' needs speculation: this server does not speculate by default, send "
                           "\"speculate\": \"ngram\" with it", param="draft_max")
             return None
+        if mode == "draft" and scheduler.draft_model is None:
+            raise bad("'speculate': \"draft\" needs a draft model, and this server has none (start minfer serve "
+                      "with --draft-model PATH); \"ngram\" (prompt lookup) needs none", param="speculate",
+                      code="unsupported_parameter")
         return SpecRequest(mode, req.draft_max if req.draft_max is not None
                            else (default.draft_max if default else SpecRequest.draft_max))
 

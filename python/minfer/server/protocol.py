@@ -69,7 +69,7 @@ class GenRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     model: str | None = None
-    speculate: str | None = None       # "off" | "ngram"; None: the server's default
+    speculate: str | None = None       # "off" | "ngram" | "draft"; None: the server's default
     draft_max: int | None = None       # None: the server's default
 
 
@@ -95,7 +95,7 @@ def parse_json(body: bytes) -> dict:
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
            "stream_options", "n", "user", "ignore_eos", "repeat_penalty", "presence_penalty",
            "frequency_penalty", "logprobs", "speculate", "draft_max"}
-SPECULATE = ("off", "ngram")   # the request extension's values ("draft" is refused by name)
+SPECULATE = ("off", "ngram", "draft")   # the request extension's values
 DRAFT_MAX_LIMIT = 64
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
@@ -226,16 +226,15 @@ def _common(obj: dict, req: GenRequest) -> None:
 
 
 def _speculation(obj: dict, req: GenRequest) -> None:
-    """The extension fields: "speculate": "ngram" | "off" and "draft_max": 1..64."""
+    """The extension fields: "speculate": "ngram" | "draft" | "off" and "draft_max":
+    1..64. Whether this server has a draft model is the app's check."""
     sp = obj.get("speculate")
     if sp is not None:
         if not isinstance(sp, str):
-            raise bad("'speculate' must be a string: \"ngram\" or \"off\"", param="speculate", code="invalid_type")
-        if sp == "draft":
-            raise bad("'speculate': \"draft\" (a draft model) is not available in minfer serve; use \"ngram\" "
-                      "(prompt lookup) or \"off\"", param="speculate", code="unsupported_parameter")
+            raise bad("'speculate' must be a string: \"ngram\", \"draft\" or \"off\"", param="speculate",
+                      code="invalid_type")
         if sp not in SPECULATE:
-            raise bad(f"'speculate' must be \"ngram\" or \"off\", got {sp!r}", param="speculate")
+            raise bad(f"'speculate' must be \"ngram\", \"draft\" or \"off\", got {sp!r}", param="speculate")
         req.speculate = sp
     dm = obj.get("draft_max")
     if dm is not None:

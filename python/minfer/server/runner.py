@@ -47,8 +47,9 @@ class ServeConfig:
     shutdown_timeout: int = 10
     limits: Limits = field(default_factory=Limits)
     log_level: str = "warning"
-    speculate: str | None = None  # "ngram": requests speculate unless they send "speculate": "off"
+    speculate: str | None = None  # "ngram" | "draft": requests speculate unless they send "speculate": "off"
     draft_max: int = 8
+    draft_model: object | None = None  # an opened Model: requests may send "speculate": "draft"
 
 
 def make_protocol(header_timeout: float):
@@ -112,7 +113,8 @@ def build(model, cfg: ServeConfig):
     metrics = Metrics()
     sched = Scheduler(model, n_slots=cfg.slots, n_ctx=cfg.ctx, max_queue=cfg.max_queue, chunk=cfg.chunk,
                       max_batch=cfg.max_batch, metrics=metrics,
-                      speculate=SpecRequest(cfg.speculate, cfg.draft_max) if cfg.speculate else None)
+                      speculate=SpecRequest(cfg.speculate, cfg.draft_max) if cfg.speculate else None,
+                      draft_model=cfg.draft_model)
     app = create_app(model, sched, metrics, api_key=cfg.api_key, limits=cfg.limits)
     return app, sched, metrics
 
@@ -147,7 +149,8 @@ def serve(model, cfg: ServeConfig) -> None:
     sys.stderr.write(f"minfer serve: {model.path.name} on http://{cfg.host}:{cfg.port} "
                      f"({cfg.slots} slots x {sched.n_ctx} tokens, batch up to {sched.max_batch}, "
                      f"{model.n_threads} threads"
-                     + (f", speculate {cfg.speculate} up to {cfg.draft_max}" if cfg.speculate else "") + ")\n")
+                     + (f", speculate {cfg.speculate} up to {cfg.draft_max}" if cfg.speculate else "")
+                     + (f", draft model {cfg.draft_model.path.name}" if cfg.draft_model is not None else "") + ")\n")
     sys.stderr.flush()
     server.run(sockets=[sock])
     if threading.current_thread() is threading.main_thread():

@@ -8,8 +8,11 @@ batching): decoding slots contribute their last token, a newcomer contributes a 
 of its prompt (at most `chunk` prompt tokens per step in all), so a long prompt never
 stalls the others for more than a step. Jobs join between steps and leave when done.
 
-A job may speculate (prompt lookup, speculate.py): its slot then contributes its last
-pick plus up to d drafted tokens, and gets back the logits of all d + 1 rows; the
+A job may speculate (speculate.py): by prompt lookup, or with a draft model when the
+server has one (each slot then also owns a sequence of the draft model's context, and
+the drafts of all such slots come from batched draft forwards before the step). Its
+slot contributes its last pick plus up to d drafted tokens, and gets back the logits of
+all d + 1 rows; the
 verified picks (the kept drafts and one of the target's own) are handed out one at a
 time, exactly as single steps would hand them out, and the slot's KV forgets the
 rejected cells (bookkeeping only: they are overwritten later). Rows are independent in
@@ -34,7 +37,7 @@ import numpy as np
 from minfer.errors import MinferError
 from minfer.sampling import Sampler, SamplingParams
 from minfer.session import Context, TextState, pick_token
-from minfer.speculate import NgramDrafter, Policy, verify
+from minfer.speculate import NgramDrafter, Policy, check_same_vocab, verify
 
 log = logging.getLogger("minfer.server")
 
@@ -69,7 +72,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     client_gone: bool = False    # set by the app when the client disconnected
-    speculate: "SpecRequest | None" = None  # prompt lookup for this job (None: plain steps)
+    speculate: "SpecRequest | None" = None  # how this job speculates (None: plain steps)
 
     def cancel(self) -> None:
         """Thread-safe: the job leaves its slot at the next step boundary."""
@@ -78,8 +81,8 @@ class Job:
 
 @dataclass(frozen=True)
 class SpecRequest:
-    """A job's speculation: the drafter (only prompt lookup in the server) and the most
-    tokens drafted per verify (the depth adapts below it)."""
+    """A job's speculation: the drafter ("ngram": prompt lookup; "draft": the server's
+    draft model) and the most tokens drafted per verify (the depth adapts below it)."""
 
     mode: str = "ngram"
     draft_max: int = 8
@@ -91,9 +94,11 @@ class SlotSpec:
     step's time says little about one slot's block, and this keeps a seeded sampled
     request's output independent of the machine's load."""
 
+    mode = "ngram"
+
     def __init__(self, req: SpecRequest, prompt_ids: list[int]):
         self.draft_max = req.draft_max
-        self.drafter = NgramDrafter()
+        self.drafter = NgramDrafter()  # also the log of the context: prompt, then every pick
         self.drafter.extend(prompt_ids)
         self.policy = Policy(adaptive=True)
         self.drafted = 0
@@ -106,9 +111,25 @@ class SlotSpec:
         return (draft[:self.policy.depth(bucket, len(draft), measured=False)] if draft else []), bucket
 
 
+class ModelSlotSpec(SlotSpec):
+    """Drafting with the server's draft model: the depth is chosen before drafting (each
+    drafted token costs a draft forward), from the acceptance and the weight-bytes ratio
+    of the two models as the draft's cost per token."""
+
+    mode = "draft"
+
+    def __init__(self, req: SpecRequest, prompt_ids: list[int], q0: float):
+        super().__init__(req, prompt_ids)
+        self.policy.q0 = q0
+
+    def depth(self, limit: int) -> int:
+        return self.policy.depth(1, min(limit, self.draft_max), measured=False) if limit > 0 else 0
+
+
 class Slot:
-    def __init__(self, session):
+    def __init__(self, session, draft_session=None):
         self.session = session
+        self.draft_session = draft_session  # this slot's sequence of the draft model (or None)
         self.job: Job | None = None
         self.last_used = 0.0
         self._clear()
@@ -149,16 +170,28 @@ def default_max_batch(model) -> int:
 class Scheduler:
     def __init__(self, model, n_slots: int = 4, n_ctx: int = 4096, max_queue: int = 64,
                  chunk: int = 128, max_batch: int | None = None, metrics=None,
-                 speculate: SpecRequest | None = None):
+                 speculate: SpecRequest | None = None, draft_model=None):
         if n_slots < 1:
             raise MinferError(f"--slots must be >= 1, got {n_slots}")
-        if speculate is not None and (speculate.mode != "ngram" or not 1 <= speculate.draft_max <= 64):
-            raise MinferError(f"the server speculates with ngram and a draft_max in [1, 64], got {speculate}")
+        if speculate is not None and (speculate.mode not in ("ngram", "draft") or not 1 <= speculate.draft_max <= 64):
+            raise MinferError(f"the server speculates with ngram or draft and a draft_max in [1, 64], got {speculate}")
+        if speculate is not None and speculate.mode == "draft" and draft_model is None:
+            raise MinferError("speculating with a draft model needs the draft model (--draft-model PATH)")
         self.model = model
         self.tokenizer = model.tokenizer
         self.ctx = Context(model, n_ctx=n_ctx, n_seq=n_slots)
         self.n_ctx = self.ctx.n_ctx
-        self.slots = [Slot(self.ctx.session(i)) for i in range(n_slots)]
+        self.draft_model = draft_model
+        self.dctx = None                 # the draft model's context: one sequence per slot
+        if draft_model is not None:
+            check_same_vocab(model, draft_model)
+            self.dctx = Context(draft_model, n_ctx=self.n_ctx, n_seq=n_slots)
+            # A decode step reads every weight once: the bytes' ratio is a draft token's
+            # cost relative to a target step (speculate.Speculation.drafter does the same).
+            self.draft_cost = (draft_model.defn.weight_bytes_per_token()
+                               / max(1, model.defn.weight_bytes_per_token()))
+        self.slots = [Slot(self.ctx.session(i), self.dctx.session(i) if self.dctx else None)
+                      for i in range(n_slots)]
         self.max_queue = max_queue
         self.chunk = max(1, chunk)
         self.max_batch = max(1, min(max_batch or default_max_batch(model), n_slots))
@@ -177,6 +210,8 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
+        if job.speculate is not None and job.speculate.mode == "draft" and self.dctx is None:
+            raise MinferError("this server has no draft model to speculate with")
         with self._cv:
             if self._stopping or self._draining:
                 raise ShuttingDown("the server is shutting down")
@@ -262,7 +297,9 @@ class Scheduler:
         for t in job.prompt_ids:
             slot.sampler.accept(t)
         slot.text = TextState(self.tokenizer, stop=job.stop, stop_at_eog=job.stop_at_eog)
-        if job.speculate is not None:
+        if job.speculate is not None and job.speculate.mode == "draft":
+            slot.spec = ModelSlotSpec(job.speculate, job.prompt_ids, self.draft_cost)
+        elif job.speculate is not None:
             slot.spec = SlotSpec(job.speculate, job.prompt_ids)
         if self.metrics:
             self.metrics.on_start(time.perf_counter() - job.submitted)
@@ -298,23 +335,71 @@ class Scheduler:
         if cap is not None:
             decoding = sum(1 for s in active if not s.pending)
             spare = 0 if any(s.pending for s in active) else max(0, cap - decoding)
+        decoding = [s for s in active if not s.pending]
+        want = {}                        # draft-model slots -> tokens to draft
+        for s in decoding:
+            s.draft = []
+            if s.spec is None:
+                continue
+            # Never draft past max_tokens or the context: the block's last row then
+            # picks the job's last token at most.
+            limit = min(s.job.n_predict - s.picks - 1, self.n_ctx - s.session.n_past - 1, spare)
+            if s.spec.mode == "draft":
+                d = s.spec.depth(limit)
+                if d > 0:
+                    want[s] = d
+                    spare -= d
+                s.bucket = 1
+            else:
+                s.draft, s.bucket = s.spec.propose(limit)
+                spare -= len(s.draft)
+        if want:
+            self._model_drafts(want)
         # Decoding slots first; prompt chunks share the per-step prompt budget.
-        for s in active:
-            if not s.pending:
-                s.draft = []
-                if s.spec is not None:
-                    # Never draft past max_tokens or the context: the block's last row
-                    # then picks the job's last token at most.
-                    limit = min(s.job.n_predict - s.picks - 1, self.n_ctx - s.session.n_past - 1, spare)
-                    s.draft, s.bucket = s.spec.propose(limit)
-                    spare -= len(s.draft)
-                items.append((s, [s.next_tok] + s.draft, 1 + len(s.draft)))
+        for s in decoding:
+            items.append((s, [s.next_tok] + s.draft, 1 + len(s.draft)))
         for s in active:
             if s.pending and budget > 0:
                 take = s.pending[:budget]
                 budget -= len(take)
                 items.append((s, take, 1))
         return items
+
+    def _model_drafts(self, want: dict) -> None:
+        """Greedy drafts of the draft model for the slots in `want` (slot -> depth),
+        batched across them: each slot's draft sequence first catches up with its
+        context (the prompt and the picks so far; its KV keeps the longest common prefix,
+        so that is the last pick and the previous block's correction), in chunks, then
+        one-token forwards until every slot has its depth. A failure of the draft model
+        costs only this step's drafts."""
+        dctx = self.dctx
+        try:
+            feeds = {}
+            for s in want:
+                ctx, ds = s.spec.drafter.toks, s.draft_session
+                keep = min(ds.common_prefix(ctx), len(ctx) - 1)
+                ds.truncate(keep)
+                feeds[s] = ctx[keep:]
+            while feeds:
+                order = list(feeds)
+                rows = dctx.decode_batch([(s.draft_session, feeds[s][:self.chunk]) for s in order], copy=False)
+                for i, s in enumerate(order):
+                    rest = feeds.pop(s)[self.chunk:]
+                    if rest:
+                        feeds[s] = rest
+                    else:
+                        s.draft = [int(np.argmax(rows[i]))]
+            going = [s for s in want if len(s.draft) < want[s]]
+            while going:
+                rows = dctx.decode_batch([(s.draft_session, [s.draft[-1]]) for s in going], copy=False)
+                for i, s in enumerate(going):
+                    s.draft.append(int(np.argmax(rows[i])))
+                going = [s for s in going if len(s.draft) < want[s]]
+        except Exception as e:  # noqa: BLE001 - the target's step goes on without drafts
+            log.warning("the draft model failed (%s); this step verifies no drafts", e)
+            for s in want:
+                s.draft = []
+                s.draft_session.reset()
 
     def _step(self) -> None:
         items = self._batch()
