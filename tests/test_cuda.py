@@ -677,7 +677,7 @@ def test_non_finite_logits_raise_as_on_cpu(tmp_path, bad):
     follow each backend's arithmetic)."""
     from minfer.io.gguf_file import GGUFFile
 
-    small = dict(n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=128)
+    small = dict(n_layer=1, n_embd=128, n_head=4, n_head_kv=2, n_ff=256)  # head dim 32: CUDA has kernels from 32
     path = write_model(tmp_path / "ok.gguf", **small).path
     msgs = {}
     for b in ("cuda", "cpu"):

@@ -1,6 +1,7 @@
 // Matrix-vector products (decode and small blocks), the f16 operands of the prefill
 // GEMM, and embedding gathers from quantized tables. Weights are in the device layout
 // (cuda/layout.h).
+#include <cstdlib>
 #include <stdexcept>
 
 #include "cuda/context.h"
@@ -29,6 +30,7 @@ struct MvArgs {
     int njobs;
     int in_dim, nb;       // elements and 32-element blocks per row
     int rpw;              // rows per warp (a power of two <= 8)
+    int prefetch;         // request rows into L2 ahead of use
     const float* x;       // f32 activations (F32 / F16 weights)
     const int8_t* xq;     // int8 copy, column c at xq + c * in_dim
     const float2* xds;    // per block (d, d * sum(q)), column c at xds + c * nb
@@ -371,11 +373,11 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
     const int lane = threadIdx.x & 31;
     const int row0 = ((blockIdx.x - a.block0[j]) * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
     const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
-    if (row0 < row1) prefetch_job_row(jb, row0, lane);
-    if (row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
+    if (a.prefetch && row0 < row1) prefetch_job_row(jb, row0, lane);
+    if (a.prefetch && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
     pdl_wait();
     for (int row = row0; row < row1; ++row) {
-        if (row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
+        if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
         mv_row<NC>(a, jb, row, lane);
     }
     if (NC == 1 && jb.q_out) {
@@ -512,6 +514,12 @@ size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols) {
 
 namespace {
 
+// Measurement knobs (A/B of the launch shape; results do not depend on them).
+int env_int(const char* name, int dflt) {
+    const char* e = std::getenv(name);
+    return e && *e ? std::atoi(e) : dflt;
+}
+
 template <int NC>
 void launch_mv(const MvArgs& a, unsigned blocks) {
     launch(k_matvec<NC>, blocks, MV_WARPS * 32, a);
@@ -545,8 +553,15 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // Rows per warp: the fewest that fit every row's warp in about one wave of resident
     // warps (a launch is latency-bound when it needs several); rows' bits do not depend on it.
     const int64_t resident = (int64_t)ctx().n_sm * 24;  // 6 blocks of 4 warps per SM at 80 registers
+    static const int rpw_env = env_int("MINFER_CUDA_MV_RPW", 0);
+    static const int pf_env = env_int("MINFER_CUDA_MV_PREFETCH", 1);
+    a.prefetch = pf_env;
     a.rpw = 1;
-    while (a.rpw < 8 && total > resident * a.rpw) a.rpw *= 2;
+    if (rpw_env > 0) {
+        while (a.rpw < 8 && a.rpw < rpw_env) a.rpw *= 2;
+    } else {
+        while (a.rpw < 8 && total > resident * a.rpw) a.rpw *= 2;
+    }
     int b = 0;
     for (int i = 0; i < njobs; ++i) {
         if (jobs[i].q_out && jobs[i].rows % 32) throw std::invalid_argument("matvec_multi: q_out needs rows % 32 == 0");
