@@ -180,11 +180,13 @@ def test_matmul_vs_float64(qtype, nt):
     assert np.all(err <= tol), f"{qtype.name} nt={nt}: max err/tol {np.max(err / tol):.3g}"
 
 
-@pytest.mark.parametrize("rows", [5000, 9000, 60000])
-def test_matvec_many_rows_bitwise_and_fused_ffn(rows):
-    """Tall matrices take several rows per warp (the count depends on the row total); a
-    row's bits must not. The same rows alone, and gate|up + SwiGLU with down's int8
-    input written through the 32-row group tickets, against the unfused steps."""
+@pytest.mark.parametrize("rows,rpw", [(5000, "0"), (9000, "0"), (60000, "0"), (3000, "8"), (3000, "1")])
+def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
+    """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which
+    depends on the row total); a row's bits must not. The same rows alone, and gate|up +
+    SwiGLU with down's int8 input written through the 32-row group tickets, against the
+    unfused steps."""
+    monkeypatch.setenv("MINFER_CUDA_MV_RPW", rpw)
     rng = np.random.default_rng(rows)
     in_dim, few = 64, 96
     raw, deq = make_weight(Q.Q8_0, rows, in_dim, rng)
