@@ -28,7 +28,8 @@ llama-server (found on PATH, or --llama-server PATH) is started with
 
 --speculate: instead of the load above, code-editing requests (the workload of
 `minfer bench --speculate` and bench/speculate.py: rewrite a 12-line function with type
-hints; at concurrency c, c requests over two such functions) with "speculate": "off"
+hints; at concurrency c, c requests over two such functions; `--workload other`: its
+from-scratch and prose prompts instead) with "speculate": "off"
 and "ngram" back to back on one server, the order alternating between --rounds, each
 request greedy with exactly -n tokens. Reports aggregate tok/s per mode (medians over
 rounds), the speed-up, the drafted/accepted counts from usage, and checks that both
@@ -142,13 +143,16 @@ def run_load(name: str, url: str, concs: list[int], n: int, rounds: int) -> list
     return out
 
 
-def edit_prompts() -> list[str]:
-    """The type-hints prompt of bench/speculate.py over its two functions."""
+def edit_prompts(workload: str = "edit") -> list[str]:
+    """edit: the type-hints prompt of bench/speculate.py over its two functions; other:
+    its from-scratch and prose prompts (little for prompt lookup to copy)."""
     here = Path(__file__).resolve()
     sys.path[:0] = [str(here.parents[1] / "python"), str(here.parent)]
-    from speculate import FUNC2  # bench/speculate.py's second function
+    from speculate import FUNC2, PROMPTS  # bench/speculate.py's second function and prompts
     from minfer.tools.bench import SPEC_FUNC, SPEC_PROMPT
 
+    if workload == "other":
+        return [PROMPTS["write: from scratch"], PROMPTS["prose"]]
     return [SPEC_PROMPT, SPEC_PROMPT.replace(SPEC_FUNC, FUNC2)]
 
 
@@ -184,10 +188,10 @@ async def edit_level(url: str, conc: int, n: int, speculate: str, prompts: list[
             "accepted": sum(x.get("accepted", 0) for x in sp)}
 
 
-def run_spec_compare(url: str, concs: list[int], n: int, rounds: int) -> list[dict]:
+def run_spec_compare(url: str, concs: list[int], n: int, rounds: int, workload: str = "edit") -> list[dict]:
     import statistics
 
-    prompts = edit_prompts()
+    prompts = edit_prompts(workload)
     # Warm-up at the largest concurrency: graphs for the prompts, single steps and blocks,
     # and every slot then holds its prompt, so no timed round pays a prefill the other
     # mode does not.
@@ -207,12 +211,12 @@ def run_spec_compare(url: str, concs: list[int], n: int, rounds: int) -> list[di
         off = statistics.median(x["tps"] for x in runs["off"])
         on = statistics.median(x["tps"] for x in runs["ngram"])
         d, a = runs["ngram"][-1]["drafted"], runs["ngram"][-1]["accepted"]
-        row = {"concurrency": c, "plain_tps": round(off, 2), "ngram_tps": round(on, 2),
+        row = {"workload": workload, "concurrency": c, "plain_tps": round(off, 2), "ngram_tps": round(on, 2),
                "speedup": round(on / off, 2), "drafted": d, "accepted": a,
                "per_round": [[round(x["tps"], 2) for x in runs[m]] for m in ("off", "ngram")],
                "load1": round(os.getloadavg()[0], 2)}
         out.append(row)
-        print(f"code edit c={c:<3} plain {off:8.2f} tok/s  ngram {on:8.2f} tok/s  {on / off:5.2f}x  "
+        print(f"{workload:>5} c={c:<3} plain {off:8.2f} tok/s  ngram {on:8.2f} tok/s  {on / off:5.2f}x  "
               f"(accepted {a}/{d} drafted; per round off {row['per_round'][0]}, ngram {row['per_round'][1]}; "
               f"load {row['load1']}; same text)", flush=True)
     return out
@@ -264,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--speculate", action="store_true",
                     help="code-editing requests with speculation off and ngram, side by side (see above)")
+    ap.add_argument("--workload", default="edit", help="with --speculate: edit, other (from scratch and prose), "
+                    "or a comma list of both")
     a = ap.parse_args(argv)
     try:
         concs = [int(x) for x in a.concurrency.split(",") if x.strip()]
@@ -279,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         model = str(default_model_path(pull=False))
     results = []
     if a.speculate:
+        loads = [w.strip() for w in a.workload.split(",") if w.strip()]
+        if not loads or any(w not in ("edit", "other") for w in loads):
+            ap.error("--workload takes edit, other or both")
         if a.url:
-            results = run_spec_compare(a.url.rstrip("/"), concs, a.tokens, a.rounds)
+            results = [r for w in loads for r in run_spec_compare(a.url.rstrip("/"), concs, a.tokens, a.rounds, w)]
         else:
             port = free_port()
             proc = subprocess.Popen([sys.executable, "-m", "minfer.cli", "serve", model, "--port", str(port),
@@ -288,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
                                     env=dict(os.environ))
             try:
                 wait_ready(f"http://127.0.0.1:{port}", proc)
-                results = run_spec_compare(f"http://127.0.0.1:{port}", concs, a.tokens, a.rounds)
+                results = [r for w in loads
+                           for r in run_spec_compare(f"http://127.0.0.1:{port}", concs, a.tokens, a.rounds, w)]
             finally:
                 stop(proc)
         if a.json:
