@@ -592,19 +592,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     }
 }
 
-void matvec(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t out_dim, const float* x,
-            const float* bias, const float* resid, float* y, void* scratch) {
-    MvJob j{};
-    j.W = (const uint8_t*)W;
-    j.row_bytes = row_bytes;
-    j.type = wtype;
-    j.rows = (int)out_dim;
-    j.bias = bias;
-    j.resid = resid;
-    j.y = y;
-    matvec_multi(&j, 1, in_dim, x, scratch);
-}
-
 void rms_norm_q8(const float* x, const float* w, float* y, int64_t d, float eps, void* scratch) {
     int8_t* q = (int8_t*)scratch;
     float2* ds = (float2*)((uint8_t*)scratch + d);

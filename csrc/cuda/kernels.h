@@ -51,9 +51,6 @@ size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols = 1);
 // into scratch as matvec_multi lays it out.
 void rms_norm_q8(const float* x, const float* w, float* y, int64_t d, float eps, void* scratch);
 
-void matvec(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t out_dim, const float* x,
-            const float* bias, const float* resid, float* y, void* scratch);
-
 // W (rows x in_dim of wtype, device layout) -> f16 rows (prefill GEMM operand).
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out_f16);
 void f32_to_f16(const float* x, void* y, int64_t n);
