@@ -99,3 +99,34 @@ def test_packed_k_extreme_codes(qtype):
     got = run_matmul(raw, qtype, IN_DIM, 18, x, n_threads=2)
     check_against_references(got, x, deq, qtype)
     assert np.all(got[1] == 0.0)
+
+
+def test_q8_K_quantizer_simd_is_bytewise_scalar():
+    """The SIMD Q8_K activation quantizer writes the scalar one's bytes: the max's sign
+    from its first occurrence (ties of +m and -m both ways), rounding ties, zero blocks,
+    and blocks with inf or NaN (which take the scalar loop)."""
+    rng = np.random.default_rng(8)
+    blocks = [rng.standard_normal(256) * s for s in (1e-30, 1e-3, 1.0, 1e4, 1e30)]
+    b = rng.standard_normal(256)
+    b[[10, 200]] = [-4.0, 4.0]  # -max first
+    blocks.append(b)
+    b = rng.standard_normal(256)
+    b[[3, 7]] = [5.0, -5.0]  # +max first
+    blocks.append(b)
+    blocks.append(np.zeros(256))
+    blocks.append(np.round(rng.standard_normal(256) * 127) / 127 * 2.0 + 0.5 / 127 * 2.0)  # halfway codes
+    b = rng.standard_normal(256)
+    b[17] = np.inf
+    blocks.append(b)
+    b = rng.standard_normal(256)
+    b[99] = np.nan
+    blocks.append(b)
+    x = np.concatenate(blocks).astype(np.float32)
+    simd = _core.testing.quantize_q8_K(x, True)
+    scalar = _core.testing.quantize_q8_K(x, False)
+    assert simd.tobytes() == scalar.tobytes()
+    # and the scalar one is ggml's (test_quant_kernels.q8_K_roundtrip) on the finite blocks
+    from test_quant_kernels import q8_K_roundtrip
+    fin = np.concatenate(blocks[:-2]).astype(np.float32)
+    got = _core.testing.dequantize_row(int(Q.Q8_K), _core.testing.quantize_q8_K(fin, True), fin.size)
+    assert np.array_equal(got, q8_K_roundtrip(fin).reshape(-1))

@@ -15,6 +15,7 @@
 #include "cpu/executor.h"
 #include "cpu/pool.h"
 #include "cpu/quants.h"
+#include "cpu/quants_k.h"
 #include "cpu/repack.h"
 #include "cpu/work_split.h"
 #include "py_weight_store.h"
@@ -191,6 +192,15 @@ void register_cpu_testing(py::module_& t) {
     // (cpu/repack.h), so tests know which kernel they pin.
     t.def("repack_packable", [](int type) { return repack::packable(type); }, py::arg("type"));
     t.def("repack_token_tile", &repack::token_tile);
+    // Q8_K activation bytes of x (a multiple of 256 floats) from the SIMD or the scalar
+    // quantizer: the two must agree byte for byte.
+    t.def("quantize_q8_K", [](py::array_t<float, py::array::c_style> x, bool simd) {
+            const int64_t n = (int64_t)x.size();
+            if (n % QK_K) throw std::invalid_argument("quantize_q8_K: length must be a multiple of 256");
+            py::array_t<uint8_t> out((py::ssize_t)type_row_bytes(T_Q8_K, n));
+            kq::quantize_row_q8_K(x.data(), (block_q8_K*)out.mutable_data(), n, simd);
+            return out;
+        }, py::arg("x"), py::arg("simd"));
     // The repacked matmul's work split (cpu/work_split.h), for every thread of nth: lists
     // of (r0, r1, t0, t1), so tests can check coverage and balance at any thread count.
     t.def("matmul_split", [](int64_t out, int64_t nt, int64_t tile, int nth) {

@@ -59,7 +59,7 @@ void quantize_act_row(int32_t wtype, const float* x, void* dst, int64_t n) {
     switch (act_type_for(wtype)) {
         case T_F32: std::memcpy(dst, x, (size_t)n * sizeof(float)); break;
         case T_Q8_0: legacy::quantize_row_q8_0(x, (block_q8_0*)dst, n, use_simd()); break;
-        default: kq::quantize_row_q8_K(x, (block_q8_K*)dst, n); break;
+        default: kq::quantize_row_q8_K(x, (block_q8_K*)dst, n, use_simd()); break;
     }
 }
 
@@ -94,7 +94,7 @@ void quantize_row_q8_0_ref(const float* x, block_q8_0* y, int64_t n) {
 
 void quantize_row_q8_K_ref(const float* x, block_q8_K* y, int64_t n) {
     if (n % QK_K) throw std::invalid_argument("quantize_row_q8_K_ref: n must be a multiple of 256");
-    kq::quantize_row_q8_K(x, y, n);
+    kq::quantize_row_q8_K(x, y, n, false);
 }
 
 }  // namespace minfer::cpu

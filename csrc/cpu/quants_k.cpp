@@ -587,10 +587,66 @@ inline int nearest_int(float v) {
 
 }  // namespace
 
-void quantize_row_q8_K(const float* x, block_q8_K* y, int64_t n) {
+#if defined(KQ_AVX2)
+// One block, the same bytes as the scalar loop below: the max |x| is exact in any order,
+// the first element reaching it gives the sign (as the scalar scan's strict >), the
+// product iscale * x is the same float multiply, and vcvtps2dq rounds to nearest even
+// exactly as nearest_int's magic-number add does for |v| < 2^22. Returns false (the
+// caller then runs the scalar loop) for a block holding a NaN or an infinity.
+bool quantize_block_q8_K_avx2(const float* x, block_q8_K& b) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int j = 0; j < QK_K; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        m = _mm256_max_ps(m, _mm256_and_ps(v, abs_mask));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return false;
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    if (!(amax <= 3.4028235e38f)) return false;
+    if (amax == 0.0f) {
+        b.d = 0.0f;
+        std::memset(b.qs, 0, sizeof(b.qs));
+        std::memset(b.bsums, 0, sizeof(b.bsums));
+        return true;
+    }
+    int j = 0;
+    while (std::fabs(x[j]) != amax) ++j;
+    const float iscale = -127.0f / x[j];
+    const __m256 is = _mm256_set1_ps(iscale);
+    const __m256i q127 = _mm256_set1_epi32(127);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int k = 0; k < QK_K; k += 32) {
+        __m256i v[4];
+        for (int u = 0; u < 4; ++u)
+            v[u] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(is, _mm256_loadu_ps(x + k + 8 * u))), q127);
+        // bsums of the two 16-element groups: exact int32 sums, no saturation.
+        for (int g = 0; g < 2; ++g) {
+            const __m256i s8 = _mm256_add_epi32(v[2 * g], v[2 * g + 1]);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            b.bsums[k / 16 + g] = (int16_t)_mm_cvtsi128_si32(s4);
+        }
+        const __m256i p16 = _mm256_packs_epi32(v[0], v[1]), p16b = _mm256_packs_epi32(v[2], v[3]);
+        const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b), perm);
+        _mm256_storeu_si256((__m256i*)(b.qs + k), p8);
+    }
+    b.d = 1.0f / iscale;
+    return true;
+}
+#endif
+
+void quantize_row_q8_K(const float* x, block_q8_K* y, int64_t n, bool simd) {
     check_n(n);
     const int64_t nb = n / QK_K;
     for (int64_t i = 0; i < nb; ++i, x += QK_K) {
+#if defined(KQ_AVX2)
+        if (simd && quantize_block_q8_K_avx2(x, y[i])) continue;
+#endif
         // The signed value of largest magnitude (first one on ties) maps to -127, as in ggml.
         float amax = 0.0f, vmax = 0.0f;
         for (int j = 0; j < QK_K; ++j) {

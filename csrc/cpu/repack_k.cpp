@@ -260,21 +260,10 @@ void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float
         const block_q8_K* ab = (const block_q8_K*)(act + t * arb);
         for (int64_t ib = 0; ib < nb; ++ib) meta_of(T, ab[ib], meta[t * nb + ib]);
     }
-    const int64_t g0 = r0 / G, g1 = (r1 + G - 1) / G;
-    for (int64_t gi = g0; gi < g1; ++gi) {
+    for_tiles(r0, r1, nt, arb, [&](int64_t gi, int lane0, int lo, int hi, int64_t t, int na) {
         const uint8_t* g = p.data.get() + gi * p.group_bytes;
-        const int64_t base = gi * G;
-        for (int lane0 = 0; lane0 < G; lane0 += VK::N) {
-            const int64_t lo64 = std::max<int64_t>(r0 - base - lane0, 0);
-            const int64_t hi64 = std::min<int64_t>(r1 - base - lane0, VK::N);
-            if (hi64 <= lo64) continue;
-            for (int64_t t = 0; t < nt; t += kNA) {
-                const int na = (int)std::min<int64_t>(kNA, nt - t);
-                fns[na - 1](g, nb, lane0, act + t * arb, arb, meta.data() + t * nb, y + t * ldy + base + lane0, ldy,
-                            (int)lo64, (int)hi64);
-            }
-        }
-    }
+        fns[na - 1](g, nb, lane0, act + t * arb, arb, meta.data() + t * nb, y + t * ldy + gi * G + lane0, ldy, lo, hi);
+    });
 }
 
 #endif  // RP_AVX2

@@ -7,7 +7,9 @@
 // the same 4 signed activation bytes (vpdpbusd where the CPU has VNNI; maddubs + madd
 // otherwise, exact as long as two products stay inside int16: codes <= 63).
 #pragma once
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "common/ggml_types.h"
@@ -156,6 +158,40 @@ constexpr int kNA = 8;  // tokens per kernel call: accumulators that fit the 32 
 using VK = V8;
 constexpr int kNA = 4;
 #endif
+
+// Walks rows [r0, r1) x nt tokens as kernel calls f(group, lane0, lo, hi, t, na): na <= kNA
+// tokens from t, lanes [lo, hi) of the V-wide half at lane0 of the group. Tokens go in
+// blocks of about kActBlockBytes of activations, each block over all the rows before the
+// next: a 512-token prefill's Q8_K input to ffn_down is 2.8 MB, more than a core's L2,
+// and re-streaming it once per group from L3 is what 16 threads then contend on. A
+// thread's groups and one block of activations stay in L2 instead. The order changes
+// no result: each call computes whole (row, token) dot products.
+inline size_t act_block_bytes() {
+    static const size_t v = [] {
+        const char* e = std::getenv("MINFER_TBLOCK");
+        return e ? (size_t)std::atoll(e) : (size_t)(256 << 10);
+    }();
+    return v;
+}
+template <class Fn>
+inline void for_tiles(int64_t r0, int64_t r1, int64_t nt, size_t arb, Fn&& f) {
+    constexpr int G = 16;
+    const size_t ab = act_block_bytes();
+    const int64_t tb = ab == 0 ? nt : std::max<int64_t>(kNA, (int64_t)(ab / arb) / kNA * kNA);
+    const int64_t g0 = r0 / G, g1 = (r1 + G - 1) / G;
+    for (int64_t b0 = 0; b0 < nt; b0 += tb) {
+        const int64_t b1 = std::min(nt, b0 + tb);
+        for (int64_t gi = g0; gi < g1; ++gi) {
+            const int64_t base = gi * G;
+            for (int lane0 = 0; lane0 < G; lane0 += VK::N) {
+                const int64_t lo = std::max<int64_t>(r0 - base - lane0, 0);
+                const int64_t hi = std::min<int64_t>(r1 - base - lane0, VK::N);
+                if (hi <= lo) continue;
+                for (int64_t t = b0; t < b1; t += kNA) f(gi, lane0, (int)lo, (int)hi, t, (int)std::min<int64_t>(kNA, b1 - t));
+            }
+        }
+    }
+}
 
 // The 8 step vectors of a 32-code nibble block (4 chunks of 64 bytes; chunk t, lane r,
 // byte b: low nibble = code[8t + b], high nibble = code[8t + 4 + b]), for the lanes
