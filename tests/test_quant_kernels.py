@@ -264,7 +264,7 @@ def test_real_model_tensors(real_tensor_slices, kernel_path):
         check_against_references(run_matmul(raw, qtype, in_dim, 45, x), x, deq, qtype)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q6_K])
 def test_weights_from_a_file_mapping_survive_repack_page_release(qtype, tmp_path):
     """A weight registered from a read-only file mmap (as the GGUF is) may have its pages
     dropped once the SIMD matmul has repacked it; a later reader of the original bytes
@@ -272,7 +272,7 @@ def test_weights_from_a_file_mapping_survive_repack_page_release(qtype, tmp_path
     import mmap
 
     rng = np.random.default_rng(int(qtype))
-    in_dim, out_dim = 512, 160  # 160 rows x 288 bytes: whole pages inside the tensor
+    in_dim, out_dim = 512, 160  # 160 rows of 288 (Q6_K: 420) bytes: whole pages inside the tensor
     raw, deq = make_weight(qtype, out_dim, in_dim, rng)
     path = tmp_path / "w.bin"
     path.write_bytes(b"\0" * 100 + raw.tobytes())  # an unaligned start, as in a GGUF
