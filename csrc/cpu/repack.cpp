@@ -144,16 +144,17 @@ inline void unpack(const uint8_t* g, int64_t nb, int64_t ib, int lane0, typename
     }
 }
 
-// NA tokens x lanes [lane0, lane0 + N) of one group, all blocks. meta is [token][nb].
-template <class V, int32_t T, int NA>
+// NA tokens x lanes [lane0, lane0 + H * N) of one group, all blocks. meta is [token][nb].
+template <class V, int32_t T, int NA, int H = 1>
 void group_kernel(const uint8_t* g, int64_t nb, size_t dplane, int lane0, const uint8_t* act, size_t arb,
                   const Meta* meta, float* y, int64_t ldy, int lo, int hi) {
     using I = typename V::I;
     using F = typename V::F;
-    F acc[NA];
+    F acc[NA][H];
     RP_UNROLL
-    for (int j = 0; j < NA; ++j) acc[j] = V::zero();
-    const half* dp = (const half*)(g + dplane) + lane0;
+    for (int j = 0; j < NA; ++j)
+        for (int h = 0; h < H; ++h) acc[j][h] = V::zero();
+    const half* dp = (const half*)(g + dplane);
     constexpr size_t QS = T == T_Q8_0 ? 512 : 256, PF = 1024;
     for (int64_t ib = 0; ib < nb; ++ib) {
         // Decode streams the weights from DRAM: each plane prefetched ~1 KiB of codes
@@ -165,21 +166,24 @@ void group_kernel(const uint8_t* g, int64_t nb, size_t dplane, int lane0, const 
             if constexpr (T == T_Q5_0) _mm_prefetch((const char*)(g + nb * 256 + ib * 64 + PF / 4), _MM_HINT_T0);
             _mm_prefetch((const char*)(g + dplane + ib * 32 + PF / 8), _MM_HINT_T0);
         }
-        I w[8];
-        unpack<V, T>(g, nb, ib, lane0, w);
-        const F dw = V::loadh(dp + ib * G);
-        RP_UNROLL
-        for (int j = 0; j < NA; ++j) {
-            const Meta m = meta[j * nb + ib];
-            const uint8_t* q = (const uint8_t*)((const block_q8_0*)(act + j * arb))[ib].qs;
-            I s = V::bcast(m.corr);
+        for (int h = 0; h < H; ++h) {
+            const int ln = lane0 + h * V::N;
+            I w[8];
+            unpack<V, T>(g, nb, ib, ln, w);
+            const F dw = V::loadh(dp + ib * G + ln);
             RP_UNROLL
-            for (int k = 0; k < 8; ++k) s = V::dot(s, w[k], load_u32(q + 4 * k));
-            acc[j] = V::fma(V::scale(dw, m.d), s, acc[j]);
+            for (int j = 0; j < NA; ++j) {
+                const Meta m = meta[j * nb + ib];
+                const uint8_t* q = (const uint8_t*)((const block_q8_0*)(act + j * arb))[ib].qs;
+                I s = V::bcast(m.corr);
+                RP_UNROLL
+                for (int k = 0; k < 8; ++k) s = V::dot(s, w[k], load_u32(q + 4 * k));
+                acc[j][h] = V::fma(V::scale(dw, m.d), s, acc[j][h]);
+            }
         }
     }
     RP_UNROLL
-    for (int j = 0; j < NA; ++j) V::store(y + j * ldy, acc[j], lo, hi);
+    for (int j = 0; j < NA; ++j) store_halves<V, H>(y + j * ldy, acc[j], lo, hi);
 }
 
 template <int32_t T>
@@ -206,9 +210,11 @@ void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float
         for (int64_t ib = 0; ib < nb; ++ib)
             meta[t * nb + ib] = {h2f(ab[ib].d), -L.off * sum32(ab[ib].qs)};
     }
-    for_tiles(r0, r1, nt, arb, [&](int64_t gi, int lane0, int lo, int hi, int64_t t, int na) {
+    const bool whole = kDecodeHalves > 1 && nt == 1;
+    for_tiles(r0, r1, nt, arb, whole, [&](int64_t gi, int lane0, int lo, int hi, int64_t t, int na) {
         const uint8_t* g = p.data.get() + gi * p.group_bytes;
-        fns[na - 1](g, nb, dplane, lane0, act + t * arb, arb, meta.data() + t * nb, y + t * ldy + gi * G + lane0, ldy, lo, hi);
+        const auto fn = whole ? group_kernel<VK, T, 1, kDecodeHalves> : fns[na - 1];
+        fn(g, nb, dplane, lane0, act + t * arb, arb, meta.data() + t * nb, y + t * ldy + gi * G + lane0, ldy, lo, hi);
     });
 }
 

@@ -155,89 +155,101 @@ inline void prefetch_eighth(const uint8_t* R, int c) {
     for (size_t o = 0; o < REC / 8; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
 }
 
-// NA tokens x lanes [lane0, lane0 + V::N) of one group, all super-blocks.
-template <class V, int32_t T, int NA>
+// NA tokens x lanes [lane0, lane0 + H * V::N) of one group, all super-blocks.
+template <class V, int32_t T, int NA, int H = 1>
 void group_kernel(const uint8_t* g, int64_t nb, int lane0, const uint8_t* act, size_t arb, const KMeta* meta,
                   float* y, int64_t ldy, int lo, int hi) {
     using I = typename V::I;
     using F = typename V::F;
     constexpr size_t rec = T == T_Q4_K ? kQ4Rec : kQ6Rec;
-    const int bo = 4 * lane0;
-    F acc[NA];
+    F acc[NA][H];
     RP_UNROLL
-    for (int a = 0; a < NA; ++a) acc[a] = V::zero();
+    for (int a = 0; a < NA; ++a)
+        for (int h = 0; h < H; ++h) acc[a][h] = V::zero();
     for (int64_t ib = 0; ib < nb; ++ib) {
         const uint8_t* R = g + ib * rec;
         const int8_t* q[NA];
         RP_UNROLL
         for (int a = 0; a < NA; ++a) q[a] = ((const block_q8_K*)(act + a * arb))[ib].qs;
-        I isum[NA];
+        I isum[NA][H];
         RP_UNROLL
-        for (int a = 0; a < NA; ++a) isum[a] = V::zero_i();
+        for (int a = 0; a < NA; ++a)
+            for (int h = 0; h < H; ++h) isum[a][h] = V::zero_i();
         if constexpr (T == T_Q4_K) {
             for (int j = 0; j < 8; ++j) {
                 if constexpr (NA <= kPfMaxNA) prefetch_eighth<rec>(R, j);
-                I w[8];
-                nibbles<V>(R + 256 * j + bo, w);
-                const I sc = V::u8_32(R + kQ4Sc + 16 * j + lane0);
-                RP_UNROLL
-                for (int a = 0; a < NA; ++a) {
-                    const uint8_t* qa = (const uint8_t*)q[a] + 32 * j;
-                    I s = V::zero_i();
+                for (int h = 0; h < H; ++h) {
+                    const int ln = lane0 + h * V::N;
+                    I w[8];
+                    nibbles<V>(R + 256 * j + 4 * ln, w);
+                    const I sc = V::u8_32(R + kQ4Sc + 16 * j + ln);
                     RP_UNROLL
-                    for (int k = 0; k < 8; ++k) s = V::dot(s, w[k], load_u32(qa + 4 * k));
-                    isum[a] = V::add(isum[a], V::mullo(s, sc));
+                    for (int a = 0; a < NA; ++a) {
+                        const uint8_t* qa = (const uint8_t*)q[a] + 32 * j;
+                        I s = V::zero_i();
+                        RP_UNROLL
+                        for (int k = 0; k < 8; ++k) s = V::dot(s, w[k], load_u32(qa + 4 * k));
+                        isum[a][h] = V::add(isum[a][h], V::mullo(s, sc));
+                    }
                 }
             }
-            const F dw = V::loadh((const half*)(R + kQ4D) + lane0);
-            const F dm = V::loadh((const half*)(R + kQ4Dmin) + lane0);
-            I mn[4];
-            RP_UNROLL
-            for (int k = 0; k < 4; ++k) mn[k] = V::u8_16(R + kQ4Mn + 32 * k + 2 * lane0);
-            RP_UNROLL
-            for (int a = 0; a < NA; ++a) {
-                const KMeta& m = meta[a * nb + ib];
-                I sm = V::zero_i();
+            for (int h = 0; h < H; ++h) {
+                const int ln = lane0 + h * V::N;
+                const F dw = V::loadh((const half*)(R + kQ4D) + ln);
+                const F dm = V::loadh((const half*)(R + kQ4Dmin) + ln);
+                I mn[4];
                 RP_UNROLL
-                for (int k = 0; k < 4; ++k) sm = V::dotw(sm, mn[k], (uint32_t)m.c[k]);
-                acc[a] = V::fma(V::scale(dw, m.d), isum[a], acc[a]);
-                acc[a] = V::fnma(V::scale(dm, m.d), sm, acc[a]);
+                for (int k = 0; k < 4; ++k) mn[k] = V::u8_16(R + kQ4Mn + 32 * k + 2 * ln);
+                RP_UNROLL
+                for (int a = 0; a < NA; ++a) {
+                    const KMeta& m = meta[a * nb + ib];
+                    I sm = V::zero_i();
+                    RP_UNROLL
+                    for (int k = 0; k < 4; ++k) sm = V::dotw(sm, mn[k], (uint32_t)m.c[k]);
+                    acc[a][h] = V::fma(V::scale(dw, m.d), isum[a][h], acc[a][h]);
+                    acc[a][h] = V::fnma(V::scale(dm, m.d), sm, acc[a][h]);
+                }
             }
         } else {
             const I m30 = V::set8(0x30);
             for (int c = 0; c < 8; ++c) {
                 if constexpr (NA <= kPfMaxNA) prefetch_eighth<rec>(R, c);
-                I w[8];
-                nibbles<V>(R + 256 * c + bo, w);
-                const I h0 = V::load(R + kQ6Qh + 128 * c + bo), h1 = V::load(R + kQ6Qh + 128 * c + 64 + bo);
-                w[0] = V::or_and(w[0], V::template sll16<4>(h0), m30);
-                w[1] = V::or_and(w[1], V::template sll16<2>(h0), m30);
-                w[2] = V::or_and(w[2], h0, m30);
-                w[3] = V::or_and(w[3], V::template srl16<2>(h0), m30);
-                w[4] = V::or_and(w[4], V::template sll16<4>(h1), m30);
-                w[5] = V::or_and(w[5], V::template sll16<2>(h1), m30);
-                w[6] = V::or_and(w[6], h1, m30);
-                w[7] = V::or_and(w[7], V::template srl16<2>(h1), m30);
-                const I sa = V::s8_32(R + kQ6Sc + 32 * c + lane0), sb = V::s8_32(R + kQ6Sc + 32 * c + 16 + lane0);
-                RP_UNROLL
-                for (int a = 0; a < NA; ++a) {
-                    const uint8_t* qa = (const uint8_t*)q[a] + 32 * c;
-                    const KMeta& m = meta[a * nb + ib];
-                    I s0 = V::bcast(m.c[2 * c]), s1 = V::bcast(m.c[2 * c + 1]);
+                for (int h = 0; h < H; ++h) {
+                    const int ln = lane0 + h * V::N, bo = 4 * ln;
+                    I w[8];
+                    nibbles<V>(R + 256 * c + bo, w);
+                    const I h0 = V::load(R + kQ6Qh + 128 * c + bo), h1 = V::load(R + kQ6Qh + 128 * c + 64 + bo);
+                    w[0] = V::or_and(w[0], V::template sll16<4>(h0), m30);
+                    w[1] = V::or_and(w[1], V::template sll16<2>(h0), m30);
+                    w[2] = V::or_and(w[2], h0, m30);
+                    w[3] = V::or_and(w[3], V::template srl16<2>(h0), m30);
+                    w[4] = V::or_and(w[4], V::template sll16<4>(h1), m30);
+                    w[5] = V::or_and(w[5], V::template sll16<2>(h1), m30);
+                    w[6] = V::or_and(w[6], h1, m30);
+                    w[7] = V::or_and(w[7], V::template srl16<2>(h1), m30);
+                    const I sa = V::s8_32(R + kQ6Sc + 32 * c + ln), sb = V::s8_32(R + kQ6Sc + 32 * c + 16 + ln);
                     RP_UNROLL
-                    for (int k = 0; k < 4; ++k) s0 = V::dot(s0, w[k], load_u32(qa + 4 * k));
-                    RP_UNROLL
-                    for (int k = 4; k < 8; ++k) s1 = V::dot(s1, w[k], load_u32(qa + 4 * k));
-                    isum[a] = V::add(isum[a], V::add(V::mullo(s0, sa), V::mullo(s1, sb)));
+                    for (int a = 0; a < NA; ++a) {
+                        const uint8_t* qa = (const uint8_t*)q[a] + 32 * c;
+                        const KMeta& m = meta[a * nb + ib];
+                        I s0 = V::bcast(m.c[2 * c]), s1 = V::bcast(m.c[2 * c + 1]);
+                        RP_UNROLL
+                        for (int k = 0; k < 4; ++k) s0 = V::dot(s0, w[k], load_u32(qa + 4 * k));
+                        RP_UNROLL
+                        for (int k = 4; k < 8; ++k) s1 = V::dot(s1, w[k], load_u32(qa + 4 * k));
+                        isum[a][h] = V::add(isum[a][h], V::add(V::mullo(s0, sa), V::mullo(s1, sb)));
+                    }
                 }
             }
-            const F dw = V::loadh((const half*)(R + kQ6D) + lane0);
-            RP_UNROLL
-            for (int a = 0; a < NA; ++a) acc[a] = V::fma(V::scale(dw, meta[a * nb + ib].d), isum[a], acc[a]);
+            for (int h = 0; h < H; ++h) {
+                const F dw = V::loadh((const half*)(R + kQ6D) + lane0 + h * V::N);
+                RP_UNROLL
+                for (int a = 0; a < NA; ++a) acc[a][h] = V::fma(V::scale(dw, meta[a * nb + ib].d), isum[a][h], acc[a][h]);
+            }
         }
     }
     RP_UNROLL
-    for (int a = 0; a < NA; ++a) V::store(y + a * ldy, acc[a], lo, hi);
+    for (int a = 0; a < NA; ++a) store_halves<V, H>(y + a * ldy, acc[a], lo, hi);
 }
 
 template <int32_t T>
@@ -260,9 +272,11 @@ void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float
         const block_q8_K* ab = (const block_q8_K*)(act + t * arb);
         for (int64_t ib = 0; ib < nb; ++ib) meta_of(T, ab[ib], meta[t * nb + ib]);
     }
-    for_tiles(r0, r1, nt, arb, [&](int64_t gi, int lane0, int lo, int hi, int64_t t, int na) {
+    const bool whole = kDecodeHalves > 1 && nt == 1;
+    for_tiles(r0, r1, nt, arb, whole, [&](int64_t gi, int lane0, int lo, int hi, int64_t t, int na) {
         const uint8_t* g = p.data.get() + gi * p.group_bytes;
-        fns[na - 1](g, nb, lane0, act + t * arb, arb, meta.data() + t * nb, y + t * ldy + gi * G + lane0, ldy, lo, hi);
+        const auto fn = whole ? group_kernel<VK, T, 1, kDecodeHalves> : fns[na - 1];
+        fn(g, nb, lane0, act + t * arb, arb, meta.data() + t * nb, y + t * ldy + gi * G + lane0, ldy, lo, hi);
     });
 }
 

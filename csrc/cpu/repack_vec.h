@@ -173,9 +173,12 @@ inline size_t act_block_bytes() {
     }();
     return v;
 }
+// whole_group: one call per group for all 16 lanes (lane0 0, lo/hi within [0, 16)), for
+// kernels that walk both V8 halves in one pass (see kDecodeHalves).
 template <class Fn>
-inline void for_tiles(int64_t r0, int64_t r1, int64_t nt, size_t arb, Fn&& f) {
+inline void for_tiles(int64_t r0, int64_t r1, int64_t nt, size_t arb, bool whole_group, Fn&& f) {
     constexpr int G = 16;
+    const int step = whole_group ? G : VK::N;
     const size_t ab = act_block_bytes();
     const int64_t tb = ab == 0 ? nt : std::max<int64_t>(kNA, (int64_t)(ab / arb) / kNA * kNA);
     const int64_t g0 = r0 / G, g1 = (r1 + G - 1) / G;
@@ -183,13 +186,29 @@ inline void for_tiles(int64_t r0, int64_t r1, int64_t nt, size_t arb, Fn&& f) {
         const int64_t b1 = std::min(nt, b0 + tb);
         for (int64_t gi = g0; gi < g1; ++gi) {
             const int64_t base = gi * G;
-            for (int lane0 = 0; lane0 < G; lane0 += VK::N) {
+            for (int lane0 = 0; lane0 < G; lane0 += step) {
                 const int64_t lo = std::max<int64_t>(r0 - base - lane0, 0);
-                const int64_t hi = std::min<int64_t>(r1 - base - lane0, VK::N);
+                const int64_t hi = std::min<int64_t>(r1 - base - lane0, step);
                 if (hi <= lo) continue;
                 for (int64_t t = b0; t < b1; t += kNA) f(gi, lane0, (int)lo, (int)hi, t, (int)std::min<int64_t>(kNA, b1 - t));
             }
         }
+    }
+}
+
+// Lane halves a one-token kernel walks per pass over a group: with 256-bit vectors a
+// group is two halves, and a pass per half read every 64-byte line of the group twice,
+// the first time for half its bytes; from DRAM (decode) that made the AVX2 build's
+// repacked Q4_K / Q6_K slower than the unpacked kernels (bench/quant_dot.py --cold,
+// 4864x896: Q6_K 0.38 -> 0.47 ms). Both halves per record keep each line's use together.
+constexpr int kDecodeHalves = 16 / VK::N;
+
+// Store lanes [lo, hi) of a 16-lane group held as H vectors of V::N lanes.
+template <class V, int H>
+inline void store_halves(float* y, const typename V::F* acc, int lo, int hi) {
+    for (int h = 0; h < H; ++h) {
+        const int l = std::max(lo - h * V::N, 0), u = std::min(hi - h * V::N, V::N);
+        if (u > l) V::store(y + h * V::N, acc[h], l, u);
     }
 }
 
