@@ -86,13 +86,8 @@ def pct(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def one(client: httpx.AsyncClient, url: str, i: int, n: int) -> tuple[float, int, float]:
-    body = {"model": "any", "messages": [{"role": "user", "content": f"Write about {TOPICS[i % len(TOPICS)]} ({i})."}],
-            "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft = None
-    n_tok = 0
+async def sse_docs(client: httpx.AsyncClient, url: str, body: dict):
+    """The JSON documents of one streamed chat completion (an error document raises)."""
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -102,11 +97,22 @@ async def one(client: httpx.AsyncClient, url: str, i: int, n: int) -> tuple[floa
             doc = json.loads(line[6:])
             if "error" in doc:
                 raise RuntimeError(f"stream error: {doc['error']}")
-            for ch in doc.get("choices") or []:
-                if ch.get("delta", {}).get("content") and ttft is None:
-                    ttft = time.perf_counter() - t0
-            if doc.get("usage"):
-                n_tok = doc["usage"]["completion_tokens"]
+            yield doc
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int, n: int) -> tuple[float, int, float]:
+    body = {"model": "any", "messages": [{"role": "user", "content": f"Write about {TOPICS[i % len(TOPICS)]} ({i})."}],
+            "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    n_tok = 0
+    async for doc in sse_docs(client, url, body):
+        for ch in doc.get("choices") or []:
+            if ch.get("delta", {}).get("content") and ttft is None:
+                ttft = time.perf_counter() - t0
+        if doc.get("usage"):
+            n_tok = doc["usage"]["completion_tokens"]
     return ttft if ttft is not None else time.perf_counter() - t0, n_tok, time.perf_counter() - t0
 
 
@@ -160,19 +166,11 @@ async def edit_request(client: httpx.AsyncClient, url: str, prompt: str, n: int,
     body = {"model": "any", "messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "speculate": speculate}
     parts, usage = [], {}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            doc = json.loads(line[6:])
-            if "error" in doc:
-                raise RuntimeError(f"stream error: {doc['error']}")
-            for ch in doc.get("choices") or []:
-                parts.append(ch.get("delta", {}).get("content") or "")
-            if doc.get("usage"):
-                usage = doc["usage"]
+    async for doc in sse_docs(client, url, body):
+        for ch in doc.get("choices") or []:
+            parts.append(ch.get("delta", {}).get("content") or "")
+        if doc.get("usage"):
+            usage = doc["usage"]
     return "".join(parts), usage
 
 

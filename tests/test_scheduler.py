@@ -17,6 +17,8 @@ from minfer.server.scheduler import Job, Scheduler, default_max_batch
 from minfer.session import Session
 from minfer.testing import write_model
 
+from scheduler_helpers import collect_events
+
 CTX = 96
 
 
@@ -41,18 +43,7 @@ def run_jobs(sched: Scheduler, specs: list[tuple[list[int], int]]) -> list[dict]
                   emit=lambda ev, k=k: q.put((k, ev)))
         jobs.append(job)
         sched.submit(job)
-    out = [{"ids": [], "text": "", "done": None} for _ in specs]
-    left = len(specs)
-    while left:
-        k, ev = q.get(timeout=60)
-        assert ev.kind != "error", ev.message
-        out[k]["text"] += ev.text
-        if ev.kind == "token":
-            out[k]["ids"].append(ev.id)
-        else:
-            out[k]["done"] = ev
-            left -= 1
-    return out
+    return collect_events(q, len(specs), timeout=60)
 
 
 def alone(model, p, n):

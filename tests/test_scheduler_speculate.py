@@ -19,6 +19,8 @@ from minfer.server.scheduler import Job, Scheduler, SlotSpec, SpecRequest
 from minfer.session import Session
 from minfer.testing import write_model
 
+from scheduler_helpers import collect_events
+
 CTX = 192
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -58,18 +60,7 @@ def run_jobs(sched: Scheduler, specs: list[dict]) -> list[dict]:
     for k, spec in enumerate(specs):
         sched.submit(Job(sampling=spec.pop("sampling", GREEDY), stop_at_eog=False,
                          emit=lambda ev, k=k: q.put((k, ev)), **spec))
-    out = [{"ids": [], "text": "", "done": None} for _ in specs]
-    left = len(specs)
-    while left:
-        k, ev = q.get(timeout=120)
-        assert ev.kind != "error", ev.message
-        out[k]["text"] += ev.text
-        if ev.kind == "token":
-            out[k]["ids"].append(ev.id)
-        else:
-            out[k]["done"] = ev
-            left -= 1
-    return out
+    return collect_events(q, len(specs), timeout=120)
 
 
 def scheduler(model, **kw) -> Scheduler:
