@@ -158,8 +158,8 @@ def test_matmul_vs_float64(qtype, nt):
     r.run(r.plan([("matmul", [yi, xi], [in_dim, out_dim, nt], [], [wh, bh])]))
     got = r.read(yi, nt * out_dim).reshape(nt, out_dim).astype(np.float64)
     if nt <= _core.CUDA_ROW_EXACT_MAX_TOKENS:
-        # Small batches run the decode matvec once per row (speculative blocks must pick
-        # what single steps pick): each row is a matvec, bitwise the row computed alone.
+        # Small batches run the decode matvec with the rows as columns (speculative blocks
+        # must pick what single steps pick): each row bitwise the row computed alone.
         check_matvec(got, x, deq, qtype, bias)
         for k in range(nt):
             r1 = Rig()

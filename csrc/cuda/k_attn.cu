@@ -17,7 +17,7 @@
 #include "cuda/context.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
-#include "cuda/norm.cuh"
+#include "cuda/quant.cuh"
 
 namespace minfer::cuda {
 

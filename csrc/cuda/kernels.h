@@ -96,10 +96,11 @@ struct AttnDev {
     float2* ds_out = nullptr;
 };
 bool attn_head_dim_supported(int64_t hd);
-// Up to this many token rows, matmuls run the decode matvec once per row and attention
-// splits the KV as a single-token step does, so every row's logits are bitwise those of
-// decoding it alone: speculative verification blocks (and small batches) then pick
-// exactly what plain greedy decoding picks. Larger batches take the f16 GEMM path.
+// Up to this many token rows, matmuls run the decode matvec with the rows as columns
+// (each column bitwise the one-token result) and attention splits the KV as a
+// single-token step does, so every row's logits are bitwise those of decoding it alone:
+// speculative verification blocks (and small batches) then pick exactly what plain
+// greedy decoding picks. Larger batches take the f16 GEMM path.
 constexpr int64_t kRowExactMaxTokens = 16;
 // Splits over KV a decode step uses (depends on n_ctx and nt only, never on positions).
 int attn_splits(int64_t nt, int64_t n_ctx);

@@ -1,6 +1,6 @@
 // RMSNorm of one row, shared by the plain kernel and the one that also writes the int8
-// copy the next matvec reads: both reduce in the same fixed tree with the same block
-// size, so they give the same bits.
+// copy the next matvec reads (quant.cuh): both reduce in the same fixed tree with the
+// same block size, so they give the same bits.
 #pragma once
 #include <cstdint>
 
@@ -31,19 +31,6 @@ __device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int64_t d
 __device__ __forceinline__ float rms_elem(const float* __restrict__ xr, const float* __restrict__ w, int64_t i,
                                           float scale) {
     return w ? xr[i] * scale * w[i] : xr[i] * scale;
-}
-
-// One warp quantizes 32 consecutive values (v from lane) to int8: d = amax / 127 (0 for
-// an all-zero block), q = rint(v / d); ds = (d, d * sum(q)).
-__device__ __forceinline__ void quant_block_q8(float v, int lane, int8_t* __restrict__ q, float2* __restrict__ ds) {
-    float amax = fabsf(v);
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.0f;
-    const int qi = d > 0.0f ? __float2int_rn(v / d) : 0;
-    int sum = qi;
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    q[lane] = (int8_t)qi;
-    if (lane == 0) *ds = make_float2(d, d * (float)sum);
 }
 
 }  // namespace minfer::cuda

@@ -191,6 +191,22 @@ __device__ __forceinline__ void deq32<T_Q6_K>(const uint8_t* __restrict__ row, i
     }
 }
 
+// ---- the decode matvec's int8 activations -----------------------------------------
+// Whoever writes a matvec input's int8 copy (the quantize kernel, RMSNorm, attention,
+// gate|up + SwiGLU) quantizes each 32-element block with this one function.
+// One warp quantizes 32 consecutive values (v from lane) to int8: d = amax / 127 (0 for
+// an all-zero block), q = rint(v / d); ds = (d, d * sum(q)).
+__device__ __forceinline__ void quant_block_q8(float v, int lane, int8_t* __restrict__ q, float2* __restrict__ ds) {
+    float amax = fabsf(v);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    const int qi = d > 0.0f ? __float2int_rn(v / d) : 0;
+    int sum = qi;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    q[lane] = (int8_t)qi;
+    if (lane == 0) *ds = make_float2(d, d * (float)sum);
+}
+
 // Calls f.template operator()<T>() for a runtime weight type; false if unsupported.
 template <class F>
 bool dispatch_type(int32_t t, F&& f) {
