@@ -23,13 +23,15 @@ from scheduler_helpers import collect_events
 
 CTX = 192
 GREEDY = SamplingParams(temperature=0.0)
+# The target and its draft share everything but the layer count (same seed: the draft is
+# the target's first layer).
+SHAPE = dict(n_embd=128, n_head=4, n_head_kv=2, n_ff=256, seed=5, types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Model:
     path = tmp_path_factory.mktemp("sched_spec") / "m.gguf"
-    write_model(path, n_layer=3, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, seed=5,
-                types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
+    write_model(path, n_layer=3, **SHAPE)
     return Model.open(path, n_threads=2)
 
 
@@ -345,8 +347,7 @@ def test_a_job_that_fills_the_context_exactly(model, oracle):
 def draft(tmp_path_factory) -> Model:
     """The target's embedding, head and first layer (same seed, one layer)."""
     path = tmp_path_factory.mktemp("sched_spec") / "draft.gguf"
-    write_model(path, n_layer=1, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, seed=5,
-                types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
+    write_model(path, n_layer=1, **SHAPE)
     return Model.open(path, n_threads=2)
 
 
