@@ -1,7 +1,10 @@
 """Where a CUDA decode step goes: per-launch-kind device time (CUDA events around each
 launch, MINFER_CUDA_PROFILE=1, direct launches) and the weight bandwidth of matvecs.
 
-    MINFER_CUDA_PROFILE=1 MINFER_NO_CUDA_GRAPH=1 python bench/cuda_profile.py MODEL.gguf [steps]
+    MINFER_CUDA_PROFILE=1 MINFER_NO_CUDA_GRAPH=1 python bench/cuda_profile.py MODEL.gguf [steps] [--prefill N]
+
+--prefill N profiles `steps` prefills of N tokens (each into a fresh context) instead of
+decode steps; entries starting with "  gemm:" are parts of the "gemm" entry.
 """
 
 from __future__ import annotations
@@ -16,8 +19,16 @@ def main() -> int:
     from minfer import _core
     from minfer.session import Session
 
-    path = sys.argv[1]
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    args = sys.argv[1:]
+    prefill = 0
+    if "--prefill" in args:
+        k = args.index("--prefill")
+        prefill = int(args[k + 1])
+        del args[k:k + 2]
+    path = args[0]
+    steps = int(args[1]) if len(args) > 1 else 16
+    if prefill:
+        return profile_prefill(path, steps, prefill)
     s = Session.open(path, n_ctx=256, backends=["cuda"])
     s.forward([1, 2, 3, 4], n_out=1)
     for t in range(3):
@@ -29,13 +40,35 @@ def main() -> int:
         s.forward([t + 5], copy=None)
         s.argmax_last()
     wall = (time.perf_counter() - t0) / steps
-    prof = _core.testing.cuda_profile()
-    tot = sum(v[0] for v in prof.values()) / steps
-    print(f"{path}: {steps} steps, wall {wall * 1e3:.3f} ms/step, launches timed {tot:.3f} ms/step")
+    report(path, f"{steps} steps", steps, wall, _core.testing.cuda_profile())
+    return 0
+
+
+def profile_prefill(path: str, reps: int, n: int) -> int:
+    from minfer import _core
+    from minfer.session import Session
+
+    s = Session.open(path, n_ctx=n + 8, backends=["cuda"])
+    toks = [(7 * i + 3) % 1000 + 10 for i in range(n)]
+    s.forward(toks, n_out=1)  # warm: plans, cuBLAS heuristics, scratch
+    _core.cuda_sync()
+    _core.testing.cuda_profile()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        s.reset()
+        s.forward(toks, n_out=1)
+    _core.cuda_sync()
+    wall = (time.perf_counter() - t0) / reps
+    report(path, f"prefill {n} x {reps}", reps, wall, _core.testing.cuda_profile())
+    return 0
+
+
+def report(path: str, what: str, steps: int, wall: float, prof: dict) -> None:
+    tot = sum(v[0] for k, v in prof.items() if not k.startswith(" ")) / steps
+    print(f"{path}: {what}, wall {wall * 1e3:.3f} ms/step, launches timed {tot:.3f} ms/step")
     for k, (ms, n, b) in sorted(prof.items(), key=lambda kv: -kv[1][0]):
         bw = f"{b / (ms * 1e-3) / 1e9:8.1f} GB/s" if b else ""
         print(f"  {k:22s} {ms / steps:8.3f} ms/step  {n // steps:4d}/step  {ms / n * 1e3:8.1f} us each  {bw}")
-    return 0
 
 
 if __name__ == "__main__":

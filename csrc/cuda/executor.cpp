@@ -370,6 +370,35 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
 
 namespace {
 
+// MINFER_CUDA_PROFILE=1: direct runs time each launch with events (diagnostics only;
+// the waits make the step slower). Totals per launch name, read by cuda_profile().
+std::map<std::string, ProfileEntry> g_profile;
+bool g_profiling = false;  // inside a profiled direct run
+
+// Runs fn; while profiling, also books its device time under name (a part of a launch,
+// e.g. the prefill GEMM's dequantization, which the launch's own entry includes).
+template <class Fn>
+void timed_part(const char* name, Fn&& fn) {
+    if (!g_profiling) {
+        fn();
+        return;
+    }
+    cudaEvent_t a, b;
+    MC_CHECK(cudaEventCreate(&a));
+    MC_CHECK(cudaEventCreate(&b));
+    MC_CHECK(cudaEventRecord(a, ctx().stream));
+    fn();
+    MC_CHECK(cudaEventRecord(b, ctx().stream));
+    MC_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    MC_CHECK(cudaEventElapsedTime(&ms, a, b));
+    ProfileEntry& e = g_profile[name];
+    e.ms += ms;
+    e.count += 1;
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+}
+
 // xq_ready / xq: a one-token matvec's int8 input is already in xq (else it uses st.xq);
 // q_next: attention also writes its output's int8 copy into st.xq.
 void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st,
@@ -411,14 +440,14 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
             } else {
                 const void* a = W(0);
                 if (w.type != T_F16) {
-                    dequant_f16(w.type, W(0), dw.stride(s.w[0]), in, out, st.wh);
+                    timed_part("  gemm: dequant", [&] { dequant_f16(w.type, W(0), dw.stride(s.w[0]), in, out, st.wh); });
                     a = st.wh;
                 }
-                f32_to_f16(F(1), st.xh, in * nt);
-                check_blas(cublasGemmEx(c.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)nt, (int)in, &one, a,
+                timed_part("  gemm: x to f16", [&] { f32_to_f16(F(1), st.xh, in * nt); });
+                timed_part("  gemm: cublas", [&] { check_blas(cublasGemmEx(c.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)nt, (int)in, &one, a,
                                         CUDA_R_16F, (int)in, st.xh, CUDA_R_16F, (int)in, &zero, F(0), CUDA_R_32F,
                                         (int)out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-                           "cublasGemmEx f16");
+                           "cublasGemmEx f16"); });
             }
             if (!c.capturing) ++c.c.launches;
             if (bias) add_bias_rows(F(0), bias, nt, out);
@@ -556,10 +585,6 @@ size_t launch_weight_bytes(const CudaPlanState::Launch& L, const Plan& plan, con
     return b;
 }
 
-// MINFER_CUDA_PROFILE=1: direct runs time each launch with events (diagnostics only;
-// the waits make the step slower). Totals per launch name, read by cuda_profile().
-std::map<std::string, ProfileEntry> g_profile;
-
 void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) {
     static const bool prof = [] { const char* e = std::getenv("MINFER_CUDA_PROFILE"); return e && *e && *e != '0'; }();
     if (!prof || ctx().capturing) {
@@ -571,7 +596,14 @@ void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, cons
     MC_CHECK(cudaEventCreate(&b));
     for (const auto& L : st.program) {
         MC_CHECK(cudaEventRecord(a, ctx().stream));
-        launch_merged(L, plan, pool, ws, dw, st);
+        g_profiling = true;
+        try {
+            launch_merged(L, plan, pool, ws, dw, st);
+        } catch (...) {
+            g_profiling = false;
+            throw;
+        }
+        g_profiling = false;
         MC_CHECK(cudaEventRecord(b, ctx().stream));
         MC_CHECK(cudaEventSynchronize(b));
         float ms = 0;
