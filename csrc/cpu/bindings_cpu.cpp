@@ -17,6 +17,7 @@
 #include "cpu/quants.h"
 #include "cpu/quants_k.h"
 #include "cpu/repack.h"
+#include "cpu/thread_pin.h"
 #include "cpu/work_split.h"
 #include "py_weight_store.h"
 
@@ -201,6 +202,14 @@ void register_cpu_testing(py::module_& t) {
             kq::quantize_row_q8_K(x.data(), (block_q8_K*)out.mutable_data(), n, simd);
             return out;
         }, py::arg("x"), py::arg("simd"));
+    // Thread placement (cpu/thread_pin.h): the order workers take the caller's CPUs in,
+    // and the CPUs each thread of an n-thread team may use right now (OpenMP keeps its
+    // workers between regions, so this shows what the last run left them with).
+    t.def("cpu_pin_order", &pin::cpu_order);
+    t.def("thread_masks", [](int n_threads) {
+            py::gil_scoped_release nogil;
+            return pin::team_masks(n_threads);
+        }, py::arg("n_threads"));
     // The repacked matmul's work split (cpu/work_split.h), for every thread of nth: lists
     // of (r0, r1, t0, t1), so tests can check coverage and balance at any thread count.
     t.def("matmul_split", [](int64_t out, int64_t nt, int64_t tile, int nth) {

@@ -28,6 +28,7 @@
 #include "cpu/quants.h"
 #include "cpu/repack.h"
 #include "cpu/step_barrier.h"
+#include "cpu/thread_pin.h"
 #include "cpu/vec_math.h"
 #include "cpu/work_split.h"
 
@@ -459,12 +460,14 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
     // The team size is fixed before the barrier is sized: no dynamic adjustment.
     omp_set_dynamic(0);
     StepBarrier barrier(nth);
+    pin::TeamPlacement placement(nth);  // cpu/thread_pin.h: worker i on the i-th CPU
     #pragma omp parallel num_threads(nth)
     {
+        const int ith = omp_get_thread_num();
+        placement.place(ith);
         // OpenMP may grant fewer threads than asked (OMP_THREAD_LIMIT): size to the team.
         #pragma omp single
         barrier.resize(omp_get_num_threads());
-        const int ith = omp_get_thread_num();
         const int nt_ = omp_get_num_threads();
         // Every thread walks the same steps, so the private memos agree.
         ActMemo memo;
@@ -481,9 +484,11 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
 int64_t argmax_f32(const float* x, int64_t n, int n_threads) {
     const int nth = std::max(1, n_threads);
     std::vector<int64_t> best(nth, -1);
+    pin::TeamPlacement placement(nth);  // the threads that wrote the logits, where they ran
     #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num();
+        placement.place(ith);
         const auto [r0, r1] = row_range(n, ith, omp_get_num_threads());
         int64_t b = r0 < r1 ? r0 : -1;
         for (int64_t i = r0 + 1; i < r1; ++i)
