@@ -210,6 +210,7 @@ size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx) {
 }
 
 void attention(const AttnDev& a, float* scratch, int* tickets, int* err) {
+    if (attention_prefill(a, err)) return;
     const int n_splits = attn_splits(a.nt, a.n_ctx);
     const int chunk = chunk_of(a.n_ctx, n_splits);
     const int64_t pairs = a.nt * a.nh;

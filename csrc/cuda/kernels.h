@@ -110,6 +110,9 @@ int attn_splits(int64_t nt, int64_t n_ctx);
 size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx);
 size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx);
 void attention(const AttnDev& a, float* scratch, int* tickets, int* err);
+// Blocks of more than kRowExactMaxTokens rows on the tensor cores (f16 Q and P), head
+// dims 32, 64, 128; false (nothing launched) for what it does not take.
+bool attention_prefill(const AttnDev& a, int* err);
 
 // Index of the largest of x[0..n) (first on ties) -> *out; writes -1 - code (<= -2)
 // if the device error word is set, else kArgmaxNonFinite if any x is NaN or Inf, so
