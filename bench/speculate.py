@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--draft-max", type=int, default=8)
     ap.add_argument("--kv-tokens", type=int, default=4000)
     ap.add_argument("--only", choices=["spec", "kv"], default=None)
+    ap.add_argument("--backend", default=None, help="cpu or cuda (default: the best available)")
     a = ap.parse_args()
     from minfer.io.model_cache import default_model_path
     from minfer.model import Model
@@ -75,10 +76,11 @@ def main() -> None:
     from minfer.speculate import Speculation
 
     path = a.model or default_model_path(pull=False)
-    model = Model.open(path, n_threads=a.threads)
+    model = Model.open(path, n_threads=a.threads, backends=[a.backend] if a.backend else None)
     tok = model.tokenizer
     greedy = SamplingParams(temperature=0.0)
-    print(f"model {os.path.basename(str(path))}, {a.threads} threads, commit {commit()}, "
+    print(f"model {os.path.basename(str(path))}, backend {a.backend or 'default'}, {a.threads} threads, "
+          f"commit {os.environ.get('MINFER_COMMIT') or commit()}, "
           f"load average at start {loadavg()}")
     if a.only != "kv":
         s = Session(model, n_ctx=2048)

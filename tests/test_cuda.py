@@ -527,6 +527,22 @@ def test_device_argmax_first_on_ties():
     assert _core.argmax(r.pool, xi, x.size, 1) == 5
 
 
+@pytest.mark.parametrize("n", [1, 7, 2048, 2049, 32000, 300001])
+def test_device_argmax_sizes_and_ties(n):
+    """The argmax folds many blocks' winners: the first maximum wins wherever the ties
+    fall (one slice, neighbouring slices, far apart), at sizes around the slicing."""
+    r = Rig()
+    rng = np.random.default_rng(n)
+    x = rng.integers(-50, 50, n).astype(np.float32)  # many exact ties below the max
+    xi = r.buf(x)
+    assert _core.argmax(r.pool, xi, n, 1) == int(np.argmax(x))
+    for picks in ([n - 1], [n // 2, n - 1], [n // 3, n // 3 + 1, n // 2], [0, n - 1]):
+        y = x.copy()
+        y[picks] = 99.0
+        r.pool.write(xi, y)
+        assert _core.argmax(r.pool, xi, n, 1) == min(picks), picks
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_device_argmax_flags_non_finite(bad):
     """The greedy loop's NaN/Inf check rides on the argmax's 4-byte answer: -1 for a

@@ -155,39 +155,100 @@ __global__ void k_kv_store(const float* __restrict__ k, const float* __restrict_
     }
 }
 
-// One block: strided scan (ascending indices per thread, so strict > keeps the first),
-// then a fixed tree that prefers the lower index on ties. The scan also notes any NaN
-// or Inf (the greedy loop's finiteness check, without reading the row back).
-__global__ void k_argmax(const float* __restrict__ x, int64_t n, int32_t* out, const int* err) {
-    __shared__ float bv[1024];
-    __shared__ int32_t bi[1024];
-    float best = -FLT_MAX;
-    int32_t idx = -1;
+// (value, index) pairs: the larger value wins, the lower index on a tie; an index < 0
+// is empty. The winner of a set is the same whatever order it is folded in.
+__device__ __forceinline__ void am_take(float& bv, int32_t& bi, float v, int32_t i) {
+    if (i >= 0 && (bi < 0 || v > bv || (v == bv && i < bi))) {
+        bv = v;
+        bi = i;
+    }
+}
+
+// Block-wide fold of (bv, bi) into thread 0 (warp butterflies, then the warps' winners).
+__device__ __forceinline__ void am_block(float& bv, int32_t& bi) {
+    __shared__ float wv[32];
+    __shared__ int32_t wi[32];
+    for (int o = 16; o > 0; o >>= 1)
+        am_take(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+    if (threadIdx.x % 32 == 0) {
+        wv[threadIdx.x / 32] = bv;
+        wi[threadIdx.x / 32] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < (int)blockDim.x / 32; ++w) am_take(bv, bi, wv[w], wi[w]);
+}
+
+constexpr int AM_THREADS = 256, AM_MAX_BLOCKS = 128;
+
+// Argmax over many blocks (one block scanning 152k logits took ~65 us): each block folds
+// a contiguous slice and posts its winner; the block drawing the last ticket folds the
+// posts and writes the answer. Any NaN or Inf anywhere flags the result instead (the
+// greedy loop's finiteness check, without reading the row back).
+__global__ void __launch_bounds__(AM_THREADS) k_argmax(const float* __restrict__ x, int64_t n, int64_t chunk,
+                                                       int32_t* out, const int* err, float* post_v,
+                                                       int32_t* post_i, int* post_bad, int* ticket) {
+    pdl_wait();
+    pdl_trigger();
+    const int64_t lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
+    float bv = -FLT_MAX;
+    int32_t bi = -1;
     int bad = 0;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
         const float v = x[i];
         bad |= !isfinite(v);
-        if (idx < 0 || v > best) { best = v; idx = (int32_t)i; }
+        am_take(bv, bi, v, (int32_t)i);
     }
-    bv[threadIdx.x] = best;
-    bi[threadIdx.x] = idx;
     bad = __syncthreads_or(bad);
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if ((int)threadIdx.x < s) {
-            const float v2 = bv[threadIdx.x + s];
-            const int32_t i2 = bi[threadIdx.x + s];
-            const int32_t i1 = bi[threadIdx.x];
-            if (i2 >= 0 && (i1 < 0 || v2 > bv[threadIdx.x] || (v2 == bv[threadIdx.x] && i2 < i1))) {
-                bv[threadIdx.x] = v2;
-                bi[threadIdx.x] = i2;
-            }
-        }
-        __syncthreads();
+    am_block(bv, bi);
+    __shared__ int s_last;
+    if (threadIdx.x == 0) {
+        post_v[blockIdx.x] = bv;
+        post_i[blockIdx.x] = bi;
+        post_bad[blockIdx.x] = bad;
+        __threadfence();
+        s_last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
     }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    bv = -FLT_MAX;
+    bi = -1;
+    bad = 0;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) {
+        am_take(bv, bi, __ldcg(post_v + b), __ldcg(post_i + b));
+        bad |= __ldcg(post_bad + b);
+    }
+    bad = __syncthreads_or(bad);
+    am_block(bv, bi);
     if (threadIdx.x == 0) {
         const int e = *(volatile const int*)err;
-        *out = e ? -1 - e : bad ? kArgmaxNonFinite : bi[0];
+        *out = e ? -1 - e : bad ? kArgmaxNonFinite : bi;
+        *ticket = 0;
     }
+}
+
+// The posts and the ticket (zero between launches), allocated at the first argmax: a
+// graph is captured only after a direct run, so never during capture.
+struct ArgmaxScratch {
+    float* v = nullptr;
+    int32_t* i = nullptr;
+    int* bad = nullptr;
+    int* ticket = nullptr;
+};
+ArgmaxScratch& argmax_scratch() {
+    static ArgmaxScratch s = [] {
+        ArgmaxScratch a;
+        uint8_t* p = nullptr;
+        MC_CHECK(cudaMalloc(&p, AM_MAX_BLOCKS * 12 + 16));
+        MC_CHECK(cudaMemset(p, 0, AM_MAX_BLOCKS * 12 + 16));
+        a.v = (float*)p;
+        a.i = (int32_t*)(p + AM_MAX_BLOCKS * 4);
+        a.bad = (int*)(p + AM_MAX_BLOCKS * 8);
+        a.ticket = (int*)(p + AM_MAX_BLOCKS * 12);
+        return a;
+    }();
+    return s;
 }
 
 }  // namespace
@@ -226,8 +287,13 @@ void kv_store_f16(const float* k, const float* v, const int32_t* cells, int64_t 
     launch(k_kv_store, (unsigned)nt, 128, k, v, cells, kv_dim, n_ctx, (__half*)kc, (__half*)vc, err);
 }
 void argmax(const float* x, int64_t n, int32_t* out, const int* err) {
-    k_argmax<<<1, 1024, 0, ctx().stream>>>(x, n, out, err);
-    note_launch();
+    // About 2048 logits per block, at most AM_MAX_BLOCKS blocks.
+    int64_t blocks = (n + 2047) / 2048;
+    blocks = blocks < 1 ? 1 : blocks > AM_MAX_BLOCKS ? AM_MAX_BLOCKS : blocks;
+    const int64_t chunk = (n + blocks - 1) / blocks;
+    blocks = n > 0 ? (n + chunk - 1) / chunk : 1;
+    ArgmaxScratch& s = argmax_scratch();
+    launch(k_argmax, (unsigned)blocks, AM_THREADS, x, n, chunk, out, err, s.v, s.i, s.bad, s.ticket);
 }
 
 }  // namespace minfer::cuda
