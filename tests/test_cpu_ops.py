@@ -372,12 +372,14 @@ def test_attention_prefill(nh, nkv, hd, nt, kernel_path, kv_type):
     q, k, v = _qkv(rng, nt, nh, nkv, hd, peak=2.0)
     pos = np.arange(nt, dtype=np.int32)
     outs = []
-    for nth in (1, 2):
+    # 5 threads: more than the items of the short cases, so some threads take none.
+    for nth in (1, 2, 5):
         kv = KvRig(nh, nkv, hd, n_ctx=64, q_extra=2 * nkv * hd, kv_type=kv_type)
         outs.append(kv.forward(q, k, v, cells=pos, pos=pos, n_threads=nth))
     ref = _attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, [(0, p + 1) for p in pos], 1.0 / np.sqrt(hd))
     np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=ATOL)
-    np.testing.assert_array_equal(outs[0], outs[1])
+    for o in outs[1:]:
+        np.testing.assert_array_equal(outs[0], o)
     # KV store landed where the cells said, rounded to the element type.
     np.testing.assert_array_equal(kv.region(kv.K)[:nt], k.astype(kv.kv_np))
     np.testing.assert_array_equal(kv.region(kv.V)[:nt], v.astype(kv.kv_np))
@@ -424,13 +426,14 @@ def test_attention_explicit_span(kernel_path, kv_type):
     spans[99] = (64, 130)    # crosses a KV block boundary and both sequences
     q, k, v = _qkv(rng, nt, nh, nkv, hd, peak=2.0)
     outs = []
-    for nth in (1, 2):
+    for nth in (1, 2, 5):
         kv = KvRig(nh, nkv, hd, n_ctx, q_extra=64, kv_type=kv_type)
         outs.append(kv.forward(q, k, v, cells=cells, pos=pos, span=spans, n_threads=nth))
     ref = _attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, spans, 1.0 / np.sqrt(hd))
     np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=ATOL)
     assert not outs[0][69].any()
-    np.testing.assert_array_equal(outs[0], outs[1])
+    for o in outs[1:]:
+        np.testing.assert_array_equal(outs[0], o)
 
 
 def test_attention_rejects_bad_positions_and_spans():

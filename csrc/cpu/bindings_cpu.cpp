@@ -17,6 +17,7 @@
 #include "cpu/quants.h"
 #include "cpu/quants_k.h"
 #include "cpu/repack.h"
+#include "cpu/step_stats.h"
 #include "cpu/thread_pin.h"
 #include "cpu/work_split.h"
 #include "py_weight_store.h"
@@ -210,6 +211,28 @@ void register_cpu_testing(py::module_& t) {
             py::gil_scoped_release nogil;
             return pin::team_masks(n_threads);
         }, py::arg("n_threads"));
+    // Per-op thread time of the plan runs since the last reset, when the process runs
+    // with MINFER_CPU_STATS=1 (cpu/step_stats.h; bench/cpu_balance.py reads it).
+    t.def("cpu_stats", [](bool reset) {
+            const stats::Totals tot = stats::take(reset);
+            py::dict ops;
+            for (const auto& [name, o] : tot.ops) {
+                py::dict d;
+                d["steps"] = o.steps;
+                d["work_s"] = o.work_s;
+                d["crit_s"] = o.crit_s;
+                d["wait_s"] = o.wait_s;
+                ops[py::str(name)] = d;
+            }
+            py::dict out;
+            out["enabled"] = stats::enabled();
+            out["runs"] = tot.runs;
+            out["threads"] = tot.threads;
+            out["wall_s"] = tot.wall_s;
+            out["barriers"] = tot.barriers;
+            out["ops"] = ops;
+            return out;
+        }, py::arg("reset") = true);
     // The repacked matmul's work split (cpu/work_split.h), for every thread of nth: lists
     // of (r0, r1, t0, t1), so tests can check coverage and balance at any thread count.
     t.def("matmul_split", [](int64_t out, int64_t nt, int64_t tile, int nth) {

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -28,6 +29,7 @@
 #include "cpu/quants.h"
 #include "cpu/repack.h"
 #include "cpu/step_barrier.h"
+#include "cpu/step_stats.h"
 #include "cpu/thread_pin.h"
 #include "cpu/vec_math.h"
 #include "cpu/work_split.h"
@@ -79,7 +81,20 @@ struct Ctx {
     size_t attn_floats;
     ActMemo& memo;
     StepBarrier& barrier;
+    std::atomic<int64_t>* next;  // this step's shared work counter, zero before it runs
+    stats::StepClock* clock;     // null unless MINFER_CPU_STATS is on
     int ith, nth;
+
+    // A barrier inside a step (after quantizing activations), timed when stats are on.
+    void sync() const {
+        if (!clock) return barrier.wait();
+        const uint64_t t0 = stats::now_ns();
+        barrier.wait();
+        const uint64_t t1 = stats::now_ns();
+        clock->waited += t1 - t0;
+        clock->syncs += 1;
+        clock->sync_at = t0;
+    }
 
     float* F(int slot) const { return (float*)pool.data(s.buf[slot]); }
     const int32_t* I(int slot) const { return (const int32_t*)pool.data(s.buf[slot]); }
@@ -265,7 +280,7 @@ void run_matmul(const Ctx& c) {
         uint8_t* q = c.scratch.act[slot].data();
         if (c.memo.enter(slot, s)) {
             quantize_share(w.type, c.F(1), q, in, arb, nt, c.ith, c.nth);
-            c.barrier.wait();
+            c.sync();
         }
         act = q;
     }
@@ -323,7 +338,7 @@ void run_attn(const Ctx& c) {
     a.q = c.F(1); a.k = c.F(2); a.v = c.F(3); a.pos = c.I(4);
     a.span = c.s.buf[5] >= 0 ? c.I(5) : nullptr;
     a.out = c.F(0);
-    attention_f32(a, c.scratch.attn.data() + c.attn_floats * c.ith, c.ith, c.nth);
+    attention_f32(a, c.scratch.attn.data() + c.attn_floats * c.ith, c.ith, c.nth, c.next);
 }
 
 const CpuOp* cpu_op(int32_t op) {
@@ -457,10 +472,16 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
         if (scratch.act[k].size() < need.act[k]) scratch.act[k].resize(need.act[k]);
     if (scratch.attn.size() < need.attn * nth) scratch.attn.resize(need.attn * nth);
 
+    // One work counter per step for kernels that hand out items dynamically (attention).
+    std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[end - begin]);
+    for (size_t i = 0; i < end - begin; ++i) counters[i].store(0, std::memory_order_relaxed);
+
     // The team size is fixed before the barrier is sized: no dynamic adjustment.
     omp_set_dynamic(0);
     StepBarrier barrier(nth);
     pin::TeamPlacement placement(nth);  // cpu/thread_pin.h: worker i on the i-th CPU
+    std::unique_ptr<stats::RunTimes> times(stats::enabled() ? new stats::RunTimes : nullptr);
+    const uint64_t run_t0 = times ? stats::now_ns() : 0;
     #pragma omp parallel num_threads(nth)
     {
         const int ith = omp_get_thread_num();
@@ -471,14 +492,39 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
         const int nt_ = omp_get_num_threads();
         // Every thread walks the same steps, so the private memos agree.
         ActMemo memo;
-        for (size_t i = begin; i < end; ++i) {
-            const Step& s = plan.steps[i];
-            const CpuOp& d = *cpu_op(s.op);
-            d.run(Ctx{s, pool, ws, scratch, need.attn, memo, barrier, ith, nt_});
-            memo.leave(s, d.act_slot != nullptr);
-            if (barrier_after[i]) barrier.wait();
+        if (!times) {
+            for (size_t i = begin; i < end; ++i) {
+                const Step& s = plan.steps[i];
+                const CpuOp& d = *cpu_op(s.op);
+                d.run(Ctx{s, pool, ws, scratch, need.attn, memo, barrier, &counters[i - begin], nullptr, ith, nt_});
+                memo.leave(s, d.act_slot != nullptr);
+                if (barrier_after[i]) barrier.wait();
+            }
+        } else {
+            // The same walk, timed (MINFER_CPU_STATS=1, cpu/step_stats.h).
+            #pragma omp single
+            times->init(nt_, end - begin);
+            for (size_t i = begin; i < end; ++i) {
+                const Step& s = plan.steps[i];
+                const CpuOp& d = *cpu_op(s.op);
+                stats::StepClock clk;
+                const uint64_t t0 = stats::now_ns();
+                d.run(Ctx{s, pool, ws, scratch, need.attn, memo, barrier, &counters[i - begin], &clk, ith, nt_});
+                memo.leave(s, d.act_slot != nullptr);
+                const uint64_t t1 = stats::now_ns();
+                if (barrier_after[i]) barrier.wait();
+                const size_t j = (i - begin) * nt_ + ith;
+                times->work[j] = t1 - t0 - clk.waited;
+                times->wait[j] = stats::now_ns() - t1 + clk.waited;
+                times->quant[j] = clk.syncs ? clk.sync_at - t0 : 0;
+                if (ith == 0) {
+                    times->op[i - begin] = s.op;
+                    times->barrier[i - begin] = (uint8_t)(barrier_after[i] + clk.syncs);
+                }
+            }
         }
     }
+    if (times) stats::add_run(*times, stats::now_ns() - run_t0);
 }
 
 int64_t argmax_f32(const float* x, int64_t n, int n_threads) {

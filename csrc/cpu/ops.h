@@ -2,6 +2,7 @@
 // the work and returns; the executor puts a barrier between steps. In-place use
 // (y == x) is allowed for silu, rope and the element-wise ops.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -48,8 +49,10 @@ struct AttnArgs {
 };
 // Causal GQA attention with an online softmax (prefill tiles queries, decode splits
 // nothing but heads), accumulating in f32 whatever the KV element type. scratch is
-// this thread's attention_scratch_floats() floats.
+// this thread's attention_scratch_floats() floats. next: a counter shared by the team,
+// zero before the step, from which threads take work items heaviest first (null: a
+// static round robin of the items).
 size_t attention_scratch_floats(const AttnArgs& a);
-void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth);
+void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::atomic<int64_t>* next = nullptr);
 
 }  // namespace minfer::cpu
