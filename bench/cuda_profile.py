@@ -4,7 +4,11 @@ launch, MINFER_CUDA_PROFILE=1, direct launches) and the weight bandwidth of matv
     MINFER_CUDA_PROFILE=1 MINFER_NO_CUDA_GRAPH=1 python bench/cuda_profile.py MODEL.gguf [steps] [--prefill N]
 
 --prefill N profiles `steps` prefills of N tokens (each into a fresh context) instead of
-decode steps; entries starting with "  gemm:" are parts of the "gemm" entry.
+decode steps; entries starting with "  gemm:" are parts of the "gemm" entry, except
+"  gemm: dequant (side stream)": the weight dequantizations that the GEMM pipeline runs
+on the side stream, overlapped with the main stream ("  gemm: dequant wait" is what the
+main stream stalls on them; MINFER_CUDA_GEMM_PIPE=0 puts them back in line as
+"  gemm: dequant").
 """
 
 from __future__ import annotations

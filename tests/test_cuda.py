@@ -229,6 +229,94 @@ def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     assert outs[0].tobytes() == outs[2 | 8].tobytes()
 
 
+def test_prefill_gemm_pipeline_bitwise_and_vs_float64(monkeypatch):
+    """Prefill GEMMs dequantize their weights ahead on a side stream into two buffers
+    (events order each GEMM after its dequantization and each dequantization after the
+    GEMM that last read its buffer) and reuse the f16 copy of an input the GEMM before
+    them converted. A plan of 7 quantized GEMMs of different types and sizes (so both
+    buffers are refilled, bigger and smaller), with an F16 and an F32 GEMM among them,
+    three over one input, one after that input is rewritten in place, and GEMMs over
+    other GEMMs' outputs, runs direct, captured and replayed, without graphs, step by
+    step (partial runs: no pipeline) and with MINFER_CUDA_GEMM_PIPE=0: every output is
+    bitwise the same each time (outputs poisoned before every run), and within the f16
+    GEMM tolerance of float64 over gguf's dequantization."""
+    rng = np.random.default_rng(2026)
+    nt, d = 40, 1024
+    x = rng.standard_normal((nt, d)).astype(np.float32)
+    z = rng.standard_normal((nt, d)).astype(np.float32)
+    bias = rng.standard_normal(1536).astype(np.float32)
+    # name: (type, out rows, input)
+    spec = {"w0": (Q.Q4_K, 1536, "x"), "w1": (Q.Q8_0, 256, "x"), "w2": (Q.Q6_K, d, "x"),
+            "w3": (Q.F16, 512, "x2"), "w4": (Q.Q5_0, 768, "x2"), "w5": (Q.F32, 256, "y2"),
+            "w6": (Q.Q4_1, 2048, "x2"), "w7": (Q.Q5_K, d, "y2"), "w8": (Q.Q4_0, 384, "y7")}
+    mats = {k: make_weight(t, rows, d, rng) for k, (t, rows, _) in spec.items()}
+    poison = {k: np.full(nt * rows, np.nan, np.float32) for k, (_, rows, _) in spec.items()}
+
+    def build(r):
+        h = {k: r.weight(k, mats[k][0], spec[k][0], d, spec[k][1]) for k in spec}
+        hb = r.weight("b0", bias, Q.F32, 1536, 1)
+        xi, x0, zi = r.buf(x), r.buf(x), r.buf(z)
+        y = {k: r.out(nt * spec[k][1]) for k in spec}
+        mm = lambda k, src, b=-1: ("matmul", [y[k], src], [d, spec[k][1], nt], [], [h[k], b])  # noqa: E731
+        steps = [mm("w0", xi, hb), mm("w1", xi), mm("w2", xi),
+                 ("add", [xi, x0, zi], [nt * d], [], []),  # x rewritten: w3 converts it again
+                 mm("w3", xi), mm("w4", xi), mm("w5", y["w2"]), mm("w6", xi),  # (an F32 GEMM leaves xh alone)
+                 mm("w7", y["w2"]), mm("w8", y["w7"])]
+        return r.plan(steps), xi, y
+
+    def run_all(r, plan, xi, y, steps=None):
+        r.pool.write(xi, x)  # the plan rewrites x (with x + z)
+        for k in spec:
+            r.pool.write(y[k], poison[k])
+        if steps is None:
+            r.run(plan)
+        else:
+            for i in range(steps):
+                _core.cuda_run(plan, r.pool, r.weights, i, i + 1)
+            _core.cuda_sync()
+        return {k: r.read(y[k], nt * spec[k][1]) for k in spec}
+
+    r = Rig()
+    plan, xi, y = build(r)
+    info = _core.testing.cuda_plan_info(plan)
+    assert info["gemm_pipelined"] == 7, info  # every quantized GEMM (not the F16, not the F32)
+    assert info["gemm_inputs_reused"] == 4, info  # w1, w2 (x); w4, w6 (x + z)
+    base = run_all(r, plan, xi, y)
+    for k in range(2):  # captured, replayed
+        again = run_all(r, plan, xi, y)
+        for name in spec:
+            assert again[name].tobytes() == base[name].tobytes(), f"{name}: {'replay' if k else 'capture'} vs direct"
+    assert _core.testing.cuda_plan_info(plan)["captured"]
+    stepwise = run_all(r, plan, xi, y, steps=10)
+    for name in spec:
+        assert stepwise[name].tobytes() == base[name].tobytes(), f"{name}: step by step vs whole"
+
+    # float64 over gguf's dequantization, each GEMM from the inputs it was given.
+    x2 = x + z
+    inputs = {"x": x, "x2": x2, "y2": base["w2"].reshape(nt, d), "y7": base["w7"].reshape(nt, d)}
+    for name, (qtype, rows, src) in spec.items():
+        a = inputs[src].astype(np.float64)
+        w64 = mats[name][1].astype(np.float64)
+        b = bias.astype(np.float64) if name == "w0" else 0.0
+        want = a @ w64.T + b
+        mag = np.abs(a) @ np.abs(w64).T + np.abs(b)
+        rel = MATVEC_C * d * U if qtype == Q.F32 else GEMM_REL + MATVEC_C * d * U
+        err = np.abs(base[name].reshape(nt, rows) - want)
+        assert np.all(err <= rel * mag + 1e-30), f"{name} ({qtype.name}): max err/tol {np.max(err / (rel * mag)):.3g}"
+
+    for env in ({"MINFER_CUDA_GEMM_PIPE": "0"}, {"MINFER_NO_CUDA_GRAPH": "1"}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        r2 = Rig()
+        plan2, xi2, y2 = build(r2)
+        for run in range(3):
+            got = run_all(r2, plan2, xi2, y2)
+            for name in spec:
+                assert got[name].tobytes() == base[name].tobytes(), f"{name}: {env} run {run}"
+        for k in env:
+            monkeypatch.delenv(k)
+
+
 def test_matvec_wide_rows_and_repeat_bitwise():
     """A 7B-like shape (in 18944: the split reduction across warps), run twice: same bits."""
     rng = np.random.default_rng(7)
@@ -645,6 +733,45 @@ def test_bitwise_run_vs_run_replay_vs_direct_reuse_vs_rebuild(synth, monkeypatch
     monkeypatch.setenv("MINFER_NO_CUDA_GRAPH", "1")
     d = _decode_run(path, seq, 6)
     assert a.tobytes() == d.tobytes(), "graph replay vs direct launches"
+
+
+def test_prefill_gemm_pipeline_bitwise_on_models(synth, monkeypatch):
+    """A 40-token prefill (the f16 GEMM path, logits of every row: the output GEMM too)
+    with the weight dequantization pipelined on the side stream and the f16 inputs
+    shared, direct, captured and replayed, gives bitwise the logits of
+    MINFER_CUDA_GEMM_PIPE=0 (dequantization in line, every input converted) and of
+    direct launches (MINFER_NO_CUDA_GRAPH=1), and stays within CUDA_CPU_TOL of the CPU."""
+    name, path, ref = synth
+    seq = _sequences(ref.n_vocab, 6)[3]
+    assert len(seq) > _core.CUDA_ROW_EXACT_MAX_TOKENS
+
+    def prefills(env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        eng = _engine(path, ["cuda"])
+        outs = []
+        for _ in range(3):  # direct, captured, replayed
+            eng.reset()
+            outs.append(eng.forward(seq, n_out=len(seq)))
+        info = _core.testing.cuda_plan_info(eng.context.cache.lowered.splits[0].plan)
+        for k in env:
+            monkeypatch.delenv(k)
+        return outs, info
+
+    on, info = prefills({})
+    quantized = any(t not in ("F16", "F32") for t in MODELS[name].get("types", {}).values())
+    assert (info["gemm_pipelined"] > 0) == quantized, info
+    assert info["gemm_inputs_reused"] >= 3 * MODELS[name]["n_layer"] * quantized, info  # k, v, up per layer
+    assert info["captured"], info
+    for k in (1, 2):
+        assert on[k].tobytes() == on[0].tobytes(), f"{name}: {'replay' if k == 2 else 'capture'} vs direct"
+    for env in ({"MINFER_CUDA_GEMM_PIPE": "0"}, {"MINFER_NO_CUDA_GRAPH": "1"}):
+        outs, _ = prefills(env)
+        for k, o in enumerate(outs):
+            assert o.tobytes() == on[0].tobytes(), f"{name}: {env} run {k} vs the pipelined prefill"
+    cpu = _engine(path, ["cpu"]).forward(seq, n_out=len(seq))
+    vs_cpu = _row_err(on[0], cpu.astype(np.float64))
+    assert vs_cpu.max() < CUDA_CPU_TOL, f"{name}: CUDA vs CPU {np.round(vs_cpu, 4)}"
 
 
 def test_decode_graph_is_captured_and_replayed(synth):

@@ -135,6 +135,8 @@ void register_cuda(py::module_& m, py::module_& testing) {
             d["captured"] = plan_captured(plan);
             d["graph_nodes"] = plan_graph_nodes(plan);
             d["launches"] = plan_launches(plan);
+            d["gemm_pipelined"] = plan_gemm_pipelined(plan);
+            d["gemm_inputs_reused"] = plan_gemm_inputs_reused(plan);
             return d;
         }, py::arg("plan"));
 

@@ -41,6 +41,7 @@ Context& ctx() {
     MC_CHECK(cudaSetDevice(0));
     MC_CHECK(cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, 0));
     MC_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    MC_CHECK(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
     check_blas(cublasCreate(&c->blas), "cublasCreate");
     check_blas(cublasSetStream(c->blas, c->stream), "cublasSetStream");
     // A fixed workspace: cuBLAS then allocates nothing inside a graph capture.

@@ -1,6 +1,9 @@
 // The process's CUDA context as the backend uses it: one device, one stream that every
 // kernel, copy and graph launch is ordered on, one cuBLAS handle with a fixed workspace
 // (so GEMMs can be captured into graphs), and counters of what a step costs the host.
+// A second stream (`side`) only dequantizes prefill GEMM weights ahead of the main one;
+// every run forks it from and joins it back to the main stream through events, so
+// ordering on the main stream alone stays the contract for everything else.
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -33,6 +36,7 @@ struct Context {
     int device = 0;
     int n_sm = 0;
     cudaStream_t stream = nullptr;
+    cudaStream_t side = nullptr;  // the prefill GEMMs' weight dequantization (executor.cpp)
     cublasHandle_t blas = nullptr;
     void* blas_ws = nullptr;
     size_t blas_ws_bytes = 0;

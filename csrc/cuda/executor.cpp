@@ -1,6 +1,7 @@
 #include "cuda/executor.h"
 
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <memory>
 #include <stdexcept>
@@ -53,8 +54,14 @@ struct CudaPlanState : PlanState {
     const DevPool* pool = nullptr;
     int pool_count = -1;
     int weight_count = -1;
-    void* wh = nullptr;  // f16 dequantized weight for the prefill GEMM
+    // f16 dequantized weights for the prefill GEMM: two buffers, so the side stream can
+    // dequantize the next GEMM's weight into one while the main stream's GEMM reads the
+    // other. The pipeline's even GEMMs and every GEMM of a partial run (on the main
+    // stream) use wh, the odd ones wh2 (sized for those alone: a 7B's lm head is 1 GB).
+    void* wh = nullptr;
+    void* wh2 = nullptr;
     size_t wh_bytes = 0;
+    size_t wh2_bytes = 0;
     void* xh = nullptr;  // f16 activations for the prefill GEMM
     size_t xh_bytes = 0;
     float* attn = nullptr;  // attention chunk partials
@@ -72,6 +79,22 @@ struct CudaPlanState : PlanState {
     cudaGraphExec_t exec = nullptr;
     size_t graph_nodes = 0;
     int32_t flags = -1;  // the Plan::flags the program was built for
+    // The prefill GEMMs whose weight is dequantized (quantized types), in program order:
+    // the pipeline's lookahead, worked out from the program once.
+    struct Deq {
+        int h;            // weight handle
+        int64_t in, out;  // the weight's row length and rows
+    };
+    std::vector<Deq> deqs;
+    // Events of the pipeline (no timing): the run's start on the main stream (the buffers
+    // may still be read by the run before), each buffer's dequantization done (side), and
+    // the GEMM that read each buffer last done (main). Created with the buffers.
+    cudaEvent_t ev_start = nullptr;
+    cudaEvent_t ev_deq[2] = {nullptr, nullptr};
+    cudaEvent_t ev_gemm[2] = {nullptr, nullptr};
+    // The whole run in progress takes the pipelined path (MINFER_CUDA_GEMM_PIPE unset or
+    // not 0): deqs dequantized on the side stream, f16 inputs reused (xh_ready).
+    bool pipe = false;
     // The greedy pick the program ends with: argmax over pick_n floats of buffer
     // pick_buf (the pool's pick target the last step writes), or none (-1).
     int pick_buf = -1;
@@ -85,13 +108,19 @@ struct CudaPlanState : PlanState {
         bool xq_ready = false;  // the launch before wrote this matvec's int8 input (in scratch `slot`)
         bool q_next = false;    // this launch writes the next one's int8 input
         int slot = 0;           // the int8 input scratch this matvec reads: 0 = xq, 1 = xq2
+        int gq = -1;            // a prefill GEMM whose weight is dequantized: its index in deqs
+        bool xh_ready = false;  // a prefill GEMM whose f16 input the GEMM before left in xh
     };
     std::vector<Launch> program;
     ~CudaPlanState() override {
         // The capture dies with the plan, once the stream no longer uses it.
         cudaStreamSynchronize(ctx().stream);
+        cudaStreamSynchronize(ctx().side);  // joined by the main stream already; cheap
         if (exec) cudaGraphExecDestroy(exec);
         if (wh) cudaFree(wh);
+        if (wh2) cudaFree(wh2);
+        for (cudaEvent_t e : {ev_start, ev_deq[0], ev_deq[1], ev_gemm[0], ev_gemm[1]})
+            if (e) cudaEventDestroy(e);
         if (xh) cudaFree(xh);
         if (attn) cudaFree(attn);
         if (attn_tk) cudaFree(attn_tk);
@@ -151,6 +180,14 @@ bool dead_after(const Plan& plan, size_t after, int buf) {
 }
 
 bool is_mv(const Step& s) { return s.op == OP_MATMUL && s.ip[2] == 1; }
+// A prefill GEMM (cuBLAS): reads the f16 copy of its input from xh unless its weight is F32.
+bool is_gemm_f16(const Step& s, const WeightStore& ws) {
+    return s.op == OP_MATMUL && s.ip[2] > kRowExactMaxTokens && ws.get(s.w[0]).type != T_F32;
+}
+// ... and dequantizes its weight to f16 first.
+bool is_gemm_deq(const Step& s, const WeightStore& ws) {
+    return is_gemm_f16(s, ws) && ws.get(s.w[0]).type != T_F16;
+}
 
 void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     const auto& S = plan.steps;
@@ -249,7 +286,33 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
             N.slot = 1;
         }
     }
-    // The greedy pick last (after the pass above, which reads entries' steps).
+    // Prefill GEMMs (never merged: one L_STEP each). Those with quantized weights, in
+    // order, are the dequantization pipeline's lookahead. A GEMM whose input buffer,
+    // token count and row length are those of the xh-reading GEMM before it, with no
+    // step in between (that GEMM included) writing that buffer, finds its f16 input
+    // already in xh (q, k, v over one normed x; gate, up).
+    st.deqs.clear();
+    int prev = -1;  // step of the last GEMM that wrote xh
+    for (auto& L : st.program) {
+        if (L.kind != L_STEP) continue;
+        const Step& s = S[L.s[0]];
+        if (!is_gemm_f16(s, ws)) continue;
+        if (is_gemm_deq(s, ws)) {
+            L.gq = (int)st.deqs.size();
+            st.deqs.push_back({s.w[0], s.ip[0], s.ip[1]});
+        }
+        if (prev >= 0 && S[prev].buf[1] == s.buf[1] && S[prev].ip[0] == s.ip[0] && S[prev].ip[2] == s.ip[2]) {
+            bool written = false;
+            for (int k = prev; k < L.s[0] && !written; ++k) {
+                int rd[6], wr[2], nr, nw;
+                step_io(S[k], rd, nr, wr, nw);
+                for (int i = 0; i < nw; ++i) written |= wr[i] == s.buf[1];
+            }
+            L.xh_ready = !written;
+        }
+        prev = L.s[0];
+    }
+    // The greedy pick last (after the passes above, which read entries' steps).
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
     st.flags = plan.flags;
     if (st.exec) {
@@ -280,7 +343,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = pool.size(id);
         return true;
     });
-    size_t wh = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, mvtk = 0;
+    size_t wh = 0, wh2 = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, mvtk = 0;
+    int ndeq = 0;  // dequantized GEMMs so far: the pipeline alternates wh, wh2 in step order
     for (const Step& s : plan.steps) {
         const int64_t* ip = s.ip;
         switch (s.op) {
@@ -297,7 +361,10 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 // gate|up's rows are down's input: its 32-row group tickets and the second scratch
                 if (ip[2] == 1) mvtk = std::max(mvtk, (size_t)(ip[1] / 32 + 1) * sizeof(int));
                 if (ip[2] > kRowExactMaxTokens) {
-                    if (w.type != T_F32 && w.type != T_F16) wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
+                    if (w.type != T_F32 && w.type != T_F16) {
+                        wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
+                        if (ndeq++ & 1) wh2 = std::max(wh2, (size_t)(ip[0] * ip[1] * 2));
+                    }
                     if (w.type != T_F32) xh = std::max(xh, (size_t)(ip[0] * ip[2] * 2));
                 }
                 dw.ensure(ws, s.w[0]);
@@ -333,13 +400,21 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         p = dev_alloc(need);
         have = need;
     };
-    if (st.exec && (wh > st.wh_bytes || xh > st.xh_bytes || attn > st.attn_bytes || attn_tk > st.attn_tk_bytes ||
+    if (st.exec && (wh > st.wh_bytes || wh2 > st.wh2_bytes || xh > st.xh_bytes || attn > st.attn_bytes || attn_tk > st.attn_tk_bytes ||
                     xqb > st.xq_bytes || xqb > st.xq2_bytes || mvtk > st.mv_tk_bytes)) {
         cudaStreamSynchronize(ctx().stream);
         cudaGraphExecDestroy(st.exec);
         st.exec = nullptr;
     }
     grow(st.wh, st.wh_bytes, wh);
+    grow(st.wh2, st.wh2_bytes, wh2);
+    if (wh && !st.ev_start) {
+        MC_CHECK(cudaEventCreateWithFlags(&st.ev_start, cudaEventDisableTiming));
+        for (int b = 0; b < 2; ++b) {
+            MC_CHECK(cudaEventCreateWithFlags(&st.ev_deq[b], cudaEventDisableTiming));
+            MC_CHECK(cudaEventCreateWithFlags(&st.ev_gemm[b], cudaEventDisableTiming));
+        }
+    }
     grow(st.xh, st.xh_bytes, xh);
     grow(st.xq, st.xq_bytes, xqb);
     grow(st.xq2, st.xq2_bytes, xqb);
@@ -399,10 +474,65 @@ void timed_part(const char* name, Fn&& fn) {
     cudaEventDestroy(b);
 }
 
+// Side-stream parts of a profiled run (the pipelined dequantizations): their event
+// pairs are read once the run is done, so timing them never stalls the host between
+// launches (which would show up as idle time in the main stream's entries).
+bool g_prof_run = false;
+std::vector<std::pair<cudaEvent_t, cudaEvent_t>> g_side_timed;
+
+void book_side_parts() {
+    for (auto& [a, b] : g_side_timed) {
+        float ms = 0;
+        if (cudaEventSynchronize(b) == cudaSuccess && cudaEventElapsedTime(&ms, a, b) == cudaSuccess) {
+            ProfileEntry& e = g_profile["  gemm: dequant (side stream)"];
+            e.ms += ms;
+            e.count += 1;
+        }
+        cudaEventDestroy(a);
+        cudaEventDestroy(b);
+    }
+    g_side_timed.clear();
+}
+
+// MINFER_CUDA_GEMM_PIPE=0: prefill GEMMs dequantize their weight on the main stream just
+// before they run and convert every input to f16 (the launches before the pipeline).
+// Read per whole run (host side only; a captured graph keeps what it was captured with).
+bool gemm_pipe_enabled() {
+    const char* e = std::getenv("MINFER_CUDA_GEMM_PIPE");
+    return !(e && *e && std::string(e) == "0");
+}
+
+// Enqueues on the side stream the dequantization of pipelined GEMM k's weight into
+// buffer k % 2, once the GEMM that read that buffer last is done: GEMM k - 2, or for
+// the first two, whatever ran on the main stream before this run started. Every one is
+// waited for by its GEMM on the main stream, so the side stream always joins back
+// (before a capture ends, and before the main stream's run is over).
+void side_dequant(const WeightStore& ws, const DevWeights& dw, CudaPlanState& st, int k) {
+    Context& c = ctx();
+    const CudaPlanState::Deq& d = st.deqs[k];
+    const int b = k & 1;
+    MC_CHECK(cudaStreamWaitEvent(c.side, k < 2 ? st.ev_start : st.ev_gemm[b], 0));
+    auto run = [&] { dequant_f16(ws.get(d.h).type, dw.get(d.h), dw.stride(d.h), d.in, d.out, b ? st.wh2 : st.wh, c.side); };
+    if (g_prof_run) {
+        cudaEvent_t t0, t1;
+        MC_CHECK(cudaEventCreate(&t0));
+        MC_CHECK(cudaEventCreate(&t1));
+        MC_CHECK(cudaEventRecord(t0, c.side));
+        run();
+        MC_CHECK(cudaEventRecord(t1, c.side));
+        g_side_timed.emplace_back(t0, t1);
+    } else {
+        run();
+    }
+    MC_CHECK(cudaEventRecord(st.ev_deq[b], c.side));
+}
+
 // xq_ready / xq: a one-token matvec's int8 input is already in xq (else it uses st.xq);
 // q_next: attention also writes its output's int8 copy into st.xq.
+// L: the program entry of a whole run (the GEMM's place in the pipeline), else null.
 void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st,
-                 bool xq_ready = false, void* xq = nullptr, bool q_next = false) {
+                 bool xq_ready = false, void* xq = nullptr, bool q_next = false,
+                 const CudaPlanState::Launch* L = nullptr) {
     Context& c = ctx();
     const int64_t* ip = s.ip;
     auto F = [&](int slot) { return (float*)pool.data(s.buf[slot]); };
@@ -439,15 +569,27 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
                            "cublasGemmEx f32");
             } else {
                 const void* a = W(0);
-                if (w.type != T_F16) {
+                const bool piped = L && st.pipe;
+                const int g = piped ? L->gq : -1;
+                if (g >= 0) {
+                    // Dequantized ahead on the side stream: wait for it (the time the main
+                    // stream stalls is the profile's "dequant wait").
+                    timed_part("  gemm: dequant wait", [&] { MC_CHECK(cudaStreamWaitEvent(c.stream, st.ev_deq[g & 1], 0)); });
+                    a = (g & 1) ? st.wh2 : st.wh;
+                } else if (w.type != T_F16) {
                     timed_part("  gemm: dequant", [&] { dequant_f16(w.type, W(0), dw.stride(s.w[0]), in, out, st.wh); });
                     a = st.wh;
                 }
-                timed_part("  gemm: x to f16", [&] { f32_to_f16(F(1), st.xh, in * nt); });
+                if (!(piped && L->xh_ready)) timed_part("  gemm: x to f16", [&] { f32_to_f16(F(1), st.xh, in * nt); });
                 timed_part("  gemm: cublas", [&] { check_blas(cublasGemmEx(c.blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)out, (int)nt, (int)in, &one, a,
                                         CUDA_R_16F, (int)in, st.xh, CUDA_R_16F, (int)in, &zero, F(0), CUDA_R_32F,
                                         (int)out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                            "cublasGemmEx f16"); });
+                if (g >= 0) {
+                    // This buffer is free once the GEMM is done: the GEMM two ahead goes in it.
+                    MC_CHECK(cudaEventRecord(st.ev_gemm[g & 1], c.stream));
+                    if (g + 2 < (int)st.deqs.size()) side_dequant(ws, dw, st, g + 2);
+                }
             }
             if (!c.capturing) ++c.c.launches;
             if (bias) add_bias_rows(F(0), bias, nt, out);
@@ -503,7 +645,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
     auto F = [&](const Step& s, int slot) { return (float*)pool.data(s.buf[slot]); };
     void* xq = L.slot ? st.xq2 : st.xq;
     switch (L.kind) {
-        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready, xq, L.q_next); break;
+        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready, xq, L.q_next, &L); break;
         case L_NORM_Q: {
             const Step& s = S[L.s[0]];
             rms_norm_q8(F(s, 1), s.w[0] >= 0 ? (const float*)dw.get(s.w[0]) : nullptr, F(s, 0), s.ip[0], s.fp[0], st.xq);
@@ -585,12 +727,42 @@ size_t launch_weight_bytes(const CudaPlanState::Launch& L, const Plan& plan, con
     return b;
 }
 
+// The pipeline's start: the side stream forks from the main stream here (inside a capture
+// this wait makes it join the capture) and dequantizes the first two GEMMs' weights.
+void start_pipe(const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) {
+    st.pipe = gemm_pipe_enabled();
+    if (!st.pipe || st.deqs.empty()) return;
+    MC_CHECK(cudaEventRecord(st.ev_start, ctx().stream));
+    for (int k = 0; k < 2 && k < (int)st.deqs.size(); ++k) side_dequant(ws, dw, st, k);
+}
+
 void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) {
     static const bool prof = [] { const char* e = std::getenv("MINFER_CUDA_PROFILE"); return e && *e && *e != '0'; }();
+    struct PipeOff {  // a later partial run dequantizes on the main stream again
+        CudaPlanState& st;
+        ~PipeOff() {
+            // A run cut short by an error may leave dequantizations no GEMM waited for:
+            // join the side stream here (unchecked: this may run while unwinding).
+            if (st.pipe && !st.deqs.empty() && std::uncaught_exceptions() > 0) {
+                cudaEventRecord(st.ev_start, ctx().side);
+                cudaStreamWaitEvent(ctx().stream, st.ev_start, 0);
+            }
+            st.pipe = false;
+        }
+    } off{st};
     if (!prof || ctx().capturing) {
+        start_pipe(ws, dw, st);
         for (const auto& L : st.program) launch_merged(L, plan, pool, ws, dw, st);
         return;
     }
+    struct ProfRun {
+        ProfRun() { g_prof_run = true; }
+        ~ProfRun() {
+            g_prof_run = false;
+            book_side_parts();
+        }
+    } prof_run;
+    start_pipe(ws, dw, st);
     cudaEvent_t a, b;
     MC_CHECK(cudaEventCreate(&a));
     MC_CHECK(cudaEventCreate(&b));
@@ -711,6 +883,19 @@ size_t plan_launches(const Plan& plan) {
     if (!st) return 0;
     // One launch per entry: attention merges its chunks inside its own launch.
     return st->program.size();
+}
+
+size_t plan_gemm_pipelined(const Plan& plan) {
+    const CudaPlanState* st = peek_state(plan);
+    return st ? st->deqs.size() : 0;
+}
+
+size_t plan_gemm_inputs_reused(const Plan& plan) {
+    const CudaPlanState* st = peek_state(plan);
+    size_t n = 0;
+    if (st)
+        for (const auto& L : st->program) n += L.xh_ready;
+    return n;
 }
 
 bool plan_captured(const Plan& plan) {

@@ -1,7 +1,10 @@
 // The CUDA plan executor: the same Step/Plan format the CPU runs (cpu/plan.h), run on
 // the context stream. A whole-plan run is launched directly the first time, captured
 // into a CUDA graph the second, and replayed from then on (MINFER_NO_CUDA_GRAPH=1,
-// partial runs and tracing always launch directly).
+// partial runs and tracing always launch directly). In a whole run the prefill GEMMs'
+// weights are dequantized one GEMM ahead on the context's side stream (forked from and
+// joined back to the main stream by events, so captures hold it too); partial runs
+// dequantize on the main stream just before each GEMM.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -53,5 +56,9 @@ size_t plan_graph_nodes(const Plan& plan);
 // Launches one whole run of the plan issues (after step merges).
 size_t plan_launches(const Plan& plan);
 bool plan_captured(const Plan& plan);
+// Prefill GEMMs whose weight a whole run dequantizes on the side stream, and those that
+// reuse the f16 input the GEMM before them converted (both fixed at validation).
+size_t plan_gemm_pipelined(const Plan& plan);
+size_t plan_gemm_inputs_reused(const Plan& plan);
 
 }  // namespace minfer::cuda

@@ -51,8 +51,12 @@ size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols = 1);
 // into scratch as matvec_multi lays it out.
 void rms_norm_q8(const float* x, const float* w, float* y, int64_t d, float eps, void* scratch);
 
-// W (rows x in_dim of wtype, device layout) -> f16 rows (prefill GEMM operand).
-void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out_f16);
+// W (rows x in_dim of wtype, device layout) -> f16 rows (prefill GEMM operand), on
+// `stream` (the context stream when null; the executor's side stream dequantizes the
+// next GEMM's weight while the main one computes).
+void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out_f16,
+                 void* stream = nullptr);
+// y[i] = f16(x[i]) (round to nearest); four at a time when n % 4 == 0 and both are 16/8-byte aligned.
 void f32_to_f16(const float* x, void* y, int64_t n);
 // y[t][o] += bias[o] (+ resid[t][o])
 void add_bias_rows(float* y, const float* bias, int64_t nt, int64_t out_dim);
