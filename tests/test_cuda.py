@@ -232,35 +232,40 @@ def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
 def test_prefill_gemm_pipeline_bitwise_and_vs_float64(monkeypatch):
     """Prefill GEMMs dequantize their weights ahead on a side stream into two buffers
     (events order each GEMM after its dequantization and each dequantization after the
-    GEMM that last read its buffer) and reuse the f16 copy of an input the GEMM before
-    them converted. A plan of 7 quantized GEMMs of different types and sizes (so both
-    buffers are refilled, bigger and smaller), with an F16 and an F32 GEMM among them,
-    three over one input, one after that input is rewritten in place, and GEMMs over
-    other GEMMs' outputs, runs direct, captured and replayed, without graphs, step by
-    step (partial runs: no pipeline) and with MINFER_CUDA_GEMM_PIPE=0: every output is
-    bitwise the same each time (outputs poisoned before every run), and within the f16
-    GEMM tolerance of float64 over gguf's dequantization."""
+    GEMM that last read its buffer) and reuse the f16 copy of an input that the GEMM
+    before them converted or that the RMSNorm producing it wrote. A plan of 7 quantized
+    GEMMs of different types and sizes (so both buffers are refilled, bigger and
+    smaller), with an F16 and an F32 GEMM among them, three over one input, three over
+    a norm of that input after it is rewritten, and GEMMs over other GEMMs' outputs,
+    runs direct, captured and replayed, without graphs, step by step (partial runs: no
+    pipeline) and with MINFER_CUDA_GEMM_PIPE=0: every output is bitwise the same each
+    time (outputs poisoned before every run), and within the f16 GEMM tolerance of
+    float64 over gguf's dequantization."""
     rng = np.random.default_rng(2026)
     nt, d = 40, 1024
     x = rng.standard_normal((nt, d)).astype(np.float32)
     z = rng.standard_normal((nt, d)).astype(np.float32)
     bias = rng.standard_normal(1536).astype(np.float32)
+    norm_w = rng.standard_normal(d).astype(np.float32)
     # name: (type, out rows, input)
     spec = {"w0": (Q.Q4_K, 1536, "x"), "w1": (Q.Q8_0, 256, "x"), "w2": (Q.Q6_K, d, "x"),
-            "w3": (Q.F16, 512, "x2"), "w4": (Q.Q5_0, 768, "x2"), "w5": (Q.F32, 256, "y2"),
-            "w6": (Q.Q4_1, 2048, "x2"), "w7": (Q.Q5_K, d, "y2"), "w8": (Q.Q4_0, 384, "y7")}
+            "w3": (Q.F16, 512, "xn"), "w4": (Q.Q5_0, 768, "xn"), "w5": (Q.F32, 256, "y2"),
+            "w6": (Q.Q4_1, 2048, "xn"), "w7": (Q.Q5_K, d, "y2"), "w8": (Q.Q4_0, 384, "y7")}
     mats = {k: make_weight(t, rows, d, rng) for k, (t, rows, _) in spec.items()}
     poison = {k: np.full(nt * rows, np.nan, np.float32) for k, (_, rows, _) in spec.items()}
 
     def build(r):
         h = {k: r.weight(k, mats[k][0], spec[k][0], d, spec[k][1]) for k in spec}
         hb = r.weight("b0", bias, Q.F32, 1536, 1)
+        hn = r.weight("n", norm_w, Q.F32, d, 1)
         xi, x0, zi = r.buf(x), r.buf(x), r.buf(z)
         y = {k: r.out(nt * spec[k][1]) for k in spec}
+        y["xn"] = r.out(nt * d)
         mm = lambda k, src, b=-1: ("matmul", [y[k], src], [d, spec[k][1], nt], [], [h[k], b])  # noqa: E731
         steps = [mm("w0", xi, hb), mm("w1", xi), mm("w2", xi),
-                 ("add", [xi, x0, zi], [nt * d], [], []),  # x rewritten: w3 converts it again
-                 mm("w3", xi), mm("w4", xi), mm("w5", y["w2"]), mm("w6", xi),  # (an F32 GEMM leaves xh alone)
+                 ("add", [xi, x0, zi], [nt * d], [], []),  # x rewritten ...
+                 ("rms_norm", [y["xn"], xi], [d, nt], [1e-6], [hn]),  # ... normed: the norm writes xn's f16 copy
+                 mm("w3", y["xn"]), mm("w4", y["xn"]), mm("w5", y["w2"]), mm("w6", y["xn"]),  # (an F32 GEMM leaves xh alone)
                  mm("w7", y["w2"]), mm("w8", y["w7"])]
         return r.plan(steps), xi, y
 
@@ -268,32 +273,35 @@ def test_prefill_gemm_pipeline_bitwise_and_vs_float64(monkeypatch):
         r.pool.write(xi, x)  # the plan rewrites x (with x + z)
         for k in spec:
             r.pool.write(y[k], poison[k])
+        r.pool.write(y["xn"], np.full(nt * d, np.nan, np.float32))
         if steps is None:
             r.run(plan)
         else:
             for i in range(steps):
                 _core.cuda_run(plan, r.pool, r.weights, i, i + 1)
             _core.cuda_sync()
-        return {k: r.read(y[k], nt * spec[k][1]) for k in spec}
+        out = {k: r.read(y[k], nt * spec[k][1]) for k in spec}
+        out["xn"] = r.read(y["xn"], nt * d)
+        return out
 
     r = Rig()
     plan, xi, y = build(r)
     info = _core.testing.cuda_plan_info(plan)
     assert info["gemm_pipelined"] == 7, info  # every quantized GEMM (not the F16, not the F32)
-    assert info["gemm_inputs_reused"] == 4, info  # w1, w2 (x); w4, w6 (x + z)
+    assert info["gemm_inputs_reused"] == 5, info  # w1, w2 (x); w3 (from the norm), w4, w6 (xn)
     base = run_all(r, plan, xi, y)
     for k in range(2):  # captured, replayed
         again = run_all(r, plan, xi, y)
-        for name in spec:
+        for name in base:
             assert again[name].tobytes() == base[name].tobytes(), f"{name}: {'replay' if k else 'capture'} vs direct"
     assert _core.testing.cuda_plan_info(plan)["captured"]
-    stepwise = run_all(r, plan, xi, y, steps=10)
-    for name in spec:
+    stepwise = run_all(r, plan, xi, y, steps=11)
+    for name in base:
         assert stepwise[name].tobytes() == base[name].tobytes(), f"{name}: step by step vs whole"
 
     # float64 over gguf's dequantization, each GEMM from the inputs it was given.
-    x2 = x + z
-    inputs = {"x": x, "x2": x2, "y2": base["w2"].reshape(nt, d), "y7": base["w7"].reshape(nt, d)}
+    np.testing.assert_allclose(base["xn"].reshape(nt, d), _rms64(x + z, norm_w, 1e-6), rtol=1e-6, atol=1e-6)
+    inputs = {"x": x, "xn": base["xn"].reshape(nt, d), "y2": base["w2"].reshape(nt, d), "y7": base["w7"].reshape(nt, d)}
     for name, (qtype, rows, src) in spec.items():
         a = inputs[src].astype(np.float64)
         w64 = mats[name][1].astype(np.float64)
@@ -311,7 +319,7 @@ def test_prefill_gemm_pipeline_bitwise_and_vs_float64(monkeypatch):
         plan2, xi2, y2 = build(r2)
         for run in range(3):
             got = run_all(r2, plan2, xi2, y2)
-            for name in spec:
+            for name in base:
                 assert got[name].tobytes() == base[name].tobytes(), f"{name}: {env} run {run}"
         for k in env:
             monkeypatch.delenv(k)
@@ -738,7 +746,8 @@ def test_bitwise_run_vs_run_replay_vs_direct_reuse_vs_rebuild(synth, monkeypatch
 def test_prefill_gemm_pipeline_bitwise_on_models(synth, monkeypatch):
     """A 40-token prefill (the f16 GEMM path, logits of every row: the output GEMM too)
     with the weight dequantization pipelined on the side stream and the f16 inputs
-    shared, direct, captured and replayed, gives bitwise the logits of
+    shared (or written by the RMSNorm producing them), direct, captured and replayed,
+    gives bitwise the logits of
     MINFER_CUDA_GEMM_PIPE=0 (dequantization in line, every input converted) and of
     direct launches (MINFER_NO_CUDA_GRAPH=1), and stays within CUDA_CPU_TOL of the CPU."""
     name, path, ref = synth
@@ -761,7 +770,8 @@ def test_prefill_gemm_pipeline_bitwise_on_models(synth, monkeypatch):
     on, info = prefills({})
     quantized = any(t not in ("F16", "F32") for t in MODELS[name].get("types", {}).values())
     assert (info["gemm_pipelined"] > 0) == quantized, info
-    assert info["gemm_inputs_reused"] >= 3 * MODELS[name]["n_layer"] * quantized, info  # k, v, up per layer
+    # per layer: q and gate from their norm's f16 copy; k, v and up from the GEMM before
+    assert info["gemm_inputs_reused"] >= 5 * MODELS[name]["n_layer"] * quantized, info
     assert info["captured"], info
     for k in (1, 2):
         assert on[k].tobytes() == on[0].tobytes(), f"{name}: {'replay' if k == 2 else 'capture'} vs direct"

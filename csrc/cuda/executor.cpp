@@ -109,7 +109,8 @@ struct CudaPlanState : PlanState {
         bool q_next = false;    // this launch writes the next one's int8 input
         int slot = 0;           // the int8 input scratch this matvec reads: 0 = xq, 1 = xq2
         int gq = -1;            // a prefill GEMM whose weight is dequantized: its index in deqs
-        bool xh_ready = false;  // a prefill GEMM whose f16 input the GEMM before left in xh
+        bool xh_ready = false;  // a prefill GEMM whose f16 input the launch before left in xh
+        bool xh_out = false;    // a prefill RMSNorm that also writes its output's f16 copy into xh
     };
     std::vector<Launch> program;
     ~CudaPlanState() override {
@@ -287,30 +288,48 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         }
     }
     // Prefill GEMMs (never merged: one L_STEP each). Those with quantized weights, in
-    // order, are the dequantization pipeline's lookahead. A GEMM whose input buffer,
-    // token count and row length are those of the xh-reading GEMM before it, with no
-    // step in between (that GEMM included) writing that buffer, finds its f16 input
-    // already in xh (q, k, v over one normed x; gate, up).
+    // order, are the dequantization pipeline's lookahead. xh holds the f16 copy of one
+    // buffer (rows x row length) from the launch that converted it: a GEMM (its input)
+    // or a prefill RMSNorm whose next xh-reading GEMM reads its output (the norm then
+    // writes the copy itself). A GEMM whose input is that buffer, in that shape, with no
+    // step since the conversion writing it (a converting GEMM's own output included),
+    // finds its f16 input already in xh: q, k, v over one normed x; gate, up.
     st.deqs.clear();
-    int prev = -1;  // step of the last GEMM that wrote xh
-    for (auto& L : st.program) {
+    int xh_buf = -1, xh_from = 0;  // the buffer xh copies; the first step that may have written it since
+    int64_t xh_in = 0, xh_nt = 0;
+    auto unwritten = [&](int buf, int from, int to) {
+        for (int k = from; k < to; ++k) {
+            int rd[6], wr[2], nr, nw;
+            step_io(S[k], rd, nr, wr, nw);
+            for (int i = 0; i < nw; ++i)
+                if (wr[i] == buf) return false;
+        }
+        return true;
+    };
+    for (size_t e = 0; e < st.program.size(); ++e) {
+        auto& L = st.program[e];
         if (L.kind != L_STEP) continue;
         const Step& s = S[L.s[0]];
+        if (s.op == OP_RMS_NORM && s.ip[1] > kRowExactMaxTokens) {
+            size_t g = e + 1;
+            while (g < st.program.size() && !(st.program[g].kind == L_STEP && is_gemm_f16(S[st.program[g].s[0]], ws))) ++g;
+            if (g < st.program.size()) {
+                const Step& m = S[st.program[g].s[0]];
+                if (m.buf[1] == s.buf[0] && m.ip[0] == s.ip[0] && m.ip[2] == s.ip[1] &&
+                    unwritten(s.buf[0], L.s[0] + 1, st.program[g].s[0])) {
+                    L.xh_out = true;
+                    xh_buf = s.buf[0], xh_from = L.s[0] + 1, xh_in = s.ip[0], xh_nt = s.ip[1];
+                }
+            }
+            continue;
+        }
         if (!is_gemm_f16(s, ws)) continue;
         if (is_gemm_deq(s, ws)) {
             L.gq = (int)st.deqs.size();
             st.deqs.push_back({s.w[0], s.ip[0], s.ip[1]});
         }
-        if (prev >= 0 && S[prev].buf[1] == s.buf[1] && S[prev].ip[0] == s.ip[0] && S[prev].ip[2] == s.ip[2]) {
-            bool written = false;
-            for (int k = prev; k < L.s[0] && !written; ++k) {
-                int rd[6], wr[2], nr, nw;
-                step_io(S[k], rd, nr, wr, nw);
-                for (int i = 0; i < nw; ++i) written |= wr[i] == s.buf[1];
-            }
-            L.xh_ready = !written;
-        }
-        prev = L.s[0];
+        L.xh_ready = xh_buf == s.buf[1] && xh_in == s.ip[0] && xh_nt == s.ip[2] && unwritten(s.buf[1], xh_from, L.s[0]);
+        xh_buf = s.buf[1], xh_from = L.s[0], xh_in = s.ip[0], xh_nt = s.ip[2];
     }
     // The greedy pick last (after the passes above, which read entries' steps).
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
@@ -544,7 +563,7 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
         case OP_SWIGLU: swiglu(F(1), F(2), F(0), ip[0]); break;
         case OP_SILU: silu(F(1), F(0), ip[0]); break;
         case OP_RMS_NORM: case OP_QK_NORM:
-            rms_norm(F(1), (const float*)W(0), F(0), ip[0], ip[1], s.fp[0]);
+            rms_norm(F(1), (const float*)W(0), F(0), ip[0], ip[1], s.fp[0], L && st.pipe && L->xh_out ? st.xh : nullptr);
             break;
         case OP_MATMUL: {
             const Weight& w = ws.get(s.w[0]);

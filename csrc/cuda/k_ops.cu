@@ -29,16 +29,26 @@ __global__ void k_binary(const float* __restrict__ a, const float* __restrict__ 
     else y[i] = silu_f(a[i]);
 }
 
-// One block per row; a fixed tree over double partial sums.
+// One block per row; a fixed tree over double partial sums. With yh, also y's f16 copy
+// (the prefill GEMM's input, as f32_to_f16 would write it).
 __global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int64_t d,
-                           float eps) {
+                           float eps, __half* __restrict__ yh) {
     pdl_wait();
     pdl_trigger();
     const int64_t r = blockIdx.x;
     const float* xr = x + r * d;
     float* yr = y + r * d;
     const float scale = rms_inv(xr, d, eps);
-    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) yr[i] = rms_elem(xr, w, i, scale);
+    if (yh) {
+        __half* hr = yh + r * d;
+        for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+            const float v = rms_elem(xr, w, i, scale);
+            yr[i] = v;
+            hr[i] = __float2half_rn(v);
+        }
+    } else {
+        for (int64_t i = threadIdx.x; i < d; i += blockDim.x) yr[i] = rms_elem(xr, w, i, scale);
+    }
 }
 
 // Element k of one (token, head) row: a rotated pair (k < n_rot/2: writes k and
@@ -265,9 +275,9 @@ void swiglu(const float* g, const float* u, float* y, int64_t n) {
 void silu(const float* x, float* y, int64_t n) {
     launch(k_binary<3>, blocks_for(n, 256), 256, x, x, y, n);
 }
-void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps) {
+void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps, void* yh) {
     const int threads = rms_threads(d);
-    launch(k_rms_norm, (unsigned)nrows, threads, x, w, y, d, eps);
+    launch(k_rms_norm, (unsigned)nrows, threads, x, w, y, d, eps, (__half*)yh);
 }
 void rope_neox(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
                float freq_base, int* err) {

@@ -65,7 +65,8 @@ void add(const float* a, const float* b, float* y, int64_t n);
 void mul(const float* a, const float* b, float* y, int64_t n);
 void silu(const float* x, float* y, int64_t n);
 void swiglu(const float* g, const float* u, float* y, int64_t n);
-void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps);
+// yh: also write y's f16 copy there (bitwise what f32_to_f16 of y gives).
+void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps, void* yh = nullptr);
 void rope_neox(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
                float freq_base, int* err);
 struct RopeStoreArgs {
