@@ -276,10 +276,24 @@ template <> struct Unit<T_F32> {
     }
 };
 
-template <int T, int NC>
+// DEEP (one-column launches, MINFER_CUDA_MV_DEEP): four units' loads in flight per trip
+// on long rows (a down row of the 7B shape is nine trips of 32 units) and a SwiGLU
+// pair's two rows loaded together, since a warp's trips are sequential round trips to
+// memory. It costs registers (80 -> 150: 12 resident warps per SM, not 24), hence the A/B knob.
+// The sums still go in ascending unit order per lane: the bits do not depend on it.
+template <int T, int NC, bool DEEP>
 __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int lane, float acc[NC]) {
     const int nu = Unit<T>::count(a.nb);
     int u = lane;
+    for (; DEEP && u + 96 < nu; u += 128) {
+        Unit<T> w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k].load(row, u + 32 * k, a.nb);
+#pragma unroll
+        for (int c = 0; c < NC; ++c)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[c] = fadd(acc[c], w[k].dot(a, c, u + 32 * k));
+    }
     for (; u + 32 < nu; u += 64) {
         Unit<T> w0, w1;
         w0.load(row, u, a.nb);
@@ -298,6 +312,39 @@ __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const M
     }
 }
 
+// Two rows of one type (gate and up of a SwiGLU pair) with both rows' loads in flight
+// together; each row's sums in the order row_dot adds them, so the same bits.
+template <int T, int NC>
+__device__ __forceinline__ void row_dot_pair(const uint8_t* __restrict__ ra, const uint8_t* __restrict__ rb,
+                                             const MvArgs& a, int lane, float acc[NC], float acc2[NC]) {
+    const int nu = Unit<T>::count(a.nb);
+    int u = lane;
+    for (; u + 32 < nu; u += 64) {
+        Unit<T> a0, a1, b0, b1;
+        a0.load(ra, u, a.nb);
+        a1.load(ra, u + 32, a.nb);
+        b0.load(rb, u, a.nb);
+        b1.load(rb, u + 32, a.nb);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            acc[c] = fadd(acc[c], a0.dot(a, c, u));
+            acc[c] = fadd(acc[c], a1.dot(a, c, u + 32));
+            acc2[c] = fadd(acc2[c], b0.dot(a, c, u));
+            acc2[c] = fadd(acc2[c], b1.dot(a, c, u + 32));
+        }
+    }
+    if (u < nu) {
+        Unit<T> a0, b0;
+        a0.load(ra, u, a.nb);
+        b0.load(rb, u, a.nb);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            acc[c] = fadd(acc[c], a0.dot(a, c, u));
+            acc2[c] = fadd(acc2[c], b0.dot(a, c, u));
+        }
+    }
+}
+
 // The warp's whole weight row into L2 (fire and forget: no registers held). Issued
 // before pdl_wait(), so the row streams in while the previous kernel finishes; no
 // kernel writes weights.
@@ -306,21 +353,27 @@ __device__ __forceinline__ void prefetch_row(const uint8_t* __restrict__ row, si
         asm volatile("prefetch.global.L2 [%0];" ::"l"(row + o));
 }
 
-template <int NC>
+// Calls f.template operator()<T>() for a weight type the matvec handles.
+template <class F>
+__device__ __forceinline__ void mv_dispatch(int type, F&& f) {
+    switch (type) {
+        case T_F32: f.template operator()<T_F32>(); break;
+        case T_F16: f.template operator()<T_F16>(); break;
+        case T_Q4_0: f.template operator()<T_Q4_0>(); break;
+        case T_Q4_1: f.template operator()<T_Q4_1>(); break;
+        case T_Q5_0: f.template operator()<T_Q5_0>(); break;
+        case T_Q5_1: f.template operator()<T_Q5_1>(); break;
+        case T_Q8_0: f.template operator()<T_Q8_0>(); break;
+        case T_Q4_K: f.template operator()<T_Q4_K>(); break;
+        case T_Q5_K: f.template operator()<T_Q5_K>(); break;
+        default: f.template operator()<T_Q6_K>(); break;
+    }
+}
+
+template <int NC, bool DEEP>
 __device__ __forceinline__ void row_dot_any(int type, const uint8_t* __restrict__ row, const MvArgs& a, int lane,
                                             float acc[NC]) {
-    switch (type) {
-        case T_F32: row_dot<T_F32, NC>(row, a, lane, acc); break;
-        case T_F16: row_dot<T_F16, NC>(row, a, lane, acc); break;
-        case T_Q4_0: row_dot<T_Q4_0, NC>(row, a, lane, acc); break;
-        case T_Q4_1: row_dot<T_Q4_1, NC>(row, a, lane, acc); break;
-        case T_Q5_0: row_dot<T_Q5_0, NC>(row, a, lane, acc); break;
-        case T_Q5_1: row_dot<T_Q5_1, NC>(row, a, lane, acc); break;
-        case T_Q8_0: row_dot<T_Q8_0, NC>(row, a, lane, acc); break;
-        case T_Q4_K: row_dot<T_Q4_K, NC>(row, a, lane, acc); break;
-        case T_Q5_K: row_dot<T_Q5_K, NC>(row, a, lane, acc); break;
-        default: row_dot<T_Q6_K, NC>(row, a, lane, acc); break;
-    }
+    mv_dispatch(type, [&] <int T>() { row_dot<T, NC, DEEP>(row, a, lane, acc); });
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -329,13 +382,24 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // One row of one job: the dot products, the warp reduction, the epilogue (lane 0).
-template <int NC>
+template <int NC, bool DEEP>
 __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
     float acc[NC], acc2[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
-    row_dot_any<NC>(jb.type, jb.W + (size_t)row * jb.row_bytes, a, lane, acc);
-    if (jb.W2) row_dot_any<NC>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
+    const uint8_t* ra = jb.W + (size_t)row * jb.row_bytes;
+    bool paired = false;
+    if constexpr (DEEP) {
+        if (jb.W2 && jb.type2 == jb.type) {
+            const uint8_t* rb = jb.W2 + (size_t)row * jb.row_bytes2;
+            mv_dispatch(jb.type, [&] <int T>() { row_dot_pair<T, NC>(ra, rb, a, lane, acc, acc2); });
+            paired = true;
+        }
+    }
+    if (!paired) {
+        row_dot_any<NC, DEEP>(jb.type, ra, a, lane, acc);
+        if (jb.W2) row_dot_any<NC, DEEP>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
+    }
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
         acc[c] = warp_sum(acc[c]);
@@ -364,8 +428,8 @@ __device__ __forceinline__ void prefetch_job_row(const MvJob& jb, int row, int l
 
 // A warp computes a.rpw consecutive rows, keeping the next two rows' bytes on their way
 // into L2 while it computes one (the first two are requested before pdl_wait()).
-template <int NC>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
+template <int NC, bool DEEP>
+__device__ __forceinline__ void mv_body(const MvArgs& a) {
     pdl_trigger();
     int j = 0;
     while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
@@ -378,7 +442,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
     pdl_wait();
     for (int row = row0; row < row1; ++row) {
         if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-        mv_row<NC>(a, jb, row, lane);
+        mv_row<NC, DEEP>(a, jb, row, lane);
     }
     if (NC == 1 && jb.q_out) {
         // rows % 32 == 0 and a block's rows (MV_WARPS * rpw, a power of two <= 32) lie in
@@ -399,6 +463,13 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
         }
     }
 }
+
+template <int NC>
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
+    mv_body<NC, false>(a);
+}
+// 150 registers: three blocks per SM.
+__global__ void __launch_bounds__(MV_WARPS * 32, 3) k_matvec_deep(MvArgs a) { mv_body<1, true>(a); }
 
 // The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
 __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
@@ -569,6 +640,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // Read per launch (host side only; a captured graph keeps what it was captured with).
     const int rpw_env = env_int("MINFER_CUDA_MV_RPW", 1);
     const int pf_env = env_int("MINFER_CUDA_MV_PREFETCH", 1);
+    const bool deep = env_int("MINFER_CUDA_MV_DEEP", 0) != 0;
     a.prefetch = pf_env;
     a.rpw = 1;
     if (rpw_env > 0) {
@@ -598,7 +670,10 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             case 8: launch_mv<8>(ac, (unsigned)b); break;
             case 4: launch_mv<4>(ac, (unsigned)b); break;
             case 2: launch_mv<2>(ac, (unsigned)b); break;
-            default: launch_mv<1>(ac, (unsigned)b); break;
+            default:
+                if (deep) launch(k_matvec_deep, (unsigned)b, MV_WARPS * 32, ac);
+                else launch_mv<1>(ac, (unsigned)b);
+                break;
         }
         c0 += nc;
     }
