@@ -130,3 +130,39 @@ def test_q8_K_quantizer_simd_is_bytewise_scalar():
     fin = np.concatenate(blocks[:-2]).astype(np.float32)
     got = _core.testing.dequantize_row(int(Q.Q8_K), _core.testing.quantize_q8_K(fin, True), fin.size)
     assert np.array_equal(got, q8_K_roundtrip(fin).reshape(-1))
+
+
+def run_shared_input(weights, in_dim, x, n_threads):
+    """Several MATMUL steps of one plan reading the same input: the executor quantizes it
+    once and every step reads the same activation bytes and per-block summaries."""
+    nt = x.shape[0]
+    pool, ws = _core.Pool("shared"), _core.WeightStore()
+    x_id = pool.alloc(in_dim * nt * 4)
+    pool.write(x_id, np.ascontiguousarray(x, dtype=np.float32))
+    plan, ys = _core.Plan("mm"), []
+    for i, (raw, qtype, out_dim) in enumerate(weights):
+        y = pool.alloc(out_dim * nt * 4)
+        h = ws.add(f"w{i}", np.ascontiguousarray(raw).view(np.uint8).reshape(-1), int(qtype), in_dim, out_dim)
+        plan.add(_core.OPS["matmul"], i, [y, x_id], [in_dim, out_dim, nt], [], [h, -1])
+        ys.append((y, out_dim))
+    _core.run(plan, pool, ws, n_threads)
+    return [pool.read(y, "float32", o * nt).reshape(nt, o) for y, o in ys]
+
+
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q6_K, Q.Q4_K), (Q.Q6_K, Q.Q4_K),
+                                   (Q.Q5_0, Q.Q8_0, Q.Q4_0), (Q.Q8_0, Q.Q5_0)], ids=lambda ts: "-".join(t.name for t in ts))
+@pytest.mark.parametrize("nt", [1, 13])
+def test_matmuls_sharing_an_input_equal_each_alone(types, nt):
+    """Whichever type quantized the shared input, each matmul's result is bit for bit
+    its result alone (which the tests above check against references)."""
+    rng = np.random.default_rng(len(types) * 10 + nt)
+    weights = []
+    for i, qtype in enumerate(types):
+        raw, _ = make_weight(qtype, 24 + 16 * i, IN_DIM, rng)
+        weights.append((raw, qtype, 24 + 16 * i))
+    x = rng.standard_normal((nt, IN_DIM)).astype(np.float32)
+    for n_threads in (1, 3):
+        shared = run_shared_input(weights, IN_DIM, x, n_threads)
+        for (raw, qtype, out_dim), got in zip(weights, shared):
+            alone = run_matmul(raw, qtype, IN_DIM, out_dim, x, n_threads=n_threads)
+            assert np.array_equal(got.view(np.uint32), alone.view(np.uint32)), (qtype.name, n_threads)

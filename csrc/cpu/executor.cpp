@@ -40,12 +40,14 @@ namespace {
 
 struct Scratch {
     std::vector<uint8_t> act[2];    // quantized activations: [0] Q8_0 family, [1] Q8_K
+    std::vector<uint8_t> meta[2];   // their per-block summaries for the repacked kernels
     std::vector<float> attn;        // nth * per-thread attention scratch
 };
 
 struct ScratchNeed {
-    size_t act[2] = {0, 0};  // bytes per activation slot
-    size_t attn = 0;         // floats per thread
+    size_t act[2] = {0, 0};   // bytes per activation slot
+    size_t meta[2] = {0, 0};  // bytes of its summaries (repack::act_meta)
+    size_t attn = 0;          // floats per thread
 };
 
 // The quantized-activation memo: which input (buffer, row count) each scratch slot
@@ -176,7 +178,19 @@ int matmul_act_slot(const Step& s, const WeightStore& ws) { return act_slot_of_t
 void matmul_scratch(const Step& s, const WeightStore& ws, ScratchNeed& n) {
     const Weight& w = ws.get(s.w[0]);
     const int slot = act_slot_of_type(w.type);
-    if (slot >= 0) n.act[slot] = std::max(n.act[slot], act_row_bytes(w.type, s.ip[0]) * (size_t)s.ip[2]);
+    if (slot < 0) return;
+    n.act[slot] = std::max(n.act[slot], act_row_bytes(w.type, s.ip[0]) * (size_t)s.ip[2]);
+    const int32_t at = act_type_for(w.type);
+    const size_t blocks = (size_t)(s.ip[0] / type_block_elems(at)) * (size_t)s.ip[2];
+    n.meta[slot] = std::max(n.meta[slot], repack::meta_block_bytes(at) * blocks);
+}
+
+// Bytes of summaries per activation block that quantizing must also write (0: none):
+// only the repacked kernels read them, and only on the SIMD path. Whatever weight
+// quantizes a slot, a later matmul sharing it may be a repacked one, so this depends on
+// the activation type alone.
+size_t meta_bytes_for(int32_t wtype) {
+    return vm::use_simd() ? repack::meta_block_bytes(act_type_for(wtype)) : 0;
 }
 
 // The unpacked path: 16-row x 4-token tiles over the GGUF-layout rows [r0, r1).
@@ -250,17 +264,25 @@ void add_bias(const float* b, float* y, int64_t out, const Rect& R) {
 // otherwise (decode) the rows' blocks are split, so one thread no longer quantizes a
 // 4864-wide row while the others wait. Blocks are quantized independently, so the bytes
 // are the same either way.
-void quantize_share(int32_t wtype, const float* x, uint8_t* q, int64_t in, size_t arb, int64_t nt, int ith, int nth) {
+// With meta (mbb bytes per block, see meta_bytes_for), the same thread also writes the
+// summaries of the blocks it quantized, once for every thread and matmul that reads them.
+void quantize_share(int32_t wtype, const float* x, uint8_t* q, int64_t in, size_t arb, int64_t nt, int ith, int nth,
+                    uint8_t* meta, size_t mbb) {
+    const int32_t at = act_type_for(wtype);
+    const int64_t be = type_block_elems(at), nblk = in / be;
+    const size_t bb = arb / (size_t)nblk;
     if (nt >= nth) {
-        for (int64_t t = ith; t < nt; t += nth) quantize_act_row(wtype, x + t * in, q + t * arb, in);
+        for (int64_t t = ith; t < nt; t += nth) {
+            quantize_act_row(wtype, x + t * in, q + t * arb, in);
+            if (mbb) repack::act_meta(at, q + t * arb, nblk, meta + (size_t)t * nblk * mbb);
+        }
         return;
     }
-    const int64_t be = type_block_elems(act_type_for(wtype)), nblk = in / be;
-    const size_t bb = arb / (size_t)nblk;
     const int64_t n = nt * nblk, i0 = n * ith / nth, i1 = n * (ith + 1) / nth;
     for (int64_t i = i0; i < i1;) {
         const int64_t t = i / nblk, b0 = i % nblk, b1 = std::min(nblk, b0 + (i1 - i));
         quantize_act_row(wtype, x + t * in + b0 * be, q + t * arb + b0 * bb, (b1 - b0) * be);
+        if (mbb) repack::act_meta(at, q + t * arb + b0 * bb, b1 - b0, meta + (size_t)(t * nblk + b0) * mbb);
         i = t * nblk + b1;
     }
 }
@@ -272,17 +294,24 @@ void run_matmul(const Ctx& c) {
     const int slot = act_slot_of_type(w.type);
     const uint8_t* act;
     size_t arb;
+    const uint8_t* meta = nullptr;  // the activations' summaries (repack::act_meta)
+    size_t meta_row = 0;
     if (slot < 0) {
         act = (const uint8_t*)c.F(1);
         arb = (size_t)in * 4;
     } else {
         arb = act_row_bytes(w.type, in);
         uint8_t* q = c.scratch.act[slot].data();
+        const size_t mbb = meta_bytes_for(w.type);
         if (c.memo.enter(slot, s)) {
-            quantize_share(w.type, c.F(1), q, in, arb, nt, c.ith, c.nth);
+            quantize_share(w.type, c.F(1), q, in, arb, nt, c.ith, c.nth, c.scratch.meta[slot].data(), mbb);
             c.sync();
         }
         act = q;
+        if (mbb) {
+            meta = c.scratch.meta[slot].data();
+            meta_row = mbb * (size_t)(in / type_block_elems(act_type_for(w.type)));
+        }
     }
     float* y = c.F(0);
     const float* bias = s.w[1] >= 0 ? (const float*)c.ws.get(s.w[1]).data : nullptr;
@@ -292,7 +321,8 @@ void run_matmul(const Ctx& c) {
         const int k = matmul_split(out, nt, repack::token_tile(), c.ith, c.nth, rects);
         for (int i = 0; i < k; ++i) {
             const Rect& R = rects[i];
-            repack::matmul(*pk, act + R.t0 * arb, arb, R.t1 - R.t0, y + R.t0 * out, out, R.r0, R.r1);
+            repack::matmul(*pk, act + R.t0 * arb, arb, R.t1 - R.t0, y + R.t0 * out, out, R.r0, R.r1,
+                           meta ? meta + R.t0 * meta_row : nullptr);
             if (bias) add_bias(bias, y, out, R);
         }
         return;
@@ -468,8 +498,10 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
     // Scratch sized for the largest consumer, grown only when a plan needs more.
     static thread_local Scratch tls_scratch;
     Scratch& scratch = tls_scratch;  // workers must see the caller's instance
-    for (int k = 0; k < 2; ++k)
+    for (int k = 0; k < 2; ++k) {
         if (scratch.act[k].size() < need.act[k]) scratch.act[k].resize(need.act[k]);
+        if (scratch.meta[k].size() < need.meta[k]) scratch.meta[k].resize(need.meta[k]);
+    }
     if (scratch.attn.size() < need.attn * nth) scratch.attn.resize(need.attn * nth);
 
     // One work counter per step for kernels that hand out items dynamically (attention).

@@ -43,11 +43,14 @@ struct Layout {
     int off;           // code offset: stored code = signed code + off
 };
 
+// Stored code = signed code + offset (unsigned for vpdpbusd).
+constexpr int code_offset(int32_t type) { return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 128; }
+
 Layout layout_of(int32_t type) {
     switch (type) {
-        case T_Q4_0: return {256, 0, 32, 8};
-        case T_Q5_0: return {256, 64, 32, 16};
-        case T_Q8_0: return {512, 0, 32, 128};
+        case T_Q4_0: return {256, 0, 32, code_offset(T_Q4_0)};
+        case T_Q5_0: return {256, 64, 32, code_offset(T_Q5_0)};
+        case T_Q8_0: return {512, 0, 32, code_offset(T_Q8_0)};
         default: throw std::invalid_argument("repack: unsupported type " + std::to_string(type));
     }
 }
@@ -99,11 +102,12 @@ void pack_block(int32_t type, const Layout& L, const uint8_t* const rows[G], siz
     }
 }
 
-// Per (token, block) of the activations: d_a as f32, and -offset * sum(a) (the exact
-// integer correction for the unsigned codes).
+// Per (token, block) of the activations: d_a as f32, and sum(a), whose product with
+// -offset is the exact integer correction for the unsigned codes. Independent of the
+// weight type, so one table serves every matmul that reads the same activations.
 struct Meta {
     float d;
-    int32_t corr;
+    int32_t sum;
 };
 
 #if defined(RP_AVX2)
@@ -175,7 +179,7 @@ void group_kernel(const uint8_t* g, int64_t nb, size_t dplane, int lane0, const 
             for (int j = 0; j < NA; ++j) {
                 const Meta m = meta[j * nb + ib];
                 const uint8_t* q = (const uint8_t*)((const block_q8_0*)(act + j * arb))[ib].qs;
-                I s = V::bcast(m.corr);
+                I s = V::bcast(-code_offset(T) * m.sum);
                 RP_UNROLL
                 for (int k = 0; k < 8; ++k) s = V::dot(s, w[k], load_u32(q + 4 * k));
                 acc[j][h] = V::fma(V::scale(dw, m.d), s, acc[j][h]);
@@ -195,26 +199,30 @@ constexpr std::array<KernFn<T>, sizeof...(NA)> kern_table(std::integer_sequence<
     return {group_kernel<VK, T, NA + 1>...};
 }
 
+void meta_q8_0(const uint8_t* blocks, int64_t n, Meta* m) {
+    const block_q8_0* ab = (const block_q8_0*)blocks;
+    for (int64_t ib = 0; ib < n; ++ib) m[ib] = {h2f(ab[ib].d), sum32(ab[ib].qs)};
+}
+
 template <int32_t T>
 void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
-              int64_t r1) {
+              int64_t r1, const uint8_t* shared_meta) {
     static constexpr auto fns = kern_table<T>(std::make_integer_sequence<int, kNA>{});
     const Layout L = layout_of(T);
     const int64_t nb = p.nb;
     const size_t dplane = (size_t)nb * (L.qs + L.qh);
-    // Activation scales and corrections for every token, once per call (per thread).
-    static thread_local std::vector<Meta> meta;
-    if (meta.size() < (size_t)(nt * nb)) meta.resize((size_t)(nt * nb));
-    for (int64_t t = 0; t < nt; ++t) {
-        const block_q8_0* ab = (const block_q8_0*)(act + t * arb);
-        for (int64_t ib = 0; ib < nb; ++ib)
-            meta[t * nb + ib] = {h2f(ab[ib].d), -L.off * sum32(ab[ib].qs)};
+    const Meta* meta = (const Meta*)shared_meta;
+    if (!meta) {  // no shared table: this call's tokens, here
+        static thread_local std::vector<Meta> own;
+        if (own.size() < (size_t)(nt * nb)) own.resize((size_t)(nt * nb));
+        for (int64_t t = 0; t < nt; ++t) meta_q8_0(act + t * arb, nb, own.data() + t * nb);
+        meta = own.data();
     }
     const bool whole = kDecodeHalves > 1 && nt == 1;
     for_tiles(r0, r1, nt, arb, whole, [&](int64_t gi, int lane0, int lo, int hi, int64_t t, int na) {
         const uint8_t* g = p.data.get() + gi * p.group_bytes;
         const auto fn = whole ? group_kernel<VK, T, 1, kDecodeHalves> : fns[na - 1];
-        fn(g, nb, dplane, lane0, act + t * arb, arb, meta.data() + t * nb, y + t * ldy + gi * G + lane0, ldy, lo, hi);
+        fn(g, nb, dplane, lane0, act + t * arb, arb, meta + t * nb, y + t * ldy + gi * G + lane0, ldy, lo, hi);
     });
 }
 
@@ -295,17 +303,35 @@ int token_tile() {
 #endif
 }
 
+size_t meta_block_bytes(int32_t act_type) {
+#if defined(RP_AVX2)
+    if (act_type == T_Q8_0) return sizeof(Meta);
+    if (act_type == T_Q8_K) return k::meta_block_bytes();
+#endif
+    (void)act_type;
+    return 0;
+}
+
+void act_meta(int32_t act_type, const uint8_t* blocks, int64_t n, uint8_t* meta) {
+#if defined(RP_AVX2)
+    if (act_type == T_Q8_0) return meta_q8_0(blocks, n, (Meta*)meta);
+    if (act_type == T_Q8_K) return k::act_meta(blocks, n, meta);
+#endif
+    (void)blocks; (void)n; (void)meta;
+    throw std::invalid_argument("repack::act_meta: no summaries for activation type " + std::to_string(act_type));
+}
+
 void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
-            int64_t r1) {
+            int64_t r1, const uint8_t* meta) {
 #if defined(RP_AVX2)
     r1 = std::min(r1, p.out);
     if (r0 >= r1 || nt <= 0) return;
     switch (p.type) {
-        case T_Q4_K: case T_Q6_K: return k::matmul(p, act, arb, nt, y, ldy, r0, r1);
-        case T_Q4_0: return matmul_t<T_Q4_0>(p, act, arb, nt, y, ldy, r0, r1);
-        case T_Q5_0: return matmul_t<T_Q5_0>(p, act, arb, nt, y, ldy, r0, r1);
+        case T_Q4_K: case T_Q6_K: return k::matmul(p, act, arb, nt, y, ldy, r0, r1, meta);
+        case T_Q4_0: return matmul_t<T_Q4_0>(p, act, arb, nt, y, ldy, r0, r1, meta);
+        case T_Q5_0: return matmul_t<T_Q5_0>(p, act, arb, nt, y, ldy, r0, r1, meta);
 #if defined(RP_VNNI)
-        case T_Q8_0: return matmul_t<T_Q8_0>(p, act, arb, nt, y, ldy, r0, r1);
+        case T_Q8_0: return matmul_t<T_Q8_0>(p, act, arb, nt, y, ldy, r0, r1, meta);
 #endif
         default: break;
     }

@@ -51,7 +51,21 @@ int token_tile();
 // Rows [r0, r1) of y[t * ldy + r] = dot(row r, activation t) for t < nt, activations in
 // the row format act_type_for(type) gives (Q8_0, or Q8_K for the K-quants; arb bytes per row). r0 should be a multiple of 16 (any value is
 // correct; a range that starts inside a group recomputes that group's other rows).
+// meta: the activations' summaries (below), nb blocks per token, or null to compute
+// them here for this call's tokens.
 void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
-            int64_t r1);
+            int64_t r1, const uint8_t* meta = nullptr);
+
+// Per-block summaries of quantized activations that the kernels read besides the codes
+// (the block scale as f32; Q8_0: the code sum; Q8_K: the Q4_K min and Q6_K offset terms
+// from its sub-block sums), the same for every weight type of the family. Computed per
+// matmul call they cost each thread a pass over all tokens of its rows: with 16 threads
+// on a 512-token prefill that was +10-24% of the matmuls' thread time (896-row Q5_0/Q8_0
+// and Q4_K/Q6_K ffn_down, measured by splitting one thread's work 16 ways). The executor
+// computes them once, when it quantizes, for every thread and every matmul sharing the
+// activations. Bytes per block (0: this build's kernels need none), and the fill of n
+// consecutive blocks of one row.
+size_t meta_block_bytes(int32_t act_type);
+void act_meta(int32_t act_type, const uint8_t* blocks, int64_t n, uint8_t* meta);
 
 }  // namespace minfer::cpu::repack

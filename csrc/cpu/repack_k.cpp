@@ -121,22 +121,21 @@ void pack_record(int32_t type, const uint8_t* const rows[G], int64_t ib, uint8_t
 }
 
 // Per (token, super-block) of the activations: d_a, and the integer terms that pair
-// with the weights' per-row constants: Q4_K: c[k] = int16 pair (sum of sub-block 2k,
-// sum of 2k + 1) for the mins; Q6_K: c[j] = -32 * sum of 16-element sub-block j.
+// with the weights' per-row constants: for Q6_K c[j] = -32 * sum of 16-element
+// sub-block j; for Q4_K's mins pair[k] = int16 pair (sum of 32-element sub-block 2k,
+// sum of 2k + 1). Both, so one table serves Q4_K and Q6_K weights alike.
 struct KMeta {
     float d;
     int32_t c[16];
+    int32_t pair[4];
 };
 
-void meta_of(int32_t type, const block_q8_K& a, KMeta& m) {
+void meta_of(const block_q8_K& a, KMeta& m) {
     m.d = a.d;
-    if (type == T_Q4_K) {
-        for (int k = 0; k < 4; ++k) {
-            const int32_t s0 = a.bsums[4 * k] + a.bsums[4 * k + 1], s1 = a.bsums[4 * k + 2] + a.bsums[4 * k + 3];
-            m.c[k] = (int32_t)((uint32_t)(uint16_t)(int16_t)s0 | ((uint32_t)(uint16_t)(int16_t)s1 << 16));
-        }
-    } else {
-        for (int j = 0; j < 16; ++j) m.c[j] = -32 * a.bsums[j];
+    for (int j = 0; j < 16; ++j) m.c[j] = -32 * a.bsums[j];
+    for (int k = 0; k < 4; ++k) {
+        const int32_t s0 = a.bsums[4 * k] + a.bsums[4 * k + 1], s1 = a.bsums[4 * k + 2] + a.bsums[4 * k + 3];
+        m.pair[k] = (int32_t)((uint32_t)(uint16_t)(int16_t)s0 | ((uint32_t)(uint16_t)(int16_t)s1 << 16));
     }
 }
 
@@ -205,7 +204,7 @@ void group_kernel(const uint8_t* g, int64_t nb, int lane0, const uint8_t* act, s
                     const KMeta& m = meta[a * nb + ib];
                     I sm = V::zero_i();
                     RP_UNROLL
-                    for (int k = 0; k < 4; ++k) sm = V::dotw(sm, mn[k], (uint32_t)m.c[k]);
+                    for (int k = 0; k < 4; ++k) sm = V::dotw(sm, mn[k], (uint32_t)m.pair[k]);
                     acc[a][h] = V::fma(V::scale(dw, m.d), isum[a][h], acc[a][h]);
                     acc[a][h] = V::fnma(V::scale(dm, m.d), sm, acc[a][h]);
                 }
@@ -263,20 +262,21 @@ constexpr std::array<KernFn<T>, sizeof...(NA)> kern_table(std::integer_sequence<
 
 template <int32_t T>
 void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
-              int64_t r1) {
+              int64_t r1, const uint8_t* shared_meta) {
     static constexpr auto fns = kern_table<T>(std::make_integer_sequence<int, kNA>{});
     const int64_t nb = p.nb;
-    static thread_local std::vector<KMeta> meta;
-    if (meta.size() < (size_t)(nt * nb)) meta.resize((size_t)(nt * nb));
-    for (int64_t t = 0; t < nt; ++t) {
-        const block_q8_K* ab = (const block_q8_K*)(act + t * arb);
-        for (int64_t ib = 0; ib < nb; ++ib) meta_of(T, ab[ib], meta[t * nb + ib]);
+    const KMeta* meta = (const KMeta*)shared_meta;
+    if (!meta) {  // no shared table: this call's tokens, here
+        static thread_local std::vector<KMeta> own;
+        if (own.size() < (size_t)(nt * nb)) own.resize((size_t)(nt * nb));
+        for (int64_t t = 0; t < nt; ++t) act_meta(act + t * arb, nb, (uint8_t*)(own.data() + t * nb));
+        meta = own.data();
     }
     const bool whole = kDecodeHalves > 1 && nt == 1;
     for_tiles(r0, r1, nt, arb, whole, [&](int64_t gi, int lane0, int lo, int hi, int64_t t, int na) {
         const uint8_t* g = p.data.get() + gi * p.group_bytes;
         const auto fn = whole ? group_kernel<VK, T, 1, kDecodeHalves> : fns[na - 1];
-        fn(g, nb, lane0, act + t * arb, arb, meta.data() + t * nb, y + t * ldy + gi * G + lane0, ldy, lo, hi);
+        fn(g, nb, lane0, act + t * arb, arb, meta + t * nb, y + t * ldy + gi * G + lane0, ldy, lo, hi);
     });
 }
 
@@ -303,12 +303,20 @@ void pack_group(int32_t type, const uint8_t* const rows[G], int64_t nb, uint8_t*
     for (int64_t ib = 0; ib < nb; ++ib) pack_record(type, rows, ib, dst + ib * rec);
 }
 
+size_t meta_block_bytes() { return sizeof(KMeta); }
+
+void act_meta(const uint8_t* blocks, int64_t n, uint8_t* meta) {
+    const block_q8_K* ab = (const block_q8_K*)blocks;
+    KMeta* m = (KMeta*)meta;
+    for (int64_t ib = 0; ib < n; ++ib) meta_of(ab[ib], m[ib]);
+}
+
 void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
-            int64_t r1) {
+            int64_t r1, const uint8_t* meta) {
 #if defined(RP_AVX2)
     switch (p.type) {
-        case T_Q4_K: return matmul_t<T_Q4_K>(p, act, arb, nt, y, ldy, r0, r1);
-        case T_Q6_K: return matmul_t<T_Q6_K>(p, act, arb, nt, y, ldy, r0, r1);
+        case T_Q4_K: return matmul_t<T_Q4_K>(p, act, arb, nt, y, ldy, r0, r1, meta);
+        case T_Q6_K: return matmul_t<T_Q6_K>(p, act, arb, nt, y, ldy, r0, r1, meta);
         default: break;
     }
 #endif

@@ -24,6 +24,9 @@ size_t group_bytes(int32_t type, int64_t nb);
 void pack_group(int32_t type, const uint8_t* const rows[16], int64_t nb, uint8_t* dst);
 // As repack::matmul, activations in Q8_K rows of arb bytes.
 void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
-            int64_t r1);
+            int64_t r1, const uint8_t* meta);
+// repack::meta_block_bytes / act_meta for Q8_K activations.
+size_t meta_block_bytes();
+void act_meta(const uint8_t* blocks, int64_t n, uint8_t* meta);
 
 }  // namespace minfer::cpu::repack::k
