@@ -919,7 +919,7 @@ def test_fused_equals_unfused_bitwise(synth, monkeypatch):
     seq = _sequences(ref.n_vocab, 4)[2]
     monkeypatch.setenv("MINFER_CUDA_FUSE", "none")
     base = _decode_run(path, seq, 5)
-    for fz in ("qkv", "ffn", "residual", "quant", "all"):
+    for fz in ("qkv", "ffn", "residual", "quant", "qkv,rope", "all"):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         got = _decode_run(path, seq, 5)
         assert got.tobytes() == base.tobytes(), f"fusion {fz} changed the logits"
@@ -928,7 +928,8 @@ def test_fused_equals_unfused_bitwise(synth, monkeypatch):
 def test_fusions_reduce_decode_launches(synth, monkeypatch):
     _, path, _ = synth
     counts = {}
-    for fz in ("none", "all"):
+    no_rope = ",".join(f for f in cuda_backend.FUSIONS if f != "rope")
+    for fz in ("none", "all", no_rope):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         eng = _engine(path, ["cuda"])
         eng.forward([1, 2])
@@ -941,6 +942,10 @@ def test_fusions_reduce_decode_launches(synth, monkeypatch):
     print(f"\n{synth[0]}: decode launches/graph nodes unfused {counts['none']}, fused {counts['all']}")
     # per layer at least: q|k|v 3 -> 1, rope+rope+store 3 -> 1, gate|up+swiglu 3 -> 1, one residual add
     assert counts["all"][0] <= counts["none"][0] - 7 * n_layer
+    # FusedQKV's tail: rope q + rope k + KV store ride on the q|k|v matvec, one launch less per
+    # layer (Qwen2; Qwen3's QK norms sit between the matvec and the rope: no fold)
+    fold = n_layer if MODELS[synth[0]]["arch"] == "qwen2" else 0
+    assert counts["all"][0] == counts[no_rope][0] - fold
 
 
 def test_small_blocks_are_row_exact_and_speculation_is_identical(synth):

@@ -63,7 +63,7 @@ def test_entry_matches_the_build_and_the_machine():
 
 def test_fusion_switches(monkeypatch):
     monkeypatch.delenv(cuda.ENV_FUSE, raising=False)
-    assert cuda.fusions_from_env() == {"qkv", "ffn", "residual", "quant"}
+    assert cuda.fusions_from_env() == {"qkv", "ffn", "residual", "quant", "rope"}
     monkeypatch.setenv(cuda.ENV_FUSE, "none")
     assert cuda.fusions_from_env() == frozenset()
     monkeypatch.setenv(cuda.ENV_FUSE, "ffn, qkv")
@@ -74,7 +74,9 @@ def test_fusion_switches(monkeypatch):
     cp = CParams(n_ctx=8, fuse_qkv=True, fuse_residual=True)
     assert cuda.plan_flags(cp) == 1 | 4
     assert cuda.plan_flags(CParams(n_ctx=8, fuse_quant=True)) == 8
+    assert cuda.plan_flags(CParams(n_ctx=8, fuse_rope=True)) == 32
     assert cuda.plan_flags(CParams(n_ctx=8)) == 0
     # the switches are part of the reuse identity
     assert CParams(n_ctx=8, fuse_ffn=True) != CParams(n_ctx=8)
     assert CParams(n_ctx=8, fuse_quant=True) != CParams(n_ctx=8)
+    assert CParams(n_ctx=8, fuse_rope=True) != CParams(n_ctx=8)

@@ -74,6 +74,8 @@ struct CudaPlanState : PlanState {
     size_t xq2_bytes = 0;
     int* mv_tk = nullptr;  // matvec 32-row group tickets: zeroed at allocation, left zero by every launch
     size_t mv_tk_bytes = 0;
+    int* rope_tk = nullptr;  // FusedQKV tail head tickets: likewise
+    size_t rope_tk_bytes = 0;
     int direct_runs = 0;
     bool no_graph = false;  // capture failed once: launch directly from then on
     cudaGraphExec_t exec = nullptr;
@@ -111,6 +113,10 @@ struct CudaPlanState : PlanState {
         int gq = -1;            // a prefill GEMM whose weight is dequantized: its index in deqs
         bool xh_ready = false;  // a prefill GEMM whose f16 input the launch before left in xh
         bool xh_out = false;    // a prefill RMSNorm that also writes its output's f16 copy into xh
+        // A q|k|v matvec that also ropes and stores (FUSE_ROPE): the folded rope q, rope k
+        // and KV store steps, and each job's role (1 q, 2 k, 3 v).
+        int rope[3] = {-1, -1, -1};
+        int role[4] = {0, 0, 0, 0};
     };
     std::vector<Launch> program;
     ~CudaPlanState() override {
@@ -128,6 +134,7 @@ struct CudaPlanState : PlanState {
         if (xq) cudaFree(xq);
         if (xq2) cudaFree(xq2);
         if (mv_tk) cudaFree(mv_tk);
+        if (rope_tk) cudaFree(rope_tk);
     }
 };
 
@@ -331,6 +338,32 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         L.xh_ready = xh_buf == s.buf[1] && xh_in == s.ip[0] && xh_nt == s.ip[2] && unwritten(s.buf[1], xh_from, L.s[0]);
         xh_buf = s.buf[1], xh_from = L.s[0], xh_in = s.ip[0], xh_nt = s.ip[2];
     }
+    // FusedQKV's tail: a one-token q|k|v matvec followed by rope q + rope k + KV store of
+    // exactly its outputs does the rope and the store itself (k_matvec.cu's tail).
+    for (size_t k = 0; (f & FUSE_ROPE) && k + 1 < st.program.size(); ++k) {
+        auto& L = st.program[k];
+        const auto& N = st.program[k + 1];
+        if (L.kind != L_MV || N.kind != L_ROPE_STORE) continue;
+        const Step &q = S[N.s[0]], &kk = S[N.s[1]], &kv = S[N.s[2]];
+        const int64_t hd = q.ip[2];
+        if (q.ip[0] != 1 || hd % 4 || kv.ip[1] % hd) continue;
+        int role[4] = {0, 0, 0, 0}, seen = 0;
+        for (int m = 0; m < L.n; ++m) {
+            const Step& mv = S[L.s[m]];
+            const int y = mv.buf[0];
+            const int r = y == q.buf[1] && mv.ip[1] == q.ip[1] * hd      ? 1
+                          : y == kk.buf[1] && mv.ip[1] == kk.ip[1] * hd  ? 2
+                          : y == kv.buf[2] && mv.ip[1] == kv.ip[1]       ? 3
+                                                                          : 0;
+            if (r && !(seen & (1 << r))) role[m] = r, seen |= 1 << r;
+        }
+        if (seen != 0xE) continue;
+        for (int m = 0; m < 4; ++m) L.role[m] = role[m];
+        L.rope[0] = N.s[0];
+        L.rope[1] = N.s[1];
+        L.rope[2] = N.s[2];
+        st.program.erase(st.program.begin() + (long)k + 1);
+    }
     // The greedy pick last (after the passes above, which read entries' steps).
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
     st.flags = plan.flags;
@@ -362,12 +395,16 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = pool.size(id);
         return true;
     });
-    size_t wh = 0, wh2 = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, mvtk = 0;
+    size_t wh = 0, wh2 = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, mvtk = 0, ropetk = 0;
     int ndeq = 0;  // dequantized GEMMs so far: the pipeline alternates wh, wh2 in step order
     for (const Step& s : plan.steps) {
         const int64_t* ip = s.ip;
         switch (s.op) {
-            case OP_ADD: case OP_MUL: case OP_SWIGLU: case OP_SILU: case OP_GET_ROWS: case OP_ROPE:
+            case OP_ADD: case OP_MUL: case OP_SWIGLU: case OP_SILU: case OP_GET_ROWS:
+                break;
+            case OP_ROPE:
+                // FusedQKV tail tickets: q, k and v heads of a layer (each at most nh).
+                if (ip[0] == 1) ropetk = std::max(ropetk, (size_t)(3 * ip[1]) * sizeof(int));
                 break;
             case OP_RMS_NORM: case OP_QK_NORM:
                 if (s.w[0] >= 0) dw.ensure(ws, s.w[0]);
@@ -420,7 +457,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = need;
     };
     if (st.exec && (wh > st.wh_bytes || wh2 > st.wh2_bytes || xh > st.xh_bytes || attn > st.attn_bytes || attn_tk > st.attn_tk_bytes ||
-                    xqb > st.xq_bytes || xqb > st.xq2_bytes || mvtk > st.mv_tk_bytes)) {
+                    xqb > st.xq_bytes || xqb > st.xq2_bytes || mvtk > st.mv_tk_bytes ||
+                    ropetk > st.rope_tk_bytes)) {
         cudaStreamSynchronize(ctx().stream);
         cudaGraphExecDestroy(st.exec);
         st.exec = nullptr;
@@ -442,6 +480,12 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         grow(m, st.mv_tk_bytes, mvtk);
         MC_CHECK(cudaMemsetAsync(m, 0, mvtk, ctx().stream));
         st.mv_tk = (int*)m;
+    }
+    if (ropetk > st.rope_tk_bytes) {
+        void* m = st.rope_tk;
+        grow(m, st.rope_tk_bytes, ropetk);
+        MC_CHECK(cudaMemsetAsync(m, 0, ropetk, ctx().stream));
+        st.rope_tk = (int*)m;
     }
     void* a = st.attn;
     grow(a, st.attn_bytes, attn);
@@ -673,7 +717,26 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
         case L_MV: {
             MvJob jobs[MV_MAX_JOBS];
             for (int k = 0; k < L.n; ++k) jobs[k] = job_of(S[L.s[k]], pool, ws, dw);
-            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready);
+            if (L.rope[0] < 0) {
+                matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready);
+                break;
+            }
+            const Step &q = S[L.rope[0]], &k = S[L.rope[1]], &kv = S[L.rope[2]];
+            MvRopeStore r;
+            for (int m = 0; m < 4; ++m) r.role[m] = L.role[m];
+            r.yq = F(q, 0);
+            r.yk = F(k, 0);
+            r.pos = (const int32_t*)pool.data(q.buf[2]);
+            r.cells = (const int32_t*)pool.data(kv.buf[3]);
+            r.kc = pool.data(kv.buf[0]);
+            r.vc = pool.data(kv.buf[4]);
+            r.hd = (int)q.ip[2];
+            r.n_rot = (int)q.ip[3];
+            r.n_ctx = kv.ip[2];
+            r.freq_base = q.fp[0];
+            r.tickets = st.rope_tk;
+            r.err = ctx().err_dev;
+            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, &r);
             break;
         }
         case L_SWIGLU: {
@@ -723,7 +786,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
 
 const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
     switch (L.kind) {
-        case L_MV: return "fused_matvec";
+        case L_MV: return L.rope[0] >= 0 ? "fused_qkv_rope_store" : "fused_matvec";
         case L_SWIGLU: return "fused_ffn_swiglu";
         case L_MV_ADD: return "matvec_residual";
         case L_ROPE_STORE: return "fused_rope_kv_store";

@@ -41,6 +41,7 @@ enum PlanFlags : int32_t {
     FUSE_RESIDUAL = 4,  // a matvec followed by a residual add: the add in the matvec epilogue
     FUSE_QUANT = 8,     // a decode matvec's int8 input is written by the kernel producing it
                         // (one-row RMSNorm, attention, gate|up + SwiGLU) instead of a launch of its own
+    FUSE_ROPE = 32,     // a one-token q|k|v matvec also ropes q, k and stores k, v (its last block per head)
 };
 
 struct ProfileEntry {

@@ -9,6 +9,7 @@
 #include "cuda/launch.cuh"
 #include "cuda/quant.cuh"
 #include "cuda/norm.cuh"
+#include "cuda/rope.cuh"
 #include "cuda/silu.cuh"
 
 namespace minfer::cuda {
@@ -34,6 +35,8 @@ struct MvArgs {
     const float* x;       // f32 activations (F32 / F16 weights)
     const int8_t* xq;     // int8 copy, column c at xq + c * in_dim
     const float2* xds;    // per block (d, d * sum(q)), column c at xds + c * nb
+    MvRopeStore rope;     // FusedQKV's tail (rope.tickets set) or none
+    int rope_tk0[MV_MAX_JOBS];  // job j's first head ticket
 };
 
 constexpr int MV_WARPS = 4;
@@ -428,6 +431,56 @@ __device__ __forceinline__ void prefetch_job_row(const MvJob& jb, int row, int l
 
 // A warp computes a.rpw consecutive rows, keeping the next two rows' bytes on their way
 // into L2 while it computes one (the first two are requested before pdl_wait()).
+// FusedQKV's tail: after this block's rows of job j (one head's rows lie in whole
+// blocks: rpw == 1, hd % MV_WARPS == 0), the last block of the head ropes it and stores
+// it into the KV cache exactly as k_rope2_store does. y is read through L2 (rope_elem's
+// __ldcg): other blocks wrote it during this launch.
+__device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb, int j, int row0) {
+    const MvRopeStore& r = a.rope;
+    const int role = r.role[j];
+    if (!role) return;
+    const int head = row0 / r.hd;
+    __shared__ int s_ticket;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_ticket = atomicAdd(r.tickets + a.rope_tk0[j] + head, 1);
+    __syncthreads();
+    if (s_ticket != r.hd / MV_WARPS - 1) return;
+    __threadfence();
+    const float* xr = jb.y + (int64_t)head * r.hd;
+    const int64_t kv_dim = (int64_t)jb.rows;  // k and v jobs: nhk * hd rows
+    const int32_t c = r.cells ? r.cells[0] : 0;
+    const bool cell_ok = c >= 0 && c < r.n_ctx;
+    if (role == 3) {
+        if (!cell_ok) {
+            if (threadIdx.x == 0) *r.err = 3;
+        } else {
+            __half* vr = (__half*)r.vc + (int64_t)c * kv_dim + (int64_t)head * r.hd;
+            for (int i = threadIdx.x; i < r.hd; i += blockDim.x) vr[i] = __float2half_rn(__ldcg(xr + i));
+        }
+    } else {
+        const int64_t half = r.n_rot / 2, per_row = r.hd - half;
+        float* yr = (role == 1 ? r.yq : r.yk) + (int64_t)head * r.hd;
+        __half* kr = (__half*)r.kc + (int64_t)c * kv_dim + (int64_t)head * r.hd;
+        for (int64_t k = threadIdx.x; k < per_row; k += blockDim.x) {
+            int64_t i0, i1;
+            float y0, y1;
+            rope_elem(xr, k, half, r.n_rot, r.pos[0], r.freq_base, i0, y0, i1, y1);
+            yr[i0] = y0;
+            yr[i1] = y1;
+            if (role == 2) {
+                if (!cell_ok) {
+                    *r.err = 3;
+                } else {
+                    kr[i0] = __float2half_rn(y0);
+                    kr[i1] = __float2half_rn(y1);
+                }
+            }
+        }
+    }
+    if (threadIdx.x == 0) r.tickets[a.rope_tk0[j] + head] = 0;
+}
+
 template <int NC, bool DEEP>
 __device__ __forceinline__ void mv_body(const MvArgs& a) {
     pdl_trigger();
@@ -444,6 +497,7 @@ __device__ __forceinline__ void mv_body(const MvArgs& a) {
         if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
         mv_row<NC, DEEP>(a, jb, row, lane);
     }
+    if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0);
     if (NC == 1 && jb.q_out) {
         // rows % 32 == 0 and a block's rows (MV_WARPS * rpw, a power of two <= 32) lie in
         // one 32-row group, all warps reach the barriers. Publish y, then draw the group's
@@ -611,7 +665,7 @@ void launch_mv(const MvArgs& a, unsigned blocks) {
 }  // namespace
 
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols,
-                  bool xq_ready) {
+                  bool xq_ready, const MvRopeStore* rope) {
     if (njobs < 1 || njobs > MV_MAX_JOBS) throw std::invalid_argument("matvec_multi: 1..4 jobs");
     if (ncols < 1 || (ncols > 1 && (njobs != 1 || jobs[0].resid || jobs[0].W2)))
         throw std::invalid_argument("matvec_multi: several columns take one plain job");
@@ -647,6 +701,21 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         while (a.rpw < 8 && a.rpw < rpw_env) a.rpw *= 2;
     } else {
         while (a.rpw < 8 && total > resident * a.rpw) a.rpw *= 2;
+    }
+    a.rope = MvRopeStore{};
+    if (rope) {
+        // A head's rows in whole blocks of one row per warp; one token.
+        if (ncols != 1 || rope->hd % MV_WARPS) throw std::invalid_argument("matvec_multi: rope tail needs one column");
+        a.rope = *rope;
+        a.rpw = 1;
+        int tk = 0;
+        for (int i = 0; i < njobs; ++i) {
+            a.rope_tk0[i] = tk;
+            if (rope->role[i]) {
+                if (jobs[i].rows % rope->hd) throw std::invalid_argument("matvec_multi: rope job rows % hd");
+                tk += jobs[i].rows / rope->hd;
+            }
+        }
     }
     int b = 0;
     for (int i = 0; i < njobs; ++i) {

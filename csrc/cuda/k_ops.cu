@@ -9,6 +9,7 @@
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "cuda/norm.cuh"
+#include "cuda/rope.cuh"
 #include "cuda/silu.cuh"
 
 namespace minfer::cuda {
@@ -48,25 +49,6 @@ __global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict_
         }
     } else {
         for (int64_t i = threadIdx.x; i < d; i += blockDim.x) yr[i] = rms_elem(xr, w, i, scale);
-    }
-}
-
-// Element k of one (token, head) row: a rotated pair (k < n_rot/2: writes k and
-// k + n_rot/2) or a pass-through dim. Angles in double as the CPU computes them. The
-// one definition serves the plain and the fused (rope q, rope k, KV store) kernels.
-__device__ __forceinline__ void rope_elem(const float* __restrict__ xr, int64_t k, int64_t half, int64_t n_rot,
-                                          int32_t p, float freq_base, int64_t& i0, float& y0, int64_t& i1,
-                                          float& y1) {
-    if (k < half) {
-        const double inv = pow((double)freq_base, -2.0 * (double)k / (double)n_rot);
-        const double th = (double)p * inv;
-        const float c = (float)cos(th), s = (float)sin(th);
-        const float x0 = xr[k], x1 = xr[k + half];
-        i0 = k; y0 = x0 * c - x1 * s;
-        i1 = k + half; y1 = x0 * s + x1 * c;
-    } else {
-        i0 = i1 = n_rot + (k - half);
-        y0 = y1 = xr[i0];
     }
 }
 

@@ -37,6 +37,24 @@ struct MvJob {
     int* tickets = nullptr;
 };
 constexpr int MV_MAX_JOBS = 4;
+// FusedQKV's tail (one token): the q, k and v jobs of one launch also rope q and k into
+// yq / yk and store roped k and v into the f16 KV cache row cells[0], bitwise as
+// rope2_store does it. The last block to finish a head's rows (an integer ticket per
+// head, zero before and after every launch) does that head.
+struct MvRopeStore {
+    int role[MV_MAX_JOBS] = {0, 0, 0, 0};  // 0 none, 1 q, 2 k, 3 v
+    float* yq = nullptr;
+    float* yk = nullptr;
+    const int32_t* pos = nullptr;
+    const int32_t* cells = nullptr;
+    void* kc = nullptr;
+    void* vc = nullptr;
+    int hd = 0, n_rot = 0;
+    int64_t n_ctx = 0;
+    float freq_base = 0.0f;
+    int* tickets = nullptr;  // one per head of the q, k and v jobs, in job order
+    int* err = nullptr;
+};
 // scratch: matvec_scratch_bytes(in_dim, ncols) device bytes for the activations' int8
 // copy. xq_ready: the copy is already there (written by rms_norm_q8), skip the
 // quantization launch.
@@ -45,7 +63,7 @@ constexpr int MV_MAX_JOBS = 4;
 // weights are read once for all of them: a speculative block costs little more than a
 // single step).
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols = 1,
-                  bool xq_ready = false);
+                  bool xq_ready = false, const MvRopeStore* rope = nullptr);
 size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols = 1);
 // rms_norm of one row (bitwise the plain kernel's y) that also writes the int8 copy of y
 // into scratch as matvec_multi lays it out.
