@@ -6,8 +6,9 @@ Runs `-r` prefills of `-p` tokens (after one warm-up) with MINFER_CPU_STATS=1, w
 the executor time every step on every thread (csrc/cpu/step_stats.h), and prints per op:
 steps per prefill, thread-time computing (summed over threads), the critical path (per step
 the slowest thread, summed), balance = thread-time / (threads x critical path) (1.0: every
-thread busy for the whole step; 1/threads: one thread works while the rest wait), and
-thread-time waiting at barriers. "quantize" is the matmuls' activation quantization, split
+thread busy for the whole step; 1/threads: one thread works while the rest wait),
+thread-time waiting at barriers, and how many pieces of other threads' runs the repacked
+matmuls stole (MINFER_CPU_STEAL=0 turns stealing off for an A/B). "quantize" is the matmuls' activation quantization, split
 out of "matmul". The summary line says how many barriers a prefill crosses and what
 fraction of all thread-time went to waiting; comparing the critical path at 1 and at N
 threads separates work that no longer scales (slower threads: clocks, memory) from time
@@ -55,8 +56,8 @@ def report(st: dict, reps: int, n_prompt: int) -> str:
              f"wall in the core {wall * 1e3:.1f} ms ({n_prompt / wall:.1f} t/s), "
              f"{st['barriers'] / reps:.0f} barriers per prefill",
              "",
-             "| op | steps | thread-time ms | critical path ms | balance | barrier wait ms (thread-time) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| op | steps | thread-time ms | critical path ms | balance | barrier wait ms (thread-time) | pieces stolen |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     ops = sorted(st["ops"].items(), key=lambda kv: -kv[1]["crit_s"])
     tot_work = tot_crit = tot_wait = 0.0
     for name, o in ops:
@@ -64,7 +65,7 @@ def report(st: dict, reps: int, n_prompt: int) -> str:
         bal = work / (nth * crit) if crit > 0 else 1.0
         tot_work, tot_crit, tot_wait = tot_work + work, tot_crit + crit, tot_wait + wait
         lines.append(f"| {name} | {o['steps'] * per:.0f} | {work * 1e3:.1f} | {crit * 1e3:.2f} | {bal:.2f} | "
-                     f"{wait * 1e3:.1f} |")
+                     f"{wait * 1e3:.1f} | {o['stolen'] * per:.0f} |")
     lines.append("")
     lines.append(f"critical path {tot_crit * 1e3:.1f} ms of {wall * 1e3:.1f} ms wall; thread-time: "
                  f"{tot_work / (nth * wall):.0%} computing, {tot_wait / (nth * wall):.0%} waiting at barriers")

@@ -312,7 +312,7 @@ size_t attention_scratch_floats(const AttnArgs& a) {
     return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK)) + widened;
 }
 
-void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::atomic<int64_t>* next) {
+void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::atomic<uint64_t>* next) {
     if (a.nt <= 0 || a.nkv <= 0) return;
     const Tiling t = tiling(a);
     // When token blocks x KV heads cannot keep every thread busy (decode with few KV
@@ -331,8 +331,8 @@ void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::ato
     // gaps (~1.5% and ~5% above the mean), and a thread that lost its CPU for a while
     // just takes fewer. Every (token, head) row is computed the same whoever takes it
     // (see top), so the order changes no bit.
-    for (int64_t k = next ? next->fetch_add(1, std::memory_order_relaxed) : ith; k < n_items;
-         k = next ? next->fetch_add(1, std::memory_order_relaxed) : k + nth) {
+    for (int64_t k = next ? (int64_t)next->fetch_add(1, std::memory_order_relaxed) : ith; k < n_items;
+         k = next ? (int64_t)next->fetch_add(1, std::memory_order_relaxed) : k + nth) {
         const int64_t it = next ? n_items - 1 - k : k;
         const int64_t hsub = it % hs;
         const int64_t g = (it / hs) % a.nkv;

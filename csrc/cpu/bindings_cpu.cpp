@@ -5,7 +5,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <tuple>
 #include <vector>
 #include <stdexcept>
@@ -222,6 +228,7 @@ void register_cpu_testing(py::module_& t) {
                 d["work_s"] = o.work_s;
                 d["crit_s"] = o.crit_s;
                 d["wait_s"] = o.wait_s;
+                d["stolen"] = o.stolen;
                 ops[py::str(name)] = d;
             }
             py::dict out;
@@ -233,6 +240,24 @@ void register_cpu_testing(py::module_& t) {
             out["ops"] = ops;
             return out;
         }, py::arg("reset") = true);
+    // The stealing walk of the repacked matmul (cpu/work_split.h) on nth threads, thread
+    // `slow` starting delay_ms late: per thread the (r0, r1, t0, t1, stolen) rectangles it
+    // computed, in order.
+    t.def("steal_walk", [](int64_t out, int64_t nt, int64_t tile, int nth, int slow, double delay_ms) {
+            std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, bool>>> got(nth);
+            std::unique_ptr<std::atomic<uint64_t>[]> state(new std::atomic<uint64_t>[nth]);
+            for (int i = 0; i < nth; ++i) state[i].store(0);
+            py::gil_scoped_release nogil;
+            #pragma omp parallel num_threads(nth)
+            {
+                const int ith = omp_get_thread_num();
+                if (ith == slow) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(delay_ms));
+                steal_walk(out, nt, tile, ith, nth, state.get(),
+                           [&](const Rect& R, bool stolen) { got[ith].emplace_back(R.r0, R.r1, R.t0, R.t1, stolen); });
+            }
+            return got;
+        }, py::arg("out"), py::arg("nt"), py::arg("tile"), py::arg("nth"), py::arg("slow") = -1,
+        py::arg("delay_ms") = 0.0);
     // The repacked matmul's work split (cpu/work_split.h), for every thread of nth: lists
     // of (r0, r1, t0, t1), so tests can check coverage and balance at any thread count.
     t.def("matmul_split", [](int64_t out, int64_t nt, int64_t tile, int nth) {

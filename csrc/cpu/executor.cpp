@@ -83,7 +83,7 @@ struct Ctx {
     size_t attn_floats;
     ActMemo& memo;
     StepBarrier& barrier;
-    std::atomic<int64_t>* next;  // this step's shared work counter, zero before it runs
+    std::atomic<uint64_t>* work;  // this step's nth shared work counters, zero before it runs
     stats::StepClock* clock;     // null unless MINFER_CPU_STATS is on
     int ith, nth;
 
@@ -287,6 +287,15 @@ void quantize_share(int32_t wtype, const float* x, uint8_t* q, int64_t in, size_
     }
 }
 
+// MINFER_CPU_STEAL=0: repacked matmuls keep the static split (for A/B measurements).
+bool stealing() {
+    static const bool on = [] {
+        const char* e = std::getenv("MINFER_CPU_STEAL");
+        return !(e && std::string(e) == "0");
+    }();
+    return on;
+}
+
 void run_matmul(const Ctx& c) {
     const Step& s = c.s;
     const Weight& w = c.ws.get(s.w[0]);
@@ -317,14 +326,20 @@ void run_matmul(const Ctx& c) {
     const float* bias = s.w[1] >= 0 ? (const float*)c.ws.get(s.w[1]).data : nullptr;
     if (const auto pk = packed_of(w)) {
         // Repacked weights (cpu/repack.h): (16-row group, token tile) items, cpu/work_split.h.
-        Rect rects[3];
-        const int k = matmul_split(out, nt, repack::token_tile(), c.ith, c.nth, rects);
-        for (int i = 0; i < k; ++i) {
-            const Rect& R = rects[i];
+        const int64_t tile = repack::token_tile();
+        auto run_rect = [&](const Rect& R) {
             repack::matmul(*pk, act + R.t0 * arb, arb, R.t1 - R.t0, y + R.t0 * out, out, R.r0, R.r1,
                            meta ? meta + R.t0 * meta_row : nullptr);
             if (bias) add_bias(bias, y, out, R);
+        };
+        if (c.nth == 1 || !stealing() || split_items(out, nt, tile) >= (int64_t(1) << 31)) {
+            Rect rects[3];
+            const int k = matmul_split(out, nt, tile, c.ith, c.nth, rects);
+            for (int i = 0; i < k; ++i) run_rect(rects[i]);
+            return;
         }
+        const int stolen = steal_walk(out, nt, tile, c.ith, c.nth, c.work, [&](const Rect& R, bool) { run_rect(R); });
+        if (c.clock) c.clock->stolen += stolen;
         return;
     }
     // Rows split into contiguous per-thread ranges (multiples of 4 keep tiles whole).
@@ -368,7 +383,7 @@ void run_attn(const Ctx& c) {
     a.q = c.F(1); a.k = c.F(2); a.v = c.F(3); a.pos = c.I(4);
     a.span = c.s.buf[5] >= 0 ? c.I(5) : nullptr;
     a.out = c.F(0);
-    attention_f32(a, c.scratch.attn.data() + c.attn_floats * c.ith, c.ith, c.nth, c.next);
+    attention_f32(a, c.scratch.attn.data() + c.attn_floats * c.ith, c.ith, c.nth, c.work);
 }
 
 const CpuOp* cpu_op(int32_t op) {
@@ -504,9 +519,17 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
     }
     if (scratch.attn.size() < need.attn * nth) scratch.attn.resize(need.attn * nth);
 
-    // One work counter per step for kernels that hand out items dynamically (attention).
-    std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[end - begin]);
-    for (size_t i = 0; i < end - begin; ++i) counters[i].store(0, std::memory_order_relaxed);
+    // nth work counters per step for kernels that hand out work dynamically (attention's
+    // items, the matmuls' stealing), zeroed for every run; kept by the calling thread.
+    static thread_local std::unique_ptr<std::atomic<uint64_t>[]> counters;
+    static thread_local size_t counters_cap = 0;
+    const size_t n_counters = (end - begin) * (size_t)nth;
+    if (counters_cap < n_counters) {
+        counters.reset(new std::atomic<uint64_t>[n_counters]);
+        counters_cap = n_counters;
+    }
+    std::atomic<uint64_t>* const work = counters.get();  // workers must see the caller's
+    for (size_t i = 0; i < n_counters; ++i) work[i].store(0, std::memory_order_relaxed);
 
     // The team size is fixed before the barrier is sized: no dynamic adjustment.
     omp_set_dynamic(0);
@@ -528,7 +551,7 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
             for (size_t i = begin; i < end; ++i) {
                 const Step& s = plan.steps[i];
                 const CpuOp& d = *cpu_op(s.op);
-                d.run(Ctx{s, pool, ws, scratch, need.attn, memo, barrier, &counters[i - begin], nullptr, ith, nt_});
+                d.run(Ctx{s, pool, ws, scratch, need.attn, memo, barrier, &work[(i - begin) * nth], nullptr, ith, nt_});
                 memo.leave(s, d.act_slot != nullptr);
                 if (barrier_after[i]) barrier.wait();
             }
@@ -541,7 +564,7 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
                 const CpuOp& d = *cpu_op(s.op);
                 stats::StepClock clk;
                 const uint64_t t0 = stats::now_ns();
-                d.run(Ctx{s, pool, ws, scratch, need.attn, memo, barrier, &counters[i - begin], &clk, ith, nt_});
+                d.run(Ctx{s, pool, ws, scratch, need.attn, memo, barrier, &work[(i - begin) * nth], &clk, ith, nt_});
                 memo.leave(s, d.act_slot != nullptr);
                 const uint64_t t1 = stats::now_ns();
                 if (barrier_after[i]) barrier.wait();
@@ -549,6 +572,7 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
                 times->work[j] = t1 - t0 - clk.waited;
                 times->wait[j] = stats::now_ns() - t1 + clk.waited;
                 times->quant[j] = clk.syncs ? clk.sync_at - t0 : 0;
+                times->stolen[j] = clk.stolen;
                 if (ith == 0) {
                     times->op[i - begin] = s.op;
                     times->barrier[i - begin] = (uint8_t)(barrier_after[i] + clk.syncs);

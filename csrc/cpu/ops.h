@@ -53,6 +53,6 @@ struct AttnArgs {
 // zero before the step, from which threads take work items heaviest first (null: a
 // static round robin of the items).
 size_t attention_scratch_floats(const AttnArgs& a);
-void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::atomic<int64_t>* next = nullptr);
+void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::atomic<uint64_t>* next = nullptr);
 
 }  // namespace minfer::cpu

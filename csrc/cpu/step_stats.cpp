@@ -27,6 +27,7 @@ void RunTimes::init(int n_threads, size_t n_steps) {
     work.assign((size_t)n_threads * n_steps, 0);
     wait.assign(work.size(), 0);
     quant.assign(work.size(), 0);
+    stolen.assign(work.size(), 0);
     op.assign(n_steps, 0);
     barrier.assign(n_steps, 0);
 }
@@ -46,6 +47,7 @@ void add_run(const RunTimes& t, uint64_t wall_ns) {
             const uint64_t w = t.work[j] - t.quant[j];
             o.work_s += w * 1e-9;
             o.wait_s += t.wait[j] * 1e-9;
+            o.stolen += (int64_t)t.stolen[j];
             crit = std::max(crit, w);
             q.work_s += t.quant[j] * 1e-9;
             qcrit = std::max(qcrit, t.quant[j]);

@@ -26,13 +26,14 @@ struct StepClock {
     uint64_t waited = 0;   // inside the step, at its barriers
     uint64_t sync_at = 0;  // when its (last) inner barrier began: quantizing ends there
     int syncs = 0;
+    int stolen = 0;        // pieces of other threads' work it took (matmul stealing)
 };
 
 // Per step and thread of one run: [step * nth + ith].
 struct RunTimes {
     int nth = 0;
     size_t nsteps = 0;
-    std::vector<uint64_t> work, wait, quant;
+    std::vector<uint64_t> work, wait, quant, stolen;
     std::vector<int32_t> op;
     std::vector<uint8_t> barrier;
     void init(int n_threads, size_t n_steps);
@@ -43,6 +44,7 @@ struct OpTotals {
     double work_s = 0;  // summed over threads
     double crit_s = 0;  // summed over steps: the slowest thread's work
     double wait_s = 0;  // summed over threads: at barriers after and inside the step
+    int64_t stolen = 0; // pieces taken from other threads' runs
 };
 
 // Adds one run (wall time from the caller's clock) to the process totals.

@@ -14,6 +14,7 @@
 // its neighbours (repack.h), so the split never changes a bit.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace minfer::cpu {
@@ -22,13 +23,13 @@ struct Rect {
     int64_t r0, r1, t0, t1;  // rows [r0, r1) x tokens [t0, t1)
 };
 
-// A thread's run as at most 3 rectangles (a partial group, whole groups, a partial
+inline int64_t split_items(int64_t out, int64_t nt, int64_t tile) { return (out + 15) / 16 * ((nt + tile - 1) / tile); }
+
+// Items [i, end) as at most 3 rectangles (a partial group, whole groups, a partial
 // group); returns how many.
-inline int matmul_split(int64_t out, int64_t nt, int64_t tile, int ith, int nth, Rect rects[3]) {
+inline int range_rects(int64_t out, int64_t nt, int64_t tile, int64_t i, int64_t end, Rect rects[3]) {
     constexpr int64_t G = 16;
-    const int64_t ng = (out + G - 1) / G, nc = (nt + tile - 1) / tile, n = ng * nc;
-    int64_t i = n * ith / nth;
-    const int64_t end = n * (ith + 1) / nth;
+    const int64_t nc = (nt + tile - 1) / tile;
     int k = 0;
     while (i < end) {
         const int64_t g = i / nc, c = i % nc;
@@ -43,6 +44,104 @@ inline int matmul_split(int64_t out, int64_t nt, int64_t tile, int ith, int nth,
         }
     }
     return k;
+}
+
+// A thread's static run as at most 3 rectangles; returns how many.
+inline int matmul_split(int64_t out, int64_t nt, int64_t tile, int ith, int nth, Rect rects[3]) {
+    const int64_t n = split_items(out, nt, tile);
+    return range_rects(out, nt, tile, n * ith / nth, n * (ith + 1) / nth, rects);
+}
+
+// Work stealing over the static runs. A run is still its thread's own, but the thread
+// claims it a piece at a time from the front, and a thread done with its own run takes
+// pieces from the back of others'. A static split waits at every barrier for the
+// slowest thread: one that lost its CPU for a while (a shared host, an interrupt) or runs
+// at a lower clock holds up all the others; with stealing they finish its run instead.
+// On an idle machine nobody steals and each thread walks its own run in order.
+//
+// Pieces: with 4 or more token tiles (prefill) a piece is a token slab of the whole run
+// (all its rows x about an eighth of the tokens), so the activations of a slab are read
+// once for all of the run's rows, as the repacked kernel's own token blocking does
+// (pieces of a group's tiles instead re-streamed the activations once per group: +5-7%
+// on a 4864-wide Q4_K/Q6_K ffn_down); otherwise (decode) a piece is one item, a 16-row
+// group. Which thread computes an item never changes its bits (above).
+//
+// state: pieces claimed from the front (low 32 bits) and from the back (high 32 bits)
+// of one run, zero before the step.
+struct StealRun {
+    int64_t s, e;        // the run's items [s, e)
+    int64_t slab;        // tokens per piece; 0: pieces are single items
+    int64_t n;           // pieces in the run
+    std::atomic<uint64_t>* state;
+
+    // The next pieces [p0, p1): the owner's from the front (a slab, or a quarter of the
+    // items left), a thief's one piece from the back. False when none is left.
+    bool take(bool thief, int64_t& p0, int64_t& p1) const {
+        uint64_t v = state->load(std::memory_order_relaxed);
+        for (;;) {
+            const int64_t f = (int64_t)(v & 0xffffffffu), k = (int64_t)(v >> 32), rem = n - f - k;
+            if (rem <= 0) return false;
+            const int64_t m = thief || slab ? 1 : std::max<int64_t>(1, rem / 4);
+            const uint64_t nv = thief ? v + ((uint64_t)m << 32) : v + (uint64_t)m;
+            if (state->compare_exchange_weak(v, nv, std::memory_order_relaxed)) {
+                p0 = thief ? n - k - m : f;
+                p1 = p0 + m;
+                return true;
+            }
+        }
+    }
+};
+
+// The run of thread t of nth, for stealing: state points at nth zeroed counters.
+inline StealRun steal_run(int64_t out, int64_t nt, int64_t tile, int t, int nth, std::atomic<uint64_t>* state) {
+    const int64_t items = split_items(out, nt, tile), nc = (nt + tile - 1) / tile;
+    StealRun r{items * t / nth, items * (t + 1) / nth, 0, 0, state + t};
+    if (nc >= 4) {
+        r.slab = (nc + 7) / 8 * tile;
+        r.n = r.s < r.e ? (nt + r.slab - 1) / r.slab : 0;
+    } else {
+        r.n = r.e - r.s;
+    }
+    return r;
+}
+
+// The rectangles of pieces [p0, p1) of a run (at most 3); returns how many.
+inline int piece_rects(const StealRun& r, int64_t out, int64_t nt, int64_t tile, int64_t p0, int64_t p1,
+                       Rect rects[3]) {
+    if (!r.slab) return range_rects(out, nt, tile, r.s + p0, r.s + p1, rects);
+    const int64_t t0 = p0 * r.slab, t1 = std::min(nt, p1 * r.slab);
+    Rect all[3];
+    const int k = range_rects(out, nt, tile, r.s, r.e, all);
+    int m = 0;
+    for (int i = 0; i < k; ++i) {
+        const Rect c{all[i].r0, all[i].r1, std::max(all[i].t0, t0), std::min(all[i].t1, t1)};
+        if (c.t0 < c.t1) rects[m++] = c;
+    }
+    return m;
+}
+
+// Thread ith's part of a stealing walk: its own run piece by piece, then pieces of the
+// others' runs, starting with the next thread's so thieves spread over the victims.
+// f(rect, stolen) computes one rectangle. Returns the number of pieces stolen.
+template <class F>
+int steal_walk(int64_t out, int64_t nt, int64_t tile, int ith, int nth, std::atomic<uint64_t>* state, F&& f) {
+    int64_t p0, p1;
+    Rect rects[3];
+    const StealRun own = steal_run(out, nt, tile, ith, nth, state);
+    while (own.take(false, p0, p1)) {
+        const int k = piece_rects(own, out, nt, tile, p0, p1, rects);
+        for (int i = 0; i < k; ++i) f(rects[i], false);
+    }
+    int stolen = 0;
+    for (int d = 1; d < nth; ++d) {
+        const StealRun other = steal_run(out, nt, tile, (ith + d) % nth, nth, state);
+        while (other.take(true, p0, p1)) {
+            const int k = piece_rects(other, out, nt, tile, p0, p1, rects);
+            for (int i = 0; i < k; ++i) f(rects[i], true);
+            ++stolen;
+        }
+    }
+    return stolen;
 }
 
 }  // namespace minfer::cpu
