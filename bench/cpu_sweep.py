@@ -21,6 +21,14 @@ Two steps, because the machine that measures may have no network:
         in its AMX matmul (seen on a Sapphire Rapids guest) and needs
         --llama-flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16".
 
+    python bench/cpu_sweep.py ab [--threads 16,1] [--reps 2] [--env "MINFER_CPU_PIN=0" ...]
+        minfer only, on the model and in the work directory of an earlier `run` (or
+        --model M.gguf): rebuilds minfer from this checkout, then per thread count runs
+        `minfer bench` (pp512, tg128) once per --env variant ("" = defaults, always
+        first), alternating, and prints pp512 / tg128 per variant with its ratio to the
+        defaults and the pp512 scaling over the smallest thread count. --balance adds
+        bench/cpu_balance.py's per-op table (defaults) at each thread count.
+
 Random weights do the same work per token as trained ones; the type mix is what
 llama.cpp's quantizer gives the real model's shapes (Q5_0 / Q8_0 where a row of 896 is
 not a multiple of 256, Q4_K / Q6_K elsewhere).
@@ -262,6 +270,63 @@ def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, 
     say("done")
 
 
+def ab(threads: list[int], reps: int, work: Path, model: Path | None, variants: list[str], balance: bool) -> None:
+    """A/B of environment settings for minfer alone (see the module docstring)."""
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    model = model or work / "shaped-q4_k_m.gguf"
+    if not model.exists():
+        raise SystemExit(f"cpu_sweep ab: no model at {model}: run `cpu_sweep.py run` first or pass --model")
+    env = dict(os.environ)
+    site = work / "site"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(site), env.get("PYTHONPATH", "")])
+    if site.exists():
+        sys.path.insert(0, str(site))
+    pm = build_minfer(work, env)
+    wait(pm, work / "minfer-build.log", "minfer")
+    env["MINFER_CORE_DIR"] = str(work / "minfer-build")
+    names = [""] + [v for v in variants if v.strip()]
+    envs = []
+    for v in names:
+        e = dict(env)
+        for kv in v.split():
+            k, _, val = kv.partition("=")
+            e[k] = val
+        envs.append(e)
+    commit = os.environ.get("MINFER_SWEEP_COMMIT") or subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+    rows = [f"minfer {commit}, {model.name}, {reps} reps, variants alternating per thread count\n",
+            "| threads | variant | pp512 t/s | vs defaults | tg128 t/s | vs defaults |", "|---:|---|---:|---:|---:|---:|"]
+    print("\n".join(rows), flush=True)
+    res: dict = {}
+    for t in threads:
+        for name, e in zip(names, envs):
+            m = minfer_bench(model, t, reps, e)
+            res[(t, name)] = m
+            base = res[(t, "")]
+            row = (f"| {t} | {name or 'defaults'} | {m['pp'][0]:.1f} | {m['pp'][0] / base['pp'][0]:.3f} | "
+                   f"{m['tg'][0]:.1f} | {m['tg'][0] / base['tg'][0]:.3f} |")
+            print(row, flush=True)
+            rows.append(row)
+        if balance:
+            b = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_balance.py"), str(model), "-p", "512",
+                                "-t", str(t), "-r", str(reps)], capture_output=True, text=True, env=envs[0])
+            text = b.stdout if b.returncode == 0 else f"cpu_balance failed: {b.stderr[-1500:]}"
+            print(text, flush=True)
+            rows.append("\n" + text)
+        if out_dir:
+            (out_dir / "ab.md").write_text("\n".join(rows) + "\n")
+    t0 = min(threads)
+    for name in names:
+        for t in threads:
+            if t != t0:
+                line = (f"pp512 scaling, {name or 'defaults'}: {t} threads = "
+                        f"{res[(t, name)]['pp'][0] / res[(t0, name)]['pp'][0]:.1f}x {t0} thread(s)")
+                print(line, flush=True)
+                rows.append(line)
+    if out_dir:
+        (out_dir / "ab.md").write_text("\n".join(rows) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="minfer vs llama.cpp CPU sweep (see the module docstring)")
     sp = ap.add_subparsers(dest="cmd", required=True)
@@ -275,9 +340,18 @@ def main() -> int:
     r.add_argument("--budget", type=float, default=400.0, help="seconds after which no new thread count starts")
     r.add_argument("--work", type=Path, default=Path("/tmp/minfer-cpu-sweep"))
     r.add_argument("--llama-flags", default="", help="extra C/C++ flags for llama.cpp's build")
+    b = sp.add_parser("ab")
+    b.add_argument("--threads", default="16,1")
+    b.add_argument("--reps", type=int, default=2)
+    b.add_argument("--work", type=Path, default=Path("/tmp/minfer-cpu-sweep"))
+    b.add_argument("--model", type=Path)
+    b.add_argument("--env", action="append", default=[], help='a variant: "K=V K2=V2" (repeatable)')
+    b.add_argument("--balance", action="store_true", help="also print bench/cpu_balance.py per thread count")
     a = ap.parse_args()
     if a.cmd == "prepare":
         prepare(a.dir, a.model)
+    elif a.cmd == "ab":
+        ab([int(x) for x in a.threads.split(",")], a.reps, a.work, a.model, a.env, a.balance)
     else:
         run(a.dir, [int(x) for x in a.threads.split(",")], a.reps, a.budget, a.work, a.llama_flags)
     return 0

@@ -63,8 +63,10 @@ def test_stats_count_the_plan_and_add_up(model):
             assert o["work_s"] <= t * o["crit_s"] * (1 + 1e-9) + 1e-9, name
         crit = sum(o["crit_s"] for o in ops.values())
         assert crit <= r["wall_s"] * (1 + 1e-6)
-        if t == 1:  # one thread never waits
+        if t == 1:  # one thread never waits, and has nobody to steal from
             assert all(o["wait_s"] < 1e-3 * max(r["wall_s"], 1e-9) + 1e-6 for o in ops.values())
+            assert all(o["stolen"] == 0 for o in ops.values())
+        assert all(o["stolen"] == 0 for k, o in ops.items() if k != "matmul")
 
 
 def test_stats_off_by_default_and_barriers_elided_normally(model):
