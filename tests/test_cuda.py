@@ -325,6 +325,50 @@ def test_prefill_gemm_pipeline_bitwise_and_vs_float64(monkeypatch):
             monkeypatch.delenv(k)
 
 
+@pytest.mark.parametrize("d,rpw,inplace", [(32, "1", False), (896, "1", True), (896, "8", False),
+                                            (3584, "1", True), (3584, "8", False)])
+def test_norm_tail_equals_its_own_launch(d, rpw, inplace, monkeypatch):
+    """A matvec + residual add whose output a one-row RMSNorm reads (then a matvec reads
+    the norm): the norm folded into the matvec's last block (FUSE_NORM) gives the bits of
+    its own launch (the reduction tree of rms_threads(d) threads run by 4 warps: d = 3584
+    takes 1024 of them, 896 takes 28 warps' worth, 32 leaves warps idle), over one or many
+    blocks (rows per warp), and with the add written over the matvec's own input (the
+    tail then rewrites the int8 scratch that matvec read, as the o projection's does)."""
+    monkeypatch.setenv("MINFER_CUDA_MV_RPW", rpw)
+    rng = np.random.default_rng(d + int(inplace))
+    k_in, n2, eps = (d if inplace else 256), 96, 1e-6
+    o_raw, _ = make_weight(Q.Q5_0, d, k_in, rng)
+    n_raw, _ = make_weight(Q.Q4_0, n2, d, rng)
+    x = rng.standard_normal(k_in).astype(np.float32)
+    res = (rng.standard_normal(d) * 4).astype(np.float32)
+    nw = rng.standard_normal(d).astype(np.float32)
+    outs = {}
+    for flags in (0, 4 | 8, 4 | 8 | 16):
+        r = Rig()
+        wo = r.weight("o", o_raw, Q.Q5_0, k_in, d)
+        wn = r.weight("norm", nw, Q.F32, d, 1)
+        w2 = r.weight("next", n_raw, Q.Q4_0, d, n2)
+        xi, ri = r.buf(x), r.buf(res)
+        yo, hn, z = r.out(d), r.out(d), r.out(n2)
+        h = xi if inplace else r.out(d)
+        plan = r.plan([("matmul", [yo, xi], [k_in, d, 1], [], [wo, -1]),
+                       ("add", [h, yo, ri], [d], [], []),
+                       ("rms_norm", [hn, h], [d, 1], [eps], [wn]),
+                       ("matmul", [z, hn], [d, n2, 1], [], [w2, -1])])
+        plan.flags = flags
+        _core.cuda_validate(plan, r.pool, r.weights)
+        assert _core.testing.cuda_plan_info(plan)["launches"] == {0: 4, 12: 3, 28: 2}[flags]
+        for _ in range(3):  # direct, captured, replayed: the ticket is left at zero
+            r.pool.write(xi, x)
+            r.run(plan)
+            got = [r.read(b, n).tobytes() for b, n in ((h, d), (hn, d), (z, n2))]
+            assert outs.setdefault(flags, got) == got, f"flags {flags}: runs differ"
+    assert outs[0] == outs[4 | 8] == outs[4 | 8 | 16]
+    hv = np.frombuffer(outs[28][0], np.float32)
+    np.testing.assert_allclose(np.frombuffer(outs[28][1], np.float32), _rms64(hv[None], nw, eps)[0], rtol=1e-6,
+                               atol=1e-6)
+
+
 def test_matvec_wide_rows_and_repeat_bitwise():
     """A 7B-like shape (in 18944: the split reduction across warps), run twice: same bits."""
     rng = np.random.default_rng(7)
@@ -919,17 +963,18 @@ def test_fused_equals_unfused_bitwise(synth, monkeypatch):
     seq = _sequences(ref.n_vocab, 4)[2]
     monkeypatch.setenv("MINFER_CUDA_FUSE", "none")
     base = _decode_run(path, seq, 5)
-    for fz in ("qkv", "ffn", "residual", "quant", "qkv,rope", "all"):
+    for fz in ("qkv", "ffn", "residual", "quant", "qkv,rope", "norm", "residual,quant,norm", "all"):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         got = _decode_run(path, seq, 5)
         assert got.tobytes() == base.tobytes(), f"fusion {fz} changed the logits"
 
 
 def test_fusions_reduce_decode_launches(synth, monkeypatch):
-    _, path, _ = synth
+    name, path, _ = synth
     counts = {}
     no_rope = ",".join(f for f in cuda_backend.FUSIONS if f != "rope")
-    for fz in ("none", "all", no_rope):
+    no_norm = ",".join(f for f in cuda_backend.FUSIONS if f != "norm")
+    for fz in ("none", "all", no_rope, no_norm):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         eng = _engine(path, ["cuda"])
         eng.forward([1, 2])
@@ -939,13 +984,27 @@ def test_fusions_reduce_decode_launches(synth, monkeypatch):
         info = _core.testing.cuda_plan_info(ls.plan)
         counts[fz] = (info["launches"], info["graph_nodes"])
     n_layer = MODELS[synth[0]]["n_layer"]
-    print(f"\n{synth[0]}: decode launches/graph nodes unfused {counts['none']}, fused {counts['all']}")
+    print(f"\n{name}: decode launches/graph nodes unfused {counts['none']}, fused without norm "
+          f"{counts[no_norm]}, without rope {counts[no_rope]}, fused {counts['all']}")
     # per layer at least: q|k|v 3 -> 1, rope+rope+store 3 -> 1, gate|up+swiglu 3 -> 1, one residual add
     assert counts["all"][0] <= counts["none"][0] - 7 * n_layer
     # FusedQKV's tail: rope q + rope k + KV store ride on the q|k|v matvec, one launch less per
     # layer (Qwen2; Qwen3's QK norms sit between the matvec and the rope: no fold)
     fold = n_layer if MODELS[synth[0]]["arch"] == "qwen2" else 0
     assert counts["all"][0] == counts[no_rope][0] - fold
+    # "norm": each residual add merged into its matvec and followed by a one-row RMSNorm
+    # loses the norm's launch (a kernel node too: the next matvec's int8 input stays
+    # written). Per layer the o projection's add (then the FFN norm) and down's add (then
+    # the next layer's or the output norm), except where the o projection + add is not
+    # merged: F32/F16 o weights (read in f32) whose add writes over their own input, as
+    # the allocator does when n_head * head_dim == n_embd (qwen2-f32-tied).
+    m = MODELS[name]
+    o_type = m.get("types", {}).get("attn_output", "F32")
+    hd = m.get("head_dim", m["n_embd"] // m["n_head"])
+    o_merged = o_type not in ("F32", "F16") or m["n_head"] * hd != m["n_embd"]
+    n_norm = n_layer * (1 + int(o_merged))
+    pre = counts[no_norm]
+    assert counts["all"] == (pre[0] - n_norm, pre[1] - n_norm), (counts, n_norm)
 
 
 def test_small_blocks_are_row_exact_and_speculation_is_identical(synth):

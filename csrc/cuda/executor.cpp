@@ -76,6 +76,7 @@ struct CudaPlanState : PlanState {
     size_t mv_tk_bytes = 0;
     int* rope_tk = nullptr;  // FusedQKV tail head tickets: likewise
     size_t rope_tk_bytes = 0;
+    int* norm_ticket() const { return mv_tk + (mv_tk_bytes / sizeof(int) - 1); }  // mv_tk's last int
     int direct_runs = 0;
     bool no_graph = false;  // capture failed once: launch directly from then on
     cudaGraphExec_t exec = nullptr;
@@ -117,6 +118,7 @@ struct CudaPlanState : PlanState {
         // and KV store steps, and each job's role (1 q, 2 k, 3 v).
         int rope[3] = {-1, -1, -1};
         int role[4] = {0, 0, 0, 0};
+        int norm = -1;          // L_MV_ADD: the one-row RMSNorm step its last block also runs (FUSE_NORM)
     };
     std::vector<Launch> program;
     ~CudaPlanState() override {
@@ -364,6 +366,23 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         L.rope[2] = N.s[2];
         st.program.erase(st.program.begin() + (long)k + 1);
     }
+    // The one-row RMSNorm (and its int8 copy) of a matvec + residual add's output, by the
+    // last block of that launch: the norm's launch goes, the matvec after it still
+    // reads the int8 copy in slot 0 (xq_ready, set above). Slot 0 may be the fused
+    // launch's own int8 input (the o projection reads attention's copy there): safe, as
+    // the tail starts only when every block has drawn its ticket, i.e. finished its
+    // rows and with them every read of its input; the next launch's pdl_wait() waits
+    // for the whole grid, tail included.
+    for (size_t k = 0; (f & FUSE_NORM) && (f & FUSE_QUANT) && (f & FUSE_RESIDUAL) && k + 1 < st.program.size();
+         ++k) {
+        auto& L = st.program[k];
+        const auto& N = st.program[k + 1];
+        if (L.kind != L_MV_ADD || N.kind != L_NORM_Q) continue;
+        const Step &m = S[L.s[0]], &ad = S[L.s[1]], &nm = S[N.s[0]];
+        if (nm.buf[1] != ad.buf[0] || nm.buf[0] == nm.buf[1] || nm.ip[1] != 1 || nm.ip[0] != m.ip[1]) continue;
+        L.norm = N.s[0];
+        st.program.erase(st.program.begin() + (long)(k + 1));
+    }
     // The greedy pick last (after the passes above, which read entries' steps).
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
     st.flags = plan.flags;
@@ -415,7 +434,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 if (ip[0] % 32) fail(s, "CUDA matmuls need a row length that is a multiple of 32");
                 if (ip[2] <= kRowExactMaxTokens) xqb = std::max(xqb, matvec_scratch_bytes(ip[0], ip[2]));
                 // gate|up's rows are down's input: its 32-row group tickets and the second scratch
-                if (ip[2] == 1) mvtk = std::max(mvtk, (size_t)(ip[1] / 32 + 1) * sizeof(int));
+                // (and one more int after them: the norm tail's ticket, for any one-token matvec)
+                if (ip[2] == 1) mvtk = std::max(mvtk, (size_t)(ip[1] / 32 + 2) * sizeof(int));
                 if (ip[2] > kRowExactMaxTokens) {
                     if (w.type != T_F32 && w.type != T_F16) {
                         wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
@@ -761,7 +781,20 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             MvJob j = job_of(m, pool, ws, dw);
             j.resid = F(ad, ad.buf[1] == m.buf[0] ? 2 : 1);
             j.y = F(ad, 0);
-            matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready);
+            if (L.norm < 0) {
+                matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready);
+                break;
+            }
+            // The norm's output and int8 copy where rms_norm_q8 puts them (slot 0).
+            const Step& nm = S[L.norm];
+            MvNorm nq;
+            nq.w = nm.w[0] >= 0 ? (const float*)dw.get(nm.w[0]) : nullptr;
+            nq.y = F(nm, 0);
+            nq.eps = nm.fp[0];
+            nq.q = (int8_t*)st.xq;
+            nq.ds = (float2*)((uint8_t*)st.xq + nm.ip[0]);
+            nq.ticket = st.norm_ticket();
+            matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready, nullptr, &nq);
             break;
         }
         case L_ROPE_STORE: {
@@ -788,7 +821,7 @@ const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
     switch (L.kind) {
         case L_MV: return L.rope[0] >= 0 ? "fused_qkv_rope_store" : "fused_matvec";
         case L_SWIGLU: return "fused_ffn_swiglu";
-        case L_MV_ADD: return "matvec_residual";
+        case L_MV_ADD: return L.norm >= 0 ? "matvec_residual_norm" : "matvec_residual";
         case L_ROPE_STORE: return "fused_rope_kv_store";
         case L_NORM_Q: return "rms_norm_q8";
         case L_ARGMAX: return "argmax";

@@ -37,6 +37,16 @@ struct MvArgs {
     const float2* xds;    // per block (d, d * sum(q)), column c at xds + c * nb
     MvRopeStore rope;     // FusedQKV's tail (rope.tickets set) or none
     int rope_tk0[MV_MAX_JOBS];  // job j's first head ticket
+    // Norm tail (one job, one column; null ticket = none): once every block has written
+    // its rows, the last one normalizes y (d = rows) into norm_y and writes its int8
+    // copy, bitwise as k_rms_norm_q8 would in a launch of its own. The ticket is zero
+    // before and after every launch.
+    const float* norm_w;
+    float* norm_y;
+    float norm_eps;
+    int8_t* norm_q;
+    float2* norm_ds;
+    int* norm_ticket;
 };
 
 constexpr int MV_WARPS = 4;
@@ -429,6 +439,31 @@ __device__ __forceinline__ void prefetch_job_row(const MvJob& jb, int row, int l
     if (jb.W2) prefetch_row(jb.W2 + (size_t)row * jb.row_bytes2, jb.row_bytes2, lane);
 }
 
+// y = rms_norm(x) * w of one row and y's int8 copy, by one block, with the reduction
+// tree of T threads (norm.cuh). d is a multiple of 32: each trip of a warp is one
+// aligned 32-element block, quantized by warp shuffles alone, so which warp takes a
+// block does not change its bits.
+__device__ __forceinline__ void norm_q8_block(const float* __restrict__ x, const float* __restrict__ w,
+                                              float* __restrict__ y, int64_t d, float eps, int8_t* __restrict__ q,
+                                              float2* __restrict__ ds, int T) {
+    const float scale = rms_inv(x, d, eps, T);
+    const int lane = threadIdx.x % 32;
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = rms_elem(x, w, i, scale);
+        y[i] = v;
+        quant_block_q8(v, lane, q + (i - lane), ds + i / 32);
+    }
+}
+
+// The matvec's norm tail (one block per launch runs it): out of line, as inlined into
+// k_matvec<1> it made ptxas spill (72 registers and 108 bytes of spill loads instead
+// of 80 and none). The same arithmetic either way.
+__device__ __noinline__ void norm_q8_tail(const float* __restrict__ x, const float* __restrict__ w,
+                                          float* __restrict__ y, int d, float eps, int8_t* __restrict__ q,
+                                          float2* __restrict__ ds) {
+    norm_q8_block(x, w, y, d, eps, q, ds, rms_threads(d));
+}
+
 // A warp computes a.rpw consecutive rows, keeping the next two rows' bytes on their way
 // into L2 while it computes one (the first two are requested before pdl_wait()).
 // FusedQKV's tail: after this block's rows of job j (one head's rows lie in whole
@@ -516,6 +551,22 @@ __device__ __forceinline__ void mv_body(const MvArgs& a) {
             if (lane == 0) jb.tickets[g] = 0;
         }
     }
+    if constexpr (NC == 1) {
+        if (a.norm_ticket) {
+            // Every block publishes its rows and draws a ticket; the one drawing the last
+            // (all rows written, and every block done reading its input) runs the norm.
+            __shared__ int s_last;
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) s_last = atomicAdd(a.norm_ticket, 1) == (int)gridDim.x - 1;
+            __syncthreads();
+            if (s_last) {
+                __threadfence();
+                norm_q8_tail(jb.y, a.norm_w, a.norm_y, jb.rows, a.norm_eps, a.norm_q, a.norm_ds);
+                if (threadIdx.x == 0) *a.norm_ticket = 0;
+            }
+        }
+    }
 }
 
 template <int NC>
@@ -535,19 +586,13 @@ __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __
     quant_block_q8(x[blk * 32 + lane], lane, q + blk * 32, ds + blk);
 }
 
-// One row: y = rms_norm(x) * w as k_rms_norm computes it, and y's int8 copy.
+// One row: y = rms_norm(x) * w as k_rms_norm computes it, and y's int8 copy, by
+// the whole block, with the reduction tree of T threads (norm.cuh).
 __global__ void k_rms_norm_q8(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                               int64_t d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds) {
     pdl_wait();
     pdl_trigger();
-    const float scale = rms_inv(x, d, eps);
-    const int lane = threadIdx.x % 32;
-    // d is a multiple of 32 and the block of warps: each trip of a warp is one aligned block.
-    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-        const float v = rms_elem(x, w, i, scale);
-        y[i] = v;
-        quant_block_q8(v, lane, q + (i - lane), ds + i / 32);
-    }
+    norm_q8_block(x, w, y, d, eps, q, ds, blockDim.x);
 }
 
 template <int T>
@@ -665,12 +710,21 @@ void launch_mv(const MvArgs& a, unsigned blocks) {
 }  // namespace
 
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols,
-                  bool xq_ready, const MvRopeStore* rope) {
+                  bool xq_ready, const MvRopeStore* rope, const MvNorm* norm) {
     if (njobs < 1 || njobs > MV_MAX_JOBS) throw std::invalid_argument("matvec_multi: 1..4 jobs");
     if (ncols < 1 || (ncols > 1 && (njobs != 1 || jobs[0].resid || jobs[0].W2)))
         throw std::invalid_argument("matvec_multi: several columns take one plain job");
+    if (norm && (njobs != 1 || ncols != 1 || jobs[0].q_out || jobs[0].rows % 32 || !norm->ticket || !norm->q ||
+                 !norm->ds || !norm->y))
+        throw std::invalid_argument("matvec_multi: the norm tail takes one job, one column, rows % 32 == 0");
     const int nb = (int)(in_dim / 32);
     MvArgs a;
+    a.norm_w = norm ? norm->w : nullptr;
+    a.norm_y = norm ? norm->y : nullptr;
+    a.norm_eps = norm ? norm->eps : 0.0f;
+    a.norm_q = norm ? norm->q : nullptr;
+    a.norm_ds = norm ? norm->ds : nullptr;
+    a.norm_ticket = norm ? norm->ticket : nullptr;
     a.x = x;
     a.in_dim = (int)in_dim;
     a.nb = nb;

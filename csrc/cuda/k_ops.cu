@@ -39,7 +39,7 @@ __global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict_
     const int64_t r = blockIdx.x;
     const float* xr = x + r * d;
     float* yr = y + r * d;
-    const float scale = rms_inv(xr, d, eps);
+    const float scale = rms_inv(xr, d, eps, blockDim.x);
     if (yh) {
         __half* hr = yh + r * d;
         for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {

@@ -62,8 +62,21 @@ struct MvRopeStore {
 // the tokens' rows one after another; each column's bits are those of ncols == 1 (the
 // weights are read once for all of them: a speculative block costs little more than a
 // single step).
+// norm: also y's RMSNorm (one row, d = rows) and its int8 copy, done by the launch's
+// last block once all rows are written (one job, ncols == 1, rows % 32 == 0): bitwise
+// rms_norm_q8(y, w, norm y, rows, eps, q) launched after it. ticket: an int, zero
+// before the first launch and left zero by every launch.
+struct MvNorm {
+    const float* w = nullptr;
+    float* y = nullptr;
+    float eps = 0.0f;
+    int8_t* q = nullptr;
+    float2* ds = nullptr;
+    int* ticket = nullptr;
+};
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols = 1,
-                  bool xq_ready = false, const MvRopeStore* rope = nullptr);
+                  bool xq_ready = false, const MvRopeStore* rope = nullptr,
+                  const MvNorm* norm = nullptr);
 size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols = 1);
 // rms_norm of one row (bitwise the plain kernel's y) that also writes the int8 copy of y
 // into scratch as matvec_multi lays it out.

@@ -76,7 +76,7 @@ class Context:
         self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
                                gpu=gpu, fuse_qkv="qkv" in fz, fuse_ffn="ffn" in fz,
                                fuse_residual="residual" in fz, fuse_quant="quant" in fz,
-                               fuse_rope="rope" in fz, kv_type=kv_type)
+                               fuse_rope="rope" in fz, fuse_norm="norm" in fz, kv_type=kv_type)
         # Up to how many token rows a forward gives each row's logits bitwise as a lone
         # step would (None: any number; the CPU kernels are row-independent). The CUDA
         # backend takes a GEMM path above its limit.

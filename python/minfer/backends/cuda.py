@@ -55,13 +55,15 @@ def supports_attn_span() -> bool:
 
 
 ENV_FUSE = "MINFER_CUDA_FUSE"
-FUSIONS = ("qkv", "ffn", "residual", "quant", "rope")
-_FLAG_BITS = {"qkv": 1, "ffn": 2, "residual": 4, "quant": 8, "rope": 32}  # cuda/executor.h PlanFlags
+# "norm" (a residual add's one-row RMSNorm done by the last block of the matvec + add
+# launch) merges what "residual" and "quant" made, so it acts only together with both.
+FUSIONS = ("qkv", "ffn", "residual", "quant", "rope", "norm")
+_FLAG_BITS = {"qkv": 1, "ffn": 2, "residual": 4, "quant": 8, "norm": 16, "rope": 32}  # cuda/executor.h PlanFlags
 
 
 def fusions_from_env() -> frozenset:
     """The decode fusions to use: MINFER_CUDA_FUSE unset or 'all' = every one, '0' or
-    'none' = none, else a comma list of qkv, ffn, residual, quant, rope."""
+    'none' = none, else a comma list of qkv, ffn, residual, quant, rope, norm."""
     import os
     v = os.environ.get(ENV_FUSE, "all").strip().lower()
     if v in ("", "all", "1"):
@@ -80,7 +82,7 @@ def plan_flags(cparams) -> int:
     return ((_FLAG_BITS["qkv"] if cparams.fuse_qkv else 0) | (_FLAG_BITS["ffn"] if cparams.fuse_ffn else 0)
             | (_FLAG_BITS["residual"] if cparams.fuse_residual else 0)
             | (_FLAG_BITS["quant"] if cparams.fuse_quant else 0)
-            | (_FLAG_BITS["rope"] if cparams.fuse_rope else 0))
+            | (_FLAG_BITS["rope"] if cparams.fuse_rope else 0) | (_FLAG_BITS["norm"] if cparams.fuse_norm else 0))
 
 
 class CudaDevice:
