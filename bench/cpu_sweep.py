@@ -276,6 +276,7 @@ def ab(threads: list[int], reps: int, work: Path, model: Path | None, variants: 
     model = model or work / "shaped-q4_k_m.gguf"
     if not model.exists():
         raise SystemExit(f"cpu_sweep ab: no model at {model}: run `cpu_sweep.py run` first or pass --model")
+    work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     site = work / "site"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(site), env.get("PYTHONPATH", "")])
