@@ -383,7 +383,11 @@ void run_attn(const Ctx& c) {
     a.q = c.F(1); a.k = c.F(2); a.v = c.F(3); a.pos = c.I(4);
     a.span = c.s.buf[5] >= 0 ? c.I(5) : nullptr;
     a.out = c.F(0);
-    attention_f32(a, c.scratch.attn.data() + c.attn_floats * c.ith, c.ith, c.nth, c.work);
+    // Each thread's scratch on its own cache lines (attn_floats is a multiple of 16): the
+    // running max and sum at its start are rewritten every KV block, and the vector's
+    // 16-byte alignment let that line also hold the end of the previous thread's region.
+    float* base = (float*)(((uintptr_t)c.scratch.attn.data() + 63) & ~(uintptr_t)63);
+    attention_f32(a, base + c.attn_floats * c.ith, c.ith, c.nth, c.work);
 }
 
 const CpuOp* cpu_op(int32_t op) {
@@ -517,7 +521,8 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
         if (scratch.act[k].size() < need.act[k]) scratch.act[k].resize(need.act[k]);
         if (scratch.meta[k].size() < need.meta[k]) scratch.meta[k].resize(need.meta[k]);
     }
-    if (scratch.attn.size() < need.attn * nth) scratch.attn.resize(need.attn * nth);
+    need.attn = (need.attn + 15) / 16 * 16;  // whole cache lines per thread (run_attn)
+    if (scratch.attn.size() < need.attn * nth + 16) scratch.attn.resize(need.attn * nth + 16);
 
     // nth work counters per step for kernels that hand out work dynamically (attention's
     // items, the matmuls' stealing), zeroed for every run; kept by the calling thread.
