@@ -63,7 +63,7 @@ def test_entry_matches_the_build_and_the_machine():
 
 def test_fusion_switches(monkeypatch):
     monkeypatch.delenv(cuda.ENV_FUSE, raising=False)
-    assert cuda.fusions_from_env() == {"qkv", "ffn", "residual", "quant", "rope", "norm"}
+    assert cuda.fusions_from_env() == {"qkv", "ffn", "residual", "quant", "rope"}  # norm: measured slower
     monkeypatch.setenv(cuda.ENV_FUSE, "all")
     assert cuda.fusions_from_env() == {"qkv", "ffn", "residual", "quant", "rope", "norm"}
     monkeypatch.setenv(cuda.ENV_FUSE, "residual,quant,norm")

@@ -289,24 +289,10 @@ template <> struct Unit<T_F32> {
     }
 };
 
-// DEEP (one-column launches, MINFER_CUDA_MV_DEEP): four units' loads in flight per trip
-// on long rows (a down row of the 7B shape is nine trips of 32 units) and a SwiGLU
-// pair's two rows loaded together, since a warp's trips are sequential round trips to
-// memory. It costs registers (80 -> 150: 12 resident warps per SM, not 24), hence the A/B knob.
-// The sums still go in ascending unit order per lane: the bits do not depend on it.
-template <int T, int NC, bool DEEP>
+template <int T, int NC>
 __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int lane, float acc[NC]) {
     const int nu = Unit<T>::count(a.nb);
     int u = lane;
-    for (; DEEP && u + 96 < nu; u += 128) {
-        Unit<T> w[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) w[k].load(row, u + 32 * k, a.nb);
-#pragma unroll
-        for (int c = 0; c < NC; ++c)
-#pragma unroll
-            for (int k = 0; k < 4; ++k) acc[c] = fadd(acc[c], w[k].dot(a, c, u + 32 * k));
-    }
     for (; u + 32 < nu; u += 64) {
         Unit<T> w0, w1;
         w0.load(row, u, a.nb);
@@ -322,39 +308,6 @@ __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const M
         w0.load(row, u, a.nb);
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[c] = fadd(acc[c], w0.dot(a, c, u));
-    }
-}
-
-// Two rows of one type (gate and up of a SwiGLU pair) with both rows' loads in flight
-// together; each row's sums in the order row_dot adds them, so the same bits.
-template <int T, int NC>
-__device__ __forceinline__ void row_dot_pair(const uint8_t* __restrict__ ra, const uint8_t* __restrict__ rb,
-                                             const MvArgs& a, int lane, float acc[NC], float acc2[NC]) {
-    const int nu = Unit<T>::count(a.nb);
-    int u = lane;
-    for (; u + 32 < nu; u += 64) {
-        Unit<T> a0, a1, b0, b1;
-        a0.load(ra, u, a.nb);
-        a1.load(ra, u + 32, a.nb);
-        b0.load(rb, u, a.nb);
-        b1.load(rb, u + 32, a.nb);
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            acc[c] = fadd(acc[c], a0.dot(a, c, u));
-            acc[c] = fadd(acc[c], a1.dot(a, c, u + 32));
-            acc2[c] = fadd(acc2[c], b0.dot(a, c, u));
-            acc2[c] = fadd(acc2[c], b1.dot(a, c, u + 32));
-        }
-    }
-    if (u < nu) {
-        Unit<T> a0, b0;
-        a0.load(ra, u, a.nb);
-        b0.load(rb, u, a.nb);
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            acc[c] = fadd(acc[c], a0.dot(a, c, u));
-            acc2[c] = fadd(acc2[c], b0.dot(a, c, u));
-        }
     }
 }
 
@@ -383,10 +336,10 @@ __device__ __forceinline__ void mv_dispatch(int type, F&& f) {
     }
 }
 
-template <int NC, bool DEEP>
+template <int NC>
 __device__ __forceinline__ void row_dot_any(int type, const uint8_t* __restrict__ row, const MvArgs& a, int lane,
                                             float acc[NC]) {
-    mv_dispatch(type, [&] <int T>() { row_dot<T, NC, DEEP>(row, a, lane, acc); });
+    mv_dispatch(type, [&] <int T>() { row_dot<T, NC>(row, a, lane, acc); });
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -395,24 +348,14 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // One row of one job: the dot products, the warp reduction, the epilogue (lane 0).
-template <int NC, bool DEEP>
+template <int NC>
 __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
     float acc[NC], acc2[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
     const uint8_t* ra = jb.W + (size_t)row * jb.row_bytes;
-    bool paired = false;
-    if constexpr (DEEP) {
-        if (jb.W2 && jb.type2 == jb.type) {
-            const uint8_t* rb = jb.W2 + (size_t)row * jb.row_bytes2;
-            mv_dispatch(jb.type, [&] <int T>() { row_dot_pair<T, NC>(ra, rb, a, lane, acc, acc2); });
-            paired = true;
-        }
-    }
-    if (!paired) {
-        row_dot_any<NC, DEEP>(jb.type, ra, a, lane, acc);
-        if (jb.W2) row_dot_any<NC, DEEP>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
-    }
+    row_dot_any<NC>(jb.type, ra, a, lane, acc);
+    if (jb.W2) row_dot_any<NC>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
         acc[c] = warp_sum(acc[c]);
@@ -516,8 +459,8 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
     if (threadIdx.x == 0) r.tickets[a.rope_tk0[j] + head] = 0;
 }
 
-template <int NC, bool DEEP>
-__device__ __forceinline__ void mv_body(const MvArgs& a) {
+template <int NC>
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
     pdl_trigger();
     int j = 0;
     while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
@@ -530,7 +473,7 @@ __device__ __forceinline__ void mv_body(const MvArgs& a) {
     pdl_wait();
     for (int row = row0; row < row1; ++row) {
         if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-        mv_row<NC, DEEP>(a, jb, row, lane);
+        mv_row<NC>(a, jb, row, lane);
     }
     if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0);
     if (NC == 1 && jb.q_out) {
@@ -569,12 +512,6 @@ __device__ __forceinline__ void mv_body(const MvArgs& a) {
     }
 }
 
-template <int NC>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
-    mv_body<NC, false>(a);
-}
-// 150 registers: three blocks per SM.
-__global__ void __launch_bounds__(MV_WARPS * 32, 3) k_matvec_deep(MvArgs a) { mv_body<1, true>(a); }
 
 // The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
 __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
@@ -748,7 +685,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // Read per launch (host side only; a captured graph keeps what it was captured with).
     const int rpw_env = env_int("MINFER_CUDA_MV_RPW", 1);
     const int pf_env = env_int("MINFER_CUDA_MV_PREFETCH", 1);
-    const bool deep = env_int("MINFER_CUDA_MV_DEEP", 0) != 0;
     a.prefetch = pf_env;
     a.rpw = 1;
     if (rpw_env > 0) {
@@ -793,10 +729,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             case 8: launch_mv<8>(ac, (unsigned)b); break;
             case 4: launch_mv<4>(ac, (unsigned)b); break;
             case 2: launch_mv<2>(ac, (unsigned)b); break;
-            default:
-                if (deep) launch(k_matvec_deep, (unsigned)b, MV_WARPS * 32, ac);
-                else launch_mv<1>(ac, (unsigned)b);
-                break;
+            default: launch_mv<1>(ac, (unsigned)b); break;
         }
         c0 += nc;
     }

@@ -55,18 +55,23 @@ def supports_attn_span() -> bool:
 
 
 ENV_FUSE = "MINFER_CUDA_FUSE"
-# "norm" (a residual add's one-row RMSNorm done by the last block of the matvec + add
-# launch) merges what "residual" and "quant" made, so it acts only together with both.
 FUSIONS = ("qkv", "ffn", "residual", "quant", "rope", "norm")
+# "norm" (a residual add's one-row RMSNorm done by the last block of the matvec + add
+# launch; it acts only together with "residual" and "quant") is not on by default: one
+# 128-thread block doing a whole RMSNorm serially made decode slower, not faster (H200,
+# 12f72b7: 0.5B tg128 597-619 vs 736-774 tok/s without it, 7B 186 vs 245-249).
+DEFAULT_FUSIONS = ("qkv", "ffn", "residual", "quant", "rope")
 _FLAG_BITS = {"qkv": 1, "ffn": 2, "residual": 4, "quant": 8, "norm": 16, "rope": 32}  # cuda/executor.h PlanFlags
 
 
 def fusions_from_env() -> frozenset:
-    """The decode fusions to use: MINFER_CUDA_FUSE unset or 'all' = every one, '0' or
-    'none' = none, else a comma list of qkv, ffn, residual, quant, rope, norm."""
+    """The decode fusions to use: MINFER_CUDA_FUSE unset = DEFAULT_FUSIONS, 'all' = every
+    one, '0' or 'none' = none, else a comma list of qkv, ffn, residual, quant, rope, norm."""
     import os
-    v = os.environ.get(ENV_FUSE, "all").strip().lower()
-    if v in ("", "all", "1"):
+    v = os.environ.get(ENV_FUSE, "").strip().lower()
+    if v in ("", "1"):
+        return frozenset(DEFAULT_FUSIONS)
+    if v == "all":
         return frozenset(FUSIONS)
     if v in ("0", "none"):
         return frozenset()
