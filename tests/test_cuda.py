@@ -684,6 +684,31 @@ def test_device_argmax_sizes_and_ties(n):
         assert _core.argmax(r.pool, xi, n, 1) == min(picks), picks
 
 
+def test_device_argmax_rows():
+    """A verified block's greedy picks: every row's argmax in one launch (first on ties,
+    each row its own slice of the scratch), -1 for exactly the rows holding NaN/Inf."""
+    r = Rig()
+    rng = np.random.default_rng(9)
+    n, rows = 151936, 9
+    x = rng.integers(-50, 50, (rows, n)).astype(np.float32)
+    for i in range(rows):
+        x[i, [(i * 7919) % n, (i * 7919 + 3) % n]] = 60.0 + i  # a tie per row
+    xi = r.buf(x)
+    want = [int(np.argmax(row)) for row in x]
+    assert _core.argmax_rows(r.pool, xi, n, rows) == want
+    assert _core.argmax_rows(r.pool, xi, n, 1) == want[:1]
+    y = x.copy()
+    y[3, 100] = np.nan
+    y[8, n - 1] = np.inf
+    r.pool.write(xi, y)
+    got = _core.argmax_rows(r.pool, xi, n, rows)
+    assert got == [-1 if i in (3, 8) else want[i] for i in range(rows)]
+    r.pool.write(xi, x)
+    assert _core.argmax_rows(r.pool, xi, n, rows) == want  # tickets left at zero
+    with pytest.raises(ValueError):
+        _core.argmax_rows(r.pool, xi, n, 65)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_device_argmax_flags_non_finite(bad):
     """The greedy loop's NaN/Inf check rides on the argmax's 4-byte answer: -1 for a

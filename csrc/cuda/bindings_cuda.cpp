@@ -5,6 +5,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 
@@ -164,6 +165,34 @@ void register_cuda(py::module_& m, py::module_& testing) {
         }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("n_threads") = 1,
         "Device argmax (first index on ties): one 4-byte readback and one wait. -1 when any of "
         "the n values is NaN or Inf (the caller raises, naming the step).");
+
+    m.def("argmax_rows", [](DevPool& pool, int id, int64_t n, int rows) {
+            if (rows < 1 || rows > kArgmaxMaxRows)
+                throw py::value_error("argmax_rows: rows must be in 1.." + std::to_string(kArgmaxMaxRows));
+            pool.check_range(id, 0, (size_t)n * rows * 4);
+            Context& c = ctx();
+            // Answers of a block's rows: one device array, one pinned readback of rows ints.
+            static int32_t* dev = (int32_t*)dev_alloc(kArgmaxMaxRows * sizeof(int32_t));
+            static int32_t* host = (int32_t*)host_alloc_pinned(kArgmaxMaxRows * sizeof(int32_t));
+            std::vector<int32_t> r(rows);
+            {
+                py::gil_scoped_release nogil;
+                argmax((const float*)pool.data(id), n, dev, c.err_dev, rows);
+                MC_CHECK(cudaMemcpyAsync(host, dev, rows * sizeof(int32_t), cudaMemcpyDeviceToHost, c.stream));
+                ++c.c.d2h;
+                c.c.d2h_bytes += rows * sizeof(int32_t);
+                sync_stream();
+                std::copy(host, host + rows, r.begin());
+            }
+            for (int32_t v : r)
+                if (v < 0 && v != kArgmaxNonFinite) {
+                    raise_device_error();
+                    throw std::runtime_error("CUDA argmax: error code " + std::to_string(v));
+                }
+            return r;
+        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"),
+        "Device argmax of each of `rows` consecutive rows of n values (first index on ties), in one "
+        "launch and one readback of rows ints; -1 for a row holding NaN or Inf.");
 
     // Boundary copies for every pair that involves a device pool.
     m.def("copy_buffer", [](DevPool& src, int src_id, DevPool& dst, int dst_id, size_t nbytes) {

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <cfloat>
+#include <stdexcept>
 
 #include "cuda/context.h"
 #include "cuda/kernels.h"
@@ -182,6 +183,13 @@ __global__ void __launch_bounds__(AM_THREADS) k_argmax(const float* __restrict__
                                                        int32_t* post_i, int* post_bad, int* ticket) {
     pdl_wait();
     pdl_trigger();
+    // Row blockIdx.y of a batch of rows: its own slice of posts, ticket and answer.
+    x += (int64_t)blockIdx.y * n;
+    out += blockIdx.y;
+    post_v += blockIdx.y * AM_MAX_BLOCKS;
+    post_i += blockIdx.y * AM_MAX_BLOCKS;
+    post_bad += blockIdx.y * AM_MAX_BLOCKS;
+    ticket += blockIdx.y;
     const int64_t lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
     float bv = -FLT_MAX;
     int32_t bi = -1;
@@ -232,12 +240,14 @@ ArgmaxScratch& argmax_scratch() {
     static ArgmaxScratch s = [] {
         ArgmaxScratch a;
         uint8_t* p = nullptr;
-        MC_CHECK(cudaMalloc(&p, AM_MAX_BLOCKS * 12 + 16));
-        MC_CHECK(cudaMemset(p, 0, AM_MAX_BLOCKS * 12 + 16));
+        const size_t posts = (size_t)kArgmaxMaxRows * AM_MAX_BLOCKS;
+        const size_t bytes = posts * 12 + kArgmaxMaxRows * 4;
+        MC_CHECK(cudaMalloc(&p, bytes));
+        MC_CHECK(cudaMemset(p, 0, bytes));
         a.v = (float*)p;
-        a.i = (int32_t*)(p + AM_MAX_BLOCKS * 4);
-        a.bad = (int*)(p + AM_MAX_BLOCKS * 8);
-        a.ticket = (int*)(p + AM_MAX_BLOCKS * 12);
+        a.i = (int32_t*)(p + posts * 4);
+        a.bad = (int*)(p + posts * 8);
+        a.ticket = (int*)(p + posts * 12);
         return a;
     }();
     return s;
@@ -278,14 +288,16 @@ void kv_store_f16(const float* k, const float* v, const int32_t* cells, int64_t 
                   void* kc, void* vc, int* err) {
     launch(k_kv_store, (unsigned)nt, 128, k, v, cells, kv_dim, n_ctx, (__half*)kc, (__half*)vc, err);
 }
-void argmax(const float* x, int64_t n, int32_t* out, const int* err) {
+void argmax(const float* x, int64_t n, int32_t* out, const int* err, int rows) {
+    if (rows < 1 || rows > kArgmaxMaxRows) throw std::invalid_argument("argmax: 1..kArgmaxMaxRows rows");
     // About 2048 logits per block, at most AM_MAX_BLOCKS blocks.
     int64_t blocks = (n + 2047) / 2048;
     blocks = blocks < 1 ? 1 : blocks > AM_MAX_BLOCKS ? AM_MAX_BLOCKS : blocks;
     const int64_t chunk = (n + blocks - 1) / blocks;
     blocks = n > 0 ? (n + chunk - 1) / chunk : 1;
     ArgmaxScratch& s = argmax_scratch();
-    launch(k_argmax, (unsigned)blocks, AM_THREADS, x, n, chunk, out, err, s.v, s.i, s.bad, s.ticket);
+    launch(k_argmax, dim3((unsigned)blocks, (unsigned)rows), AM_THREADS, x, n, chunk, out, err, s.v, s.i, s.bad,
+           s.ticket);
 }
 
 }  // namespace minfer::cuda

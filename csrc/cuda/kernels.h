@@ -154,6 +154,8 @@ bool attention_prefill(const AttnDev& a, int* err);
 // if the device error word is set, else kArgmaxNonFinite if any x is NaN or Inf, so
 // one 4-byte readback carries all three.
 constexpr int32_t kArgmaxNonFinite = -1;
-void argmax(const float* x, int64_t n, int32_t* out, const int* err);
+// rows > 1: rows consecutive rows of n, one answer each (out[0..rows)), in one launch.
+constexpr int kArgmaxMaxRows = 64;
+void argmax(const float* x, int64_t n, int32_t* out, const int* err, int rows = 1);
 
 }  // namespace minfer::cuda

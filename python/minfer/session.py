@@ -143,6 +143,29 @@ class Context:
             return None
         return alloc.copy_to_host(g.outputs[0]) if copy else alloc.host_view(g.outputs[0])
 
+    def argmax_rows(self, step: int) -> list[int]:
+        """Greedy picks of every logits row of the last forward (a verified speculative
+        block), each checked for NaN/Inf: by a device that takes them in place (one
+        launch, one readback of the picks), else from the rows read back. NumericsError
+        names `step` (the first row's decode step) plus the row."""
+        dev, buf, n, rows = self._out
+        out = self.cache.graph.outputs[0]
+        fn = getattr(dev, "argmax_rows", None)
+        if fn is not None:
+            picks = [int(t) for t in fn(buf, n, rows)]
+            if min(picks) >= 0:
+                return picks
+            logits = self.cache.alloc.copy_to_host(out)
+            for i in range(rows):
+                check_logits_finite(logits[i], step + i)
+            raise NumericsError(f"the device flagged non-finite logits (step {step}) that read back finite")
+        logits = self.cache.alloc.host_view(out)
+        picks = []
+        for i in range(rows):
+            check_logits_finite(logits[i], step + i)
+            picks.append(int(np.argmax(logits[i])))
+        return picks
+
     def argmax_last(self, step: int | None = None) -> int:
         """Greedy pick from the last logits row, taken by the backend that holds it (the
         CPU scans it in C++ with the threads that wrote it). Never the argmax of NaNs:

@@ -264,6 +264,7 @@ class Runner:
         p = sampler.params
         self.greedy = p.temperature <= 0.0
         self.plain_argmax = self.greedy and p.repeat_penalty == 1.0
+        self.fast_argmax = self.plain_argmax and not logprobs
         timings.drafted = timings.accepted = 0
 
     def next(self, prev: int) -> tuple[int, float | None]:
@@ -296,11 +297,22 @@ class Runner:
         n = len(draft) + 1
         builds = s.builds
         t0 = time.perf_counter()
-        rows = s.forward([prev] + draft, n_out=n, copy=False)
-        if not draft:
-            self.queue.append(Pick(*self.pick(rows)))
+        if self.fast_argmax:
+            # Picks only: the device takes each row's argmax in place (one readback of n
+            # ints on CUDA instead of n rows of logits), a plain step its in-graph pick.
+            s.forward([prev] + draft, n_out=n, copy=None)
+            if not draft:
+                self.queue.append(Pick(*self.pick(None)))
+            else:
+                picks, j = accept_picks(s.context.argmax_rows(self.produced), draft)
+                self.queue.extend(picks)
         else:
-            j = self._accept(rows, draft)
+            rows = s.forward([prev] + draft, n_out=n, copy=False)
+            if not draft:
+                self.queue.append(Pick(*self.pick(rows)))
+            else:
+                j = self._accept(rows, draft)
+        if draft:
             s.truncate(s.n_past - (len(draft) - j))
             pol.record(bucket, len(draft), j)
             self.tm.drafted += len(draft)
@@ -314,6 +326,17 @@ class Runner:
         picks, j = verify(rows, draft, self.sampler, self.logprobs, self.plain_argmax)
         self.queue.extend(picks)
         return j
+
+
+def accept_picks(picks: list[int], draft: list[int]) -> tuple[list[Pick], int]:
+    """Greedy verification from the block's row picks alone: drafts are kept while each
+    equals the target's pick for its row, then the target's own pick follows."""
+    out: list[Pick] = []
+    for j, x in enumerate(draft + [None]):
+        out.append(Pick(picks[j], None))
+        if picks[j] != x:
+            return out, j
+    return out, len(draft)
 
 
 def verify(rows: np.ndarray, draft: list[int], sampler, logprobs: bool = False,

@@ -111,6 +111,9 @@ class CudaDevice:
         # takes the argmax inside its graph, and argmax is then only the 4-byte readback.
         self.pick_target = pool.pick_target
         self.argmax = functools.partial(_core.argmax, pool, n_threads=1)
+        # argmax_rows(buf, n, rows): greedy picks of a verified speculative block, one
+        # launch and one readback of `rows` ints instead of the rows' logits.
+        self.argmax_rows = functools.partial(_core.argmax_rows, pool)
 
     def new_plan(self, label: str):
         return self.core.Plan(label)
