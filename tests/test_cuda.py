@@ -180,6 +180,47 @@ def test_matmul_vs_float64(qtype, nt):
     assert np.all(err <= tol), f"{qtype.name} nt={nt}: max err/tol {np.max(err / tol):.3g}"
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
+def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
+    """One-column launches whose jobs share a type take that type's own kernel
+    (MINFER_CUDA_MV_TYPED, on by default): bitwise the switch kernel's rows, a single
+    matvec and a SwiGLU pair alike, and within the matvec tolerance of float64; a launch
+    of mixed types (q|k|v with Q8_0 v) still takes the switch kernel."""
+    rng = np.random.default_rng(int(qtype))
+    in_dim, rows = 512, 320
+    w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
+    u_raw, _ = make_weight(qtype, rows, in_dim, rng)
+    m_raw, _ = make_weight(Q.Q8_0, rows, in_dim, rng)
+    x = rng.standard_normal((1, in_dim)).astype(np.float32)
+    outs = {}
+    for typed in ("1", "0"):
+        monkeypatch.setenv("MINFER_CUDA_MV_TYPED", typed)
+        r = Rig()
+        w = r.weight("w", w_raw, qtype, in_dim, rows)
+        u = r.weight("u", u_raw, qtype, in_dim, rows)
+        m = r.weight("m", m_raw, Q.Q8_0, in_dim, rows)
+        xi = r.buf(x)
+        y, g, h, sw, y2, ym = (r.out(rows) for _ in range(6))
+        one = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, -1]),  # alone
+                      ("matmul", [g, xi], [in_dim, rows, 1], [], [w, -1]),  # gate|up + SwiGLU
+                      ("matmul", [h, xi], [in_dim, rows, 1], [], [u, -1]),
+                      ("swiglu", [sw, g, h], [rows], [], [])])
+        one.flags = 2
+        mixed = r.plan([("matmul", [y2, xi], [in_dim, rows, 1], [], [w, -1]),
+                        ("matmul", [ym, xi], [in_dim, rows, 1], [], [m, -1])])
+        mixed.flags = 1
+        for p in (one, mixed):
+            _core.cuda_validate(p, r.pool, r.weights)
+            r.run(p)
+        assert _core.testing.cuda_plan_info(one)["launches"] == 2
+        assert _core.testing.cuda_plan_info(mixed)["launches"] == 1
+        outs[typed] = [r.read(b, rows) for b in (y, sw, y2, ym)]
+    for a, b in zip(outs["1"], outs["0"]):
+        assert a.tobytes() == b.tobytes()
+    assert outs["1"][0].tobytes() == outs["1"][2].tobytes()  # alone == beside a Q8_0 job
+    check_matvec(outs["1"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
+
+
 @pytest.mark.parametrize("rows,rpw", [(5000, "0"), (9000, "0"), (60000, "0"), (3000, "8"), (3000, "1")])
 def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which

@@ -336,10 +336,13 @@ __device__ __forceinline__ void mv_dispatch(int type, F&& f) {
     }
 }
 
-template <int NC>
+// TT >= 0: every job of the launch has weight type TT (no switch: the kernel's register
+// count is that type's, not the most demanding type's, so more warps stay resident).
+template <int NC, int TT>
 __device__ __forceinline__ void row_dot_any(int type, const uint8_t* __restrict__ row, const MvArgs& a, int lane,
                                             float acc[NC]) {
-    mv_dispatch(type, [&] <int T>() { row_dot<T, NC>(row, a, lane, acc); });
+    if constexpr (TT >= 0) row_dot<TT, NC>(row, a, lane, acc);
+    else mv_dispatch(type, [&] <int T>() { row_dot<T, NC>(row, a, lane, acc); });
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -348,14 +351,14 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // One row of one job: the dot products, the warp reduction, the epilogue (lane 0).
-template <int NC>
+template <int NC, int TT>
 __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
     float acc[NC], acc2[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
     const uint8_t* ra = jb.W + (size_t)row * jb.row_bytes;
-    row_dot_any<NC>(jb.type, ra, a, lane, acc);
-    if (jb.W2) row_dot_any<NC>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
+    row_dot_any<NC, TT>(jb.type, ra, a, lane, acc);
+    if (jb.W2) row_dot_any<NC, TT>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
         acc[c] = warp_sum(acc[c]);
@@ -459,7 +462,7 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
     if (threadIdx.x == 0) r.tickets[a.rope_tk0[j] + head] = 0;
 }
 
-template <int NC>
+template <int NC, int TT = -1>
 __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
     pdl_trigger();
     int j = 0;
@@ -473,7 +476,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
     pdl_wait();
     for (int row = row0; row < row1; ++row) {
         if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-        mv_row<NC>(a, jb, row, lane);
+        mv_row<NC, TT>(a, jb, row, lane);
     }
     if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0);
     if (NC == 1 && jb.q_out) {
@@ -644,6 +647,23 @@ void launch_mv(const MvArgs& a, unsigned blocks) {
     launch(k_matvec<NC>, blocks, MV_WARPS * 32, a);
 }
 
+// The one-type instantiations of one-column launches (decode), for the types the Qwen
+// Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
+bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
+    int t = a.job[0].type;
+    for (int i = 0; i < a.njobs; ++i)
+        if (a.job[i].type != t || (a.job[i].W2 && a.job[i].type2 != t)) return false;
+    switch (t) {
+        case T_Q4_K: launch(k_matvec<1, T_Q4_K>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q5_K: launch(k_matvec<1, T_Q5_K>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q6_K: launch(k_matvec<1, T_Q6_K>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q8_0: launch(k_matvec<1, T_Q8_0>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q5_0: launch(k_matvec<1, T_Q5_0>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q4_0: launch(k_matvec<1, T_Q4_0>, blocks, MV_WARPS * 32, a); return true;
+        default: return false;
+    }
+}
+
 }  // namespace
 
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols,
@@ -685,6 +705,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // Read per launch (host side only; a captured graph keeps what it was captured with).
     const int rpw_env = env_int("MINFER_CUDA_MV_RPW", 1);
     const int pf_env = env_int("MINFER_CUDA_MV_PREFETCH", 1);
+    const bool typed = env_int("MINFER_CUDA_MV_TYPED", 1) != 0;
     a.prefetch = pf_env;
     a.rpw = 1;
     if (rpw_env > 0) {
@@ -729,7 +750,9 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             case 8: launch_mv<8>(ac, (unsigned)b); break;
             case 4: launch_mv<4>(ac, (unsigned)b); break;
             case 2: launch_mv<2>(ac, (unsigned)b); break;
-            default: launch_mv<1>(ac, (unsigned)b); break;
+            default:
+                if (!(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv<1>(ac, (unsigned)b);
+                break;
         }
         c0 += nc;
     }
