@@ -336,3 +336,22 @@ def test_cli_generate_and_bench_speculate(models):
     rows = json.loads(r.stdout)
     assert [x["speculate"] for x in rows] == [None, "ngram"] and rows[1]["drafted"] >= rows[1]["accepted"] >= 0
     assert all(len(x["samples_ns"]) == 2 and x["avg_ts"] > 0 for x in rows)
+
+
+def test_policy_uses_each_block_size_measured_cost():
+    """The depth maximises expected tokens per cost; a block size's measured cost replaces
+    the linear model once timed (CUDA verifies 8 rows in one launch per weight, 9 in two),
+    and sampling (clock-free) decisions ignore the measurements."""
+    from minfer.speculate import Policy
+
+    p = Policy()
+    for _ in range(20):
+        p.record(1, 8, 8)  # everything accepted: acceptance near 1
+    p.timed(1, 1.0)
+    p.r = 0.05
+    assert p.depth(1, 8) == 8  # linear model: the deepest block pays
+    p.timed(9, 3.0)            # measured: 9 rows cost 3 steps ...
+    p.timed(8, 1.3)            # ... 8 rows 1.3
+    assert p.depth(1, 8) == 7
+    assert p.depth(1, 8, measured=False) == 8
+    assert p.rel_cost(9, p.r) == pytest.approx(3.0) and p.rel_cost(5, p.r) == pytest.approx(1 + p.r * 4)

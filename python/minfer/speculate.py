@@ -22,7 +22,8 @@ Rolling back is only bookkeeping: the session forgets the rejected cells, and th
 next forward overwrites them.
 
 Adaptive depth. Each verify of d drafts costs about c1 * (1 + r*d) (c1 a single step,
-r the measured extra cost per row) and yields (1 - a^(d+1)) / (1 - a) tokens for a
+r the measured extra cost per row; once a block size has been timed, its own measured
+cost) and yields (1 - a^(d+1)) / (1 - a) tokens for a
 per-token acceptance a, estimated per match length (n-gram) with decay. The depth
 that maximises tokens per cost is used; when no depth beats a plain step the drafter
 is skipped (a plain step) and probed again now and then, which is what keeps the
@@ -193,6 +194,10 @@ class Policy:
         self.r0 = self.r = 0.15   # extra cost per verified row, relative to c1 (prior, measured)
         self.q0 = 0.0             # drafter's own cost per drafted token, relative to c1
         self.q: float | None = None
+        # Measured ms of a verify forward per block size: a block's cost is not linear in
+        # its rows where a backend batches them in fixed groups (CUDA's matvec takes 8,
+        # 4, 2 or 1 columns per launch: 8 rows read the weights once, 9 or 7 rows more).
+        self.cost: dict[int, float] = {}
 
     def rate(self, bucket) -> float:
         s, t = self.acc.get(bucket, (0.0, 0.0))
@@ -211,7 +216,7 @@ class Policy:
         a = min(self.rate(bucket), 0.999)
         best, best_gain = 0, 1.0
         for d in range(1, limit + 1):
-            gain = (1 - a ** (d + 1)) / (1 - a) / (1 + (r + q) * d)
+            gain = (1 - a ** (d + 1)) / (1 - a) / (self.rel_cost(d + 1, r, measured) + q * d)
             if gain > best_gain * 1.02:
                 best, best_gain = d, gain
         if best == 0:
@@ -222,11 +227,22 @@ class Policy:
                 return 1
         return best
 
+    def rel_cost(self, n: int, r: float, measured: bool = True) -> float:
+        """A verify of n rows relative to a single step: measured for that n when it has
+        been (and the clock may be read), else the linear model 1 + r (n - 1)."""
+        ms = self.cost.get(n) if measured else None
+        if ms is not None and self.c1:
+            return max(ms / self.c1, 1.0)
+        return 1 + r * (n - 1)
+
     def record(self, bucket, d: int, j: int) -> None:
         s, t = self.acc.get(bucket, (0.0, 0.0))
         self.acc[bucket] = [s * self.DECAY + j, t * self.DECAY + j + (1 if j < d else 0)]
 
     def timed(self, n: int, ms: float, draft_ms: float = 0.0, d: int = 0) -> None:
+        if n > 1:
+            c = self.cost.get(n)
+            self.cost[n] = ms if c is None else 0.7 * c + 0.3 * ms
         if n == 1:
             self.c1 = ms if self.c1 is None else 0.7 * self.c1 + 0.3 * ms
         elif self.c1:
