@@ -366,14 +366,13 @@ def verify(rows: np.ndarray, draft: list[int], sampler, logprobs: bool = False,
     if plain_argmax is None:
         p = sampler.params
         plain_argmax = p.temperature <= 0.0 and p.repeat_penalty == 1.0
-    out: list[Pick] = []
     if plain_argmax:
-        for j, x in enumerate(draft + [None]):
-            t = int(np.argmax(rows[j]))
-            out.append(Pick(t, _logprob(rows[j], t) if logprobs else None))
-            if t != x:
-                return out, j
-        return out, len(draft)
+        out, j = accept_picks([int(np.argmax(rows[i])) for i in range(len(draft) + 1)], draft)
+        if logprobs:
+            for i, pk in enumerate(out):
+                pk.logprob = _logprob(rows[i], pk.id)
+        return out, j
+    out: list[Pick] = []
     recent = deque(sampler.recent, maxlen=sampler.recent.maxlen)
     rng = sampler.rng
     for j in range(len(draft) + 1):
