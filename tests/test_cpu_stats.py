@@ -30,7 +30,8 @@ def model(tmp_path_factory):
 def balance(model, threads: str, extra_env: dict | None = None, n_prompt: int = 24, reps: int = 2) -> list:
     env = dict(os.environ)
     env.update(extra_env or {})
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), env.get("PYTHONPATH", "")])
+    # The subprocess imports minfer as this process does (installed, or the developer's
+    # PYTHONPATH / MINFER_CORE_DIR): the source tree alone has no compiled _core.
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_balance.py"), str(model), "-p", str(n_prompt),
                           "-t", threads, "-r", str(reps), "--json"], capture_output=True, text=True, env=env,
                          timeout=300)
@@ -78,7 +79,6 @@ def test_stats_off_by_default_and_barriers_elided_normally(model):
     assert 0 < r["barriers"] / r["reps"] < plan_steps + steps["quantize"]
     code = "from minfer import _core; print(_core.testing.cpu_stats()['enabled'])"
     env = {k: v for k, v in os.environ.items() if k != "MINFER_CPU_STATS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-1000:]
 
@@ -86,6 +86,5 @@ def test_stats_off_by_default_and_barriers_elided_normally(model):
 @pytest.mark.parametrize("args", [["-p", "0"], ["-t", "x"]])
 def test_bad_arguments_exit_2(args, model):
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "cpu_balance.py"), str(model), *args],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "cpu_balance" in out.stderr
