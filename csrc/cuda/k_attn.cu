@@ -13,6 +13,7 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <cstdlib>
 
 #include "cuda/context.h"
 #include "cuda/kernels.h"
@@ -194,10 +195,23 @@ int chunk_of(int64_t n_ctx, int n_splits) {
 
 bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 128 || hd == 256; }
 
+// Cells per decode chunk (MINFER_CUDA_ATTN_CHUNK, read once per process: the scratch is
+// sized with it): a warp walks its chunk's cells in groups of 32, one after another, so
+// shorter chunks mean shorter critical paths and more partials to merge.
+int attn_chunk_cells() {
+    static const int c = [] {
+        const char* e = std::getenv("MINFER_CUDA_ATTN_CHUNK");
+        const int v = e && *e ? std::atoi(e) : 256;
+        return v < 32 ? 32 : v;
+    }();
+    return c;
+}
+
 int attn_splits(int64_t nt, int64_t n_ctx) {
     if (nt > kRowExactMaxTokens) return 1;
-    int64_t s = (n_ctx + 255) / 256;
-    return (int)(s < 1 ? 1 : (s > 32 ? 32 : s));
+    const int64_t c = attn_chunk_cells();
+    int64_t s = (n_ctx + c - 1) / c;
+    return (int)(s < 1 ? 1 : (s > 64 ? 64 : s));
 }
 
 size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx) {
