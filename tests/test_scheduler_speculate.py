@@ -8,6 +8,8 @@ finished job leaves is what plain steps leave."""
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -65,10 +67,15 @@ def run_jobs(sched: Scheduler, specs: list[dict]) -> list[dict]:
     return collect_events(q, len(specs), timeout=120)
 
 
-def scheduler(model, **kw) -> Scheduler:
+@contextmanager
+def running(model, **kw) -> Iterator[Scheduler]:
+    """A started scheduler (4 slots, CTX, chunk 8 unless given), stopped cleanly after."""
     sched = Scheduler(model, **{"n_slots": 4, "n_ctx": CTX, "chunk": 8, **kw})
     sched.start()
-    return sched
+    try:
+        yield sched
+    finally:
+        assert sched.stop()
 
 
 def test_mixed_speculating_and_plain_jobs_equal_each_alone(model):
@@ -78,11 +85,8 @@ def test_mixed_speculating_and_plain_jobs_equal_each_alone(model):
     depths = [8, None, 1, 3, None, 8, 5, 2]
     specs = [dict(prompt_ids=p, n_predict=24 + 3 * i,
                   speculate=SpecRequest("ngram", d) if d else None) for i, (p, d) in enumerate(zip(ps, depths))]
-    sched = scheduler(model)
-    try:
+    with running(model) as sched:
         got = run_jobs(sched, [dict(s) for s in specs])
-    finally:
-        assert sched.stop()
     drafted = accepted = 0
     for s, g in zip(specs, got):
         ref = alone(model, s["prompt_ids"], s["n_predict"])
@@ -104,12 +108,9 @@ def test_greedy_with_a_repeat_penalty_equals_plain(model):
     block's own accepted drafts in the penalty window, as plain steps would."""
     sp = SamplingParams(temperature=0.0, repeat_penalty=1.3, repeat_last_n=16)
     ps = prompts(3, seed=8)
-    sched = scheduler(model)
-    try:
+    with running(model) as sched:
         got = run_jobs(sched, [dict(prompt_ids=p, n_predict=30, sampling=sp, speculate=SpecRequest("ngram", 6))
                                for p in ps])
-    finally:
-        assert sched.stop()
     for p, g in zip(ps, got):
         assert g["ids"] == Session(model, n_ctx=CTX).generate(p, 30, sp, stop_at_eog=False).ids
     assert sum(g["done"].usage["speculation"]["drafted"] for g in got) > 0
@@ -117,13 +118,10 @@ def test_greedy_with_a_repeat_penalty_equals_plain(model):
 
 def test_the_same_job_alone_or_batched_with_speculating_neighbours(model):
     p = prompts(1, seed=2)[0]
-    sched = scheduler(model)
-    try:
+    with running(model) as sched:
         lone = run_jobs(sched, [dict(prompt_ids=p, n_predict=40, speculate=SpecRequest("ngram", 8))])[0]
         crowd = run_jobs(sched, [dict(prompt_ids=q, n_predict=40, speculate=SpecRequest("ngram", 8))
                                  for q in [p] + prompts(3, seed=3)])
-    finally:
-        assert sched.stop()
     assert lone["ids"] == crowd[0]["ids"] == alone(model, p, 40).ids
 
 
@@ -170,8 +168,7 @@ def test_max_tokens_inside_an_accepted_block(model, oracle, ignore_limit):
     p = prompts(1, seed=4)[0]
     full = alone(model, p, 40).ids
     oracle.refs[tuple(p)] = full
-    sched = scheduler(model, n_slots=2, n_ctx=CTX)
-    try:
+    with running(model, n_slots=2, n_ctx=CTX) as sched:
         for n in (1, 2, 5, 8, 9, 13, 20):
             g = run_jobs(sched, [dict(prompt_ids=p, n_predict=n, speculate=SpecRequest("ngram", 6))])[0]
             assert g["ids"] == full[:n], n
@@ -181,8 +178,6 @@ def test_max_tokens_inside_an_accepted_block(model, oracle, ignore_limit):
             # The slot's KV holds what plain steps leave: the prompt and all picks but the last.
             held = [s.session.tokens for s in sched.slots if s.session.tokens[:len(p)] == p]
             assert held and held[0] == p + full[:n - 1]
-    finally:
-        assert sched.stop()
 
 
 def test_stop_string_inside_an_accepted_block(model, oracle):
@@ -190,9 +185,8 @@ def test_stop_string_inside_an_accepted_block(model, oracle):
     ref = alone(model, p, 40)
     oracle.refs[tuple(p)] = ref.ids
     text = ref.text
-    sched = scheduler(model, n_slots=1)
     accepted = 0
-    try:
+    with running(model, n_slots=1) as sched:
         for k in (4, 10, 17, 25):  # the stop string starts after the k-th token's text
             at = len(alone(model, p, k).text)
             stop = text[at:at + 3]
@@ -207,8 +201,6 @@ def test_stop_string_inside_an_accepted_block(model, oracle):
             # The token that completed the stop string was picked, not fed: the KV holds
             # the prompt and the picks before it, as plain steps leave it.
             assert sched.slots[0].session.tokens == p + ref.ids[:len(g["ids"])]
-    finally:
-        assert sched.stop()
     assert accepted > 0
 
 
@@ -219,8 +211,7 @@ def test_rejected_drafts_are_rolled_back(model, oracle):
     ps = prompts(3, seed=6)
     for p in ps:
         oracle.refs[tuple(p)] = alone(model, p, 30).ids
-    sched = scheduler(model, n_slots=3)
-    try:
+    with running(model, n_slots=3) as sched:
         got = run_jobs(sched, [dict(prompt_ids=p, n_predict=30, speculate=SpecRequest("ngram", 5)) for p in ps])
         for p, g in zip(ps, got):
             sp = g["done"].usage["speculation"]
@@ -229,8 +220,6 @@ def test_rejected_drafts_are_rolled_back(model, oracle):
         for p in ps:
             held = [s.session.tokens for s in sched.slots if s.session.tokens[:len(p)] == p]
             assert held == [p + oracle.refs[tuple(p)][:-1]]
-    finally:
-        assert sched.stop()
 
 
 def test_sampled_speculation_repeats_with_a_seed_and_keeps_the_target_support(model):
@@ -239,12 +228,9 @@ def test_sampled_speculation_repeats_with_a_seed_and_keeps_the_target_support(mo
     p = prompts(1, seed=7)[0]
     sp = SamplingParams(temperature=0.9, top_k=5, seed=42)
     job = dict(prompt_ids=p, n_predict=30, speculate=SpecRequest("ngram", 4))
-    sched = scheduler(model, n_slots=2)
-    try:
+    with running(model, n_slots=2) as sched:
         a = run_jobs(sched, [dict(job, sampling=sp)])[0]
         b = run_jobs(sched, [dict(job, sampling=sp)])[0]
-    finally:
-        assert sched.stop()
     assert a["ids"] == b["ids"] and len(a["ids"]) == 30
     s = Session(model, n_ctx=CTX)
     rows = s.forward(p + a["ids"][:-1], n_out=30)
@@ -296,8 +282,7 @@ def test_cancel_between_the_picks_of_a_block(model, oracle, speculate):
     p = prompts(1, seed=10)[0]
     full = alone(model, p, 40).ids
     oracle.refs[tuple(p)] = full
-    sched = scheduler(model, n_slots=1)
-    try:
+    with running(model, n_slots=1) as sched:
         for k in (1, 4, 11):
             q: queue.Queue = queue.Queue()
             got = []
@@ -319,8 +304,6 @@ def test_cancel_between_the_picks_of_a_block(model, oracle, speculate):
             if speculate and k > 4:
                 assert ev.usage["speculation"]["accepted"] > 0
             assert sched.slots[0].session.tokens == p + full[:k - 1]
-    finally:
-        assert sched.stop()
 
 
 def test_a_job_that_fills_the_context_exactly(model, oracle):
@@ -332,11 +315,8 @@ def test_a_job_that_fills_the_context_exactly(model, oracle):
     s = Session(model, n_ctx=ctx)
     full = s.generate(p, n, GREEDY, stop_at_eog=False).ids
     oracle.refs[tuple(p)] = full
-    sched = scheduler(model, n_slots=2, n_ctx=ctx)
-    try:
+    with running(model, n_slots=2, n_ctx=ctx) as sched:
         g = run_jobs(sched, [dict(prompt_ids=p, n_predict=n, speculate=SpecRequest("ngram", 8))])[0]
-    finally:
-        assert sched.stop()
     assert g["ids"] == full and g["done"].reason == "length"
     sp = g["done"].usage["speculation"]
     assert sp["drafted"] == sp["accepted"] > 0
@@ -358,11 +338,8 @@ def test_draft_model_jobs_beside_prompt_lookup_and_plain_ones(model, draft):
     modes = ["draft", "draft", None, "ngram", "draft", None, "draft"]
     specs = [dict(prompt_ids=p, n_predict=20 + 2 * i, speculate=SpecRequest(m, 2 + i % 5) if m else None)
              for i, (p, m) in enumerate(zip(ps, modes))]
-    sched = scheduler(model, draft_model=draft)
-    try:
+    with running(model, draft_model=draft) as sched:
         got = run_jobs(sched, [dict(s) for s in specs])
-    finally:
-        assert sched.stop()
     drafted = accepted = 0
     for s, g in zip(specs, got):
         assert g["ids"] == alone(model, s["prompt_ids"], s["n_predict"]).ids
@@ -378,11 +355,8 @@ def test_draft_model_jobs_beside_prompt_lookup_and_plain_ones(model, draft):
 
 def test_a_draft_equal_to_the_target_is_always_accepted(model):
     ps = prompts(3, seed=13)
-    sched = scheduler(model, n_slots=3, draft_model=model)
-    try:
+    with running(model, n_slots=3, draft_model=model) as sched:
         got = run_jobs(sched, [dict(prompt_ids=p, n_predict=25, speculate=SpecRequest("draft", 4)) for p in ps])
-    finally:
-        assert sched.stop()
     for p, g in zip(ps, got):
         assert g["ids"] == alone(model, p, 25).ids
         sp = g["done"].usage["speculation"]
