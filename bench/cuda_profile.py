@@ -9,10 +9,17 @@ decode steps; entries starting with "  gemm:" are parts of the "gemm" entry, exc
 on the side stream, overlapped with the main stream ("  gemm: dequant wait" is what the
 main stream stalls on them; MINFER_CUDA_GEMM_PIPE=0 puts them back in line as
 "  gemm: dequant").
+
+--stamp (MINFER_CUDA_STAMP=1, graphs on) times the launches inside the replayed graph
+instead: a one-thread kernel after each launch writes the device clock once the launch
+has finished, so "graph: X" is X's share of a replay with its real neighbours (PDL
+overlap included), plus one stamp's cost ("graph: (stamp)", booked apart). Use it
+without MINFER_CUDA_PROFILE and MINFER_NO_CUDA_GRAPH.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -24,6 +31,14 @@ def main() -> int:
     from minfer.session import Session
 
     args = sys.argv[1:]
+    if "--stamp" in args:
+        args.remove("--stamp")
+        os.environ["MINFER_CUDA_STAMP"] = "1"
+    at = 4  # decode steps start after a prompt of this many tokens (--at N)
+    if "--at" in args:
+        k = args.index("--at")
+        at = int(args[k + 1])
+        del args[k:k + 2]
     prefill = 0
     if "--prefill" in args:
         k = args.index("--prefill")
@@ -33,8 +48,8 @@ def main() -> int:
     steps = int(args[1]) if len(args) > 1 else 16
     if prefill:
         return profile_prefill(path, steps, prefill)
-    s = Session.open(path, n_ctx=256, backends=["cuda"])
-    s.forward([1, 2, 3, 4], n_out=1)
+    s = Session.open(path, n_ctx=at + steps + 64, backends=["cuda"])
+    s.forward([(7 * i + 3) % 1000 + 10 for i in range(at)], n_out=1)
     for t in range(3):
         s.forward([t], copy=None)
     _core.cuda_sync()
@@ -68,11 +83,12 @@ def profile_prefill(path: str, reps: int, n: int) -> int:
 
 
 def report(path: str, what: str, steps: int, wall: float, prof: dict) -> None:
-    tot = sum(v[0] for k, v in prof.items() if not k.startswith(" ")) / steps
+    tot = sum(v[0] for k, v in prof.items() if not k.startswith((" ", "graph: ("))) / steps
     print(f"{path}: {what}, wall {wall * 1e3:.3f} ms/step, launches timed {tot:.3f} ms/step")
     for k, (ms, n, b) in sorted(prof.items(), key=lambda kv: -kv[1][0]):
         bw = f"{b / (ms * 1e-3) / 1e9:8.1f} GB/s" if b else ""
-        print(f"  {k:22s} {ms / steps:8.3f} ms/step  {n // steps:4d}/step  {ms / n * 1e3:8.1f} us each  {bw}")
+        each = f"{ms / n * 1e3:8.1f} us each" if n else ""
+        print(f"  {k:30s} {ms / steps:8.3f} ms/step  {n // steps:4d}/step  {each}  {bw}")
 
 
 if __name__ == "__main__":

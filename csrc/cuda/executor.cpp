@@ -121,6 +121,10 @@ struct CudaPlanState : PlanState {
         int norm = -1;          // L_MV_ADD: the one-row RMSNorm step its last block also runs (FUSE_NORM)
     };
     std::vector<Launch> program;
+    // MINFER_CUDA_STAMP=1: device clock stamps around every launch of a whole run (two at
+    // the start, then one after each launch), read back after the run.
+    int64_t* stamps = nullptr;
+    size_t stamps_cap = 0;
     ~CudaPlanState() override {
         // The capture dies with the plan, once the stream no longer uses it.
         cudaStreamSynchronize(ctx().stream);
@@ -137,6 +141,7 @@ struct CudaPlanState : PlanState {
         if (xq2) cudaFree(xq2);
         if (mv_tk) cudaFree(mv_tk);
         if (rope_tk) cudaFree(rope_tk);
+        if (stamps) cudaFree(stamps);
     }
 };
 
@@ -851,6 +856,34 @@ void start_pipe(const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) 
     for (int k = 0; k < 2 && k < (int)st.deqs.size(); ++k) side_dequant(ws, dw, st, k);
 }
 
+bool stamping() {
+    static const bool on = [] { const char* e = std::getenv("MINFER_CUDA_STAMP"); return e && *e && *e != '0'; }();
+    return on;
+}
+
+// A whole run's stamps into the profile as "graph: <launch>": the time from the end of
+// the launch before to the end of this one, less nothing (the stamp kernels' own cost is
+// booked as "graph: (stamp)", the gap between the two stamps at the start).
+void book_stamps(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
+    const size_t n = st.program.size() + 2;
+    std::vector<int64_t> t(n);
+    MC_CHECK(cudaStreamSynchronize(ctx().stream));
+    MC_CHECK(cudaMemcpy(t.data(), st.stamps, n * sizeof(int64_t), cudaMemcpyDeviceToHost));
+    ProfileEntry& o = g_profile["graph: (stamp)"];
+    o.ms += (double)(t[1] - t[0]) * 1e-6;
+    o.count += 1;
+    for (size_t k = 0; k < st.program.size(); ++k) {
+        const auto& L = st.program[k];
+        ProfileEntry& e = g_profile[std::string("graph: ") + launch_name(L, plan)];
+        e.ms += (double)(t[k + 2] - t[k + 1]) * 1e-6;
+        e.count += 1;
+        e.bytes += launch_weight_bytes(L, plan, ws);
+    }
+    ProfileEntry& w = g_profile["graph: (whole run)"];
+    w.ms += (double)(t[n - 1] - t[0]) * 1e-6;
+    w.count += 1;
+}
+
 void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) {
     static const bool prof = [] { const char* e = std::getenv("MINFER_CUDA_PROFILE"); return e && *e && *e != '0'; }();
     struct PipeOff {  // a later partial run dequantizes on the main stream again
@@ -865,6 +898,16 @@ void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, cons
             st.pipe = false;
         }
     } off{st};
+    if (st.stamps) {
+        stamp(st.stamps);
+        stamp(st.stamps + 1);
+        start_pipe(ws, dw, st);
+        for (size_t k = 0; k < st.program.size(); ++k) {
+            launch_merged(st.program[k], plan, pool, ws, dw, st);
+            stamp(st.stamps + 2 + k);
+        }
+        return;
+    }
     if (!prof || ctx().capturing) {
         start_pipe(ws, dw, st);
         for (const auto& L : st.program) launch_merged(L, plan, pool, ws, dw, st);
@@ -923,6 +966,15 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
     // Whatever this run writes, the pick slot no longer answers for old logits; a
     // whole run of a program that ends with the argmax answers for its own.
     forget_pick();
+    if (whole && stamping() && st.stamps_cap < st.program.size() + 2) {
+        // The program grew (a pick added): a capture holding the old buffer goes with it.
+        MC_CHECK(cudaStreamSynchronize(c.stream));
+        if (st.exec) cudaGraphExecDestroy(st.exec);
+        st.exec = nullptr;
+        if (st.stamps) cudaFree(st.stamps);
+        st.stamps_cap = 2 * st.program.size() + 16;
+        MC_CHECK(cudaMalloc(&st.stamps, st.stamps_cap * sizeof(int64_t)));
+    }
     auto picked = [&] {
         if (!whole || st.pick_buf < 0) return;
         PickSlot& pk = pick_slot();
@@ -933,6 +985,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
     if (graphs && st.exec) {
         MC_CHECK(cudaGraphLaunch(st.exec, c.stream));
         ++c.c.graph_launches;
+        if (st.stamps) book_stamps(plan, ws, st);
         picked();
         return;
     }

@@ -37,31 +37,80 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Merge the n_splits partials of one (token, head) in chunk order: out[d] for the
-// lane's dims. The partials are read through L2 (__ldcg): other SMs wrote them during
-// this launch, and this SM's L1 may hold older lines of the scratch.
+// A lane's EPL consecutive head dims of one V row, in one load (EPL halves are 2, 4,
+// 8 or 16 bytes, aligned as the row and the lane's offset are).
+template <int EPL> struct VSlice;
+template <> struct VSlice<1> {
+    __half h;
+    __device__ __forceinline__ void load(const __half* p) { h = *p; }
+    __device__ __forceinline__ float at(int) const { return __half2float(h); }
+};
+template <> struct VSlice<2> {
+    __half2 h;
+    __device__ __forceinline__ void load(const __half* p) { h = *reinterpret_cast<const __half2*>(p); }
+    __device__ __forceinline__ float at(int j) const { return j == 0 ? __low2float(h) : __high2float(h); }
+};
+template <> struct VSlice<4> {
+    uint2 u;
+    __device__ __forceinline__ void load(const __half* p) { u = *reinterpret_cast<const uint2*>(p); }
+    __device__ __forceinline__ float at(int j) const {
+        const __half2 h = *reinterpret_cast<const __half2*>(j < 2 ? &u.x : &u.y);
+        return (j & 1) ? __high2float(h) : __low2float(h);
+    }
+};
+template <> struct VSlice<8> {
+    uint4 u;
+    __device__ __forceinline__ void load(const __half* p) { u = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ float at(int j) const {
+        const unsigned w = j < 2 ? u.x : j < 4 ? u.y : j < 6 ? u.z : u.w;
+        const __half2 h = *reinterpret_cast<const __half2*>(&w);
+        return (j & 1) ? __high2float(h) : __low2float(h);
+    }
+};
+
+// Merge the partials of splits s_lo .. s_hi - 1 (those with cells) of one (token, head):
+// out[d] for the lane's dims. Lane k takes splits k, k + 32, ... for the max and the
+// softmax sum (each a fixed butterfly), then every lane adds the splits' weighted sums
+// for its dims in split order. The partials are read through L2 (__ldcg): other SMs
+// wrote them during this launch, and this SM's L1 may hold older lines of the scratch.
 template <int HD>
-__device__ __forceinline__ void merge_chunks(const float* pp, int n_splits, int lane, float* __restrict__ out) {
-    constexpr int EPL = HD / 32;
+__device__ __forceinline__ void merge_chunks(const float* pp, int s_lo, int s_hi, int lane, float* __restrict__ out) {
+    constexpr int EPL = HD / 32, ST = HD + 2;
     float M = -INFINITY;
-    for (int s = 0; s < n_splits; ++s)
-        if (__ldcg(pp + s * (HD + 2) + 1) > 0.0f) M = fmaxf(M, __ldcg(pp + s * (HD + 2)));
+    for (int s = s_lo + lane; s < s_hi; s += 32)
+        if (__ldcg(pp + s * ST + 1) > 0.0f) M = fmaxf(M, __ldcg(pp + s * ST));
+    M = warp_max(M);
     float L = 0.0f;
-    for (int s = 0; s < n_splits; ++s) {
-        const float l = __ldcg(pp + s * (HD + 2) + 1);
-        if (l > 0.0f) L += l * expf(__ldcg(pp + s * (HD + 2)) - M);
+    for (int s = s_lo + lane; s < s_hi; s += 32) {
+        const float l = __ldcg(pp + s * ST + 1);
+        if (l > 0.0f) L += l * expf(__ldcg(pp + s * ST) - M);
     }
+    L = warp_sum(L);
     const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+    float o[EPL];
 #pragma unroll
-    for (int j = 0; j < EPL; ++j) {
-        const int d = lane * EPL + j;
-        float o = 0.0f;
-        for (int s = 0; s < n_splits; ++s) {
-            const float l = __ldcg(pp + s * (HD + 2) + 1);
-            if (l > 0.0f) o += __ldcg(pp + s * (HD + 2) + 2 + d) * expf(__ldcg(pp + s * (HD + 2)) - M);
+    for (int j = 0; j < EPL; ++j) o[j] = 0.0f;
+    for (int s0 = s_lo; s0 < s_hi; s0 += 32) {
+        // This lane's split's weight (0 for none, or no mass), then each split in order.
+        const int mine = s0 + lane;
+        float f = 0.0f;
+        bool has = false;
+        if (mine < s_hi) {
+            has = __ldcg(pp + mine * ST + 1) > 0.0f;
+            if (has) f = expf(__ldcg(pp + mine * ST) - M);
         }
-        out[d] = o * inv;
+        const unsigned live = __ballot_sync(0xffffffffu, has);
+        const int cnt = s_hi - s0 < 32 ? s_hi - s0 : 32;
+        for (int k = 0; k < cnt; ++k) {
+            const float fk = __shfl_sync(0xffffffffu, f, k);
+            if (!((live >> k) & 1u)) continue;
+            const float* a = pp + (s0 + k) * ST + 2 + lane * EPL;
+#pragma unroll
+            for (int j = 0; j < EPL; ++j) o[j] += __ldcg(a + j) * fk;
+        }
     }
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) out[lane * EPL + j] = o[j] * inv;
 }
 
 // The int8 copy of one (token, head) output row the warp has just written (a head is
@@ -147,15 +196,33 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
 #pragma unroll
         for (int j = 0; j < EPL; ++j) acc[j] *= corr;
         const int nvalid = (int)((c1 - base) < 32 ? (c1 - base) : 32);
-        for (int i = 0; i < nvalid; ++i) {
-            const float pi = __shfl_sync(0xffffffffu, p, i);
-            const __half* vr = V + (base + i) * kvs;
+        // VB cells' V slices (32 registers) are loaded before any is used, so their
+        // latencies overlap; the sums still take the cells in order.
+        constexpr int VB = EPL <= 2 ? 32 : 128 / EPL;
 #pragma unroll
-            for (int j = 0; j < EPL; ++j) acc[j] = fmaf(pi, __half2float(vr[j]), acc[j]);
+        for (int i0 = 0; i0 < 32; i0 += VB) {
+            if (i0 >= nvalid) break;
+            VSlice<EPL> vs[VB];
+#pragma unroll
+            for (int k = 0; k < VB; ++k)
+                if (i0 + k < nvalid) vs[k].load(V + (base + i0 + k) * kvs);
+#pragma unroll
+            for (int k = 0; k < VB; ++k) {
+                const float pi = __shfl_sync(0xffffffffu, p, i0 + k);
+                if (i0 + k < nvalid) {
+#pragma unroll
+                    for (int j = 0; j < EPL; ++j) acc[j] = fmaf(pi, vs[k].at(j), acc[j]);
+                }
+            }
         }
         m = m_new;
     }
-    if (n_splits == 1) {
+    // Splits holding cells of [lo, hi): s_lo .. s_hi - 1. Only those publish a partial
+    // and draw a ticket; when there are none, split 0 writes the zeros.
+    const int s_lo = hi > lo ? (int)(lo / chunk) : 0;
+    const int s_hi = hi > lo ? (int)((hi + chunk - 1) / chunk) : 1;
+    if (split < s_lo || split >= s_hi) return;
+    if (s_hi - s_lo == 1) {
         float* o = a.out + t * a.nh * HD + h * HD + lane * EPL;
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
@@ -177,9 +244,9 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         int tk = 0;
         if (lane == 0) tk = atomicAdd(ticket + pair, 1);
         tk = __shfl_sync(0xffffffffu, tk, 0);
-        if (tk != n_splits - 1) return;
+        if (tk != s_hi - s_lo - 1) return;
         __threadfence();
-        merge_chunks<HD>(pp, n_splits, lane, a.out + t * a.nh * HD + h * HD);
+        merge_chunks<HD>(pp, s_lo, s_hi, lane, a.out + t * a.nh * HD + h * HD);
         quant_head<HD>(a, t * a.nh * HD + h * HD, lane);
         // Every chunk of this pair has drawn its ticket: ready for the next launch.
         if (lane == 0) ticket[pair] = 0;
@@ -201,7 +268,7 @@ bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 
 int attn_chunk_cells() {
     static const int c = [] {
         const char* e = std::getenv("MINFER_CUDA_ATTN_CHUNK");
-        const int v = e && *e ? std::atoi(e) : 256;
+        const int v = e && *e ? std::atoi(e) : 64;
         return v < 32 ? 32 : v;
     }();
     return c;

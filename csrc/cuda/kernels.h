@@ -158,4 +158,8 @@ constexpr int32_t kArgmaxNonFinite = -1;
 constexpr int kArgmaxMaxRows = 64;
 void argmax(const float* x, int64_t n, int32_t* out, const int* err, int rows = 1);
 
+// Profiling only (MINFER_CUDA_STAMP=1): one thread writes the device clock (ns) into *slot
+// once every kernel before it on the stream has finished.
+void stamp(int64_t* slot);
+
 }  // namespace minfer::cuda
