@@ -1,15 +1,16 @@
 // GQA attention over the f16 K/V regions with an online softmax, f32 accumulation.
 //
-// One warp per (token, head). Within a warp each lane scores one KV cell of a group of
-// 32 (a whole-row dot product, q broadcast from shared memory), the group's max and
-// sum are warp butterflies (every lane ends with the same bits), and then each lane
-// accumulates its own slice of head dims over the group's cells in cell order.
-// Decode splits the context into a fixed number of chunks (a function of n_ctx only,
-// so a captured graph serves every position), all in one launch: each chunk's warp
-// stores its partial (max, sum, acc), fences, and takes an integer ticket for its
-// (token, head); the warp that takes the last ticket merges the chunks in chunk order
-// (0..n-1, whichever warp that is) and resets the ticket for the next launch. Nothing
-// depends on timing: the same inputs give the same bits.
+// One block per (token, head, split) of the context. Its warps take 32-cell groups in
+// turn; within a warp each lane scores one KV cell of a group (a whole-row dot product,
+// q broadcast from shared memory), the group's max and sum are warp butterflies (every
+// lane ends with the same bits), and then each lane accumulates its own slice of head
+// dims over the group's cells in cell order. The warps merge in shared memory, in warp
+// order. The splits (a number fixed by n_ctx alone, so a captured graph serves every
+// position) run in one launch: each split holding cells stores its partial (max, sum,
+// acc), fences, and takes an integer ticket for its (token, head); the block that takes
+// the last ticket merges the splits in split order (whichever block that is) and resets
+// the ticket for the next launch. Nothing depends on timing: the same inputs give the
+// same bits.
 #include <cuda_fp16.h>
 
 #include <cmath>
@@ -124,43 +125,109 @@ __device__ __forceinline__ void quant_head(const AttnDev& a, int64_t off, int la
         quant_block_q8(a.out[off + 32 * b + lane], lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
 }
 
+// One group of up to 32 cells [base, min(base + 32, c1)) into a warp's online softmax
+// state: each lane scores one cell (a whole-row dot product, q from shared memory), the
+// group's max and sum are butterflies, then each lane adds the cells' V slices for its
+// dims in cell order.
+template <int HD>
+__device__ __forceinline__ void attend_group(const float* qs, const __half* K, const __half* V, int64_t kvs,
+                                             float scale, int64_t base, int64_t c1, int lane, float& m, float& l,
+                                             float acc[HD / 32]) {
+    constexpr int EPL = HD / 32;
+    const int64_t c = base + lane;
+    const bool valid = c < c1;
+    float s = -INFINITY;
+    if (valid) {
+        const uint4* kr = reinterpret_cast<const uint4*>(K + c * kvs);
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < HD / 8; ++i) {
+            const uint4 u = kr[i];
+            const __half2* hh = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = __half22float2(hh[j]);
+                dot = fmaf(qs[8 * i + 2 * j], f.x, dot);
+                dot = fmaf(qs[8 * i + 2 * j + 1], f.y, dot);
+            }
+        }
+        s = dot * scale;
+    }
+    const float m_new = fmaxf(m, warp_max(s));
+    const float p = valid ? expf(s - m_new) : 0.0f;
+    const float corr = expf(m - m_new);
+    l = l * corr + warp_sum(p);
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) acc[j] *= corr;
+    const int nvalid = (int)((c1 - base) < 32 ? (c1 - base) : 32);
+    // VB cells' V slices (32 registers) are loaded before any is used, so their
+    // latencies overlap; the sums still take the cells in order.
+    constexpr int VB = EPL <= 2 ? 32 : 128 / EPL;
+#pragma unroll
+    for (int i0 = 0; i0 < 32; i0 += VB) {
+        if (i0 >= nvalid) break;
+        VSlice<EPL> vs[VB];
+#pragma unroll
+        for (int k = 0; k < VB; ++k)
+            if (i0 + k < nvalid) vs[k].load(V + (base + i0 + k) * kvs);
+#pragma unroll
+        for (int k = 0; k < VB; ++k) {
+            const float pi = __shfl_sync(0xffffffffu, p, i0 + k);
+            if (i0 + k < nvalid) {
+#pragma unroll
+                for (int j = 0; j < EPL; ++j) acc[j] = fmaf(pi, vs[k].at(j), acc[j]);
+            }
+        }
+    }
+    m = m_new;
+}
+
+// One block per (token, head, split): its WARPS warps take the split's 32-cell groups in
+// turn (warp w: groups w, w + WARPS, ...), so a short context is one group per warp, all
+// in flight at once; the warps' states merge in shared memory in warp order.
 template <int HD>
 __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, int chunk, float* __restrict__ part,
                                                      int* __restrict__ ticket, int* err) {
     pdl_wait();
     pdl_trigger();
     constexpr int EPL = HD / 32;  // head dims per lane
-    __shared__ float qs[WARPS][HD];
+    __shared__ float qs[HD];
+    __shared__ float wm[WARPS], wl[WARPS];
+    __shared__ float wacc[WARPS][HD];
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t pair = (int64_t)blockIdx.x * WARPS + w;
-    if (pair >= a.nt * a.nh) return;
+    const int64_t pair = blockIdx.x;
     const int64_t t = pair / a.nh, h = pair % a.nh;
     const int64_t kvh = h / (a.nh / a.nkv);
     const int split = blockIdx.y;
-    const float* q = a.q + t * a.q_stride + h * HD;
-    for (int d = lane; d < HD; d += 32) qs[w][d] = q[d];
-    __syncwarp();
 
     int64_t lo = 0, hi = 0;
     if (a.span) {
         lo = a.span[2 * t];
         hi = a.span[2 * t + 1];
         if (lo < 0 || lo > hi || hi > a.n_ctx) {
-            if (lane == 0) *err = 4;
+            if (threadIdx.x == 0) *err = 4;
             lo = hi = 0;
         }
     } else {
         const int64_t p = a.pos[t];
         if (p < 0 || p >= a.n_ctx) {
-            if (lane == 0) *err = 4;
+            if (threadIdx.x == 0) *err = 4;
         } else {
             hi = p + 1;
         }
     }
+    // Splits holding cells of [lo, hi): s_lo .. s_hi - 1. Only those publish a partial
+    // and draw a ticket; when there are none, split 0 writes the zeros.
+    const int s_lo = hi > lo ? (int)(lo / chunk) : 0;
+    const int s_hi = hi > lo ? (int)((hi + chunk - 1) / chunk) : 1;
+    if (split < s_lo || split >= s_hi) return;
+    const float* q = a.q + t * a.q_stride + h * HD;
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
+    __syncthreads();
+
     const int64_t c0 = lo > (int64_t)split * chunk ? lo : (int64_t)split * chunk;
     const int64_t c1e = (int64_t)(split + 1) * chunk;
     const int64_t c1 = hi < c1e ? hi : c1e;
-
     const int64_t kvs = a.nkv * HD;
     const __half* K = reinterpret_cast<const __half*>(a.k) + kvh * HD;
     const __half* V = reinterpret_cast<const __half*>(a.v) + kvh * HD + lane * EPL;
@@ -168,107 +235,81 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     float acc[EPL];
 #pragma unroll
     for (int j = 0; j < EPL; ++j) acc[j] = 0.0f;
+    for (int64_t base = c0 + 32 * w; base < c1; base += 32 * WARPS)
+        attend_group<HD>(qs, K, V, kvs, a.scale, base, c1, lane, m, l, acc);
 
-    for (int64_t base = c0; base < c1; base += 32) {
-        const int64_t c = base + lane;
-        const bool valid = c < c1;
-        float s = -INFINITY;
-        if (valid) {
-            const uint4* kr = reinterpret_cast<const uint4*>(K + c * kvs);
-            float dot = 0.0f;
-#pragma unroll
-            for (int i = 0; i < HD / 8; ++i) {
-                const uint4 u = kr[i];
-                const __half2* hh = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 f = __half22float2(hh[j]);
-                    dot = fmaf(qs[w][8 * i + 2 * j], f.x, dot);
-                    dot = fmaf(qs[w][8 * i + 2 * j + 1], f.y, dot);
-                }
-            }
-            s = dot * a.scale;
-        }
-        const float m_new = fmaxf(m, warp_max(s));
-        const float p = valid ? expf(s - m_new) : 0.0f;
-        const float corr = expf(m - m_new);
-        l = l * corr + warp_sum(p);
-#pragma unroll
-        for (int j = 0; j < EPL; ++j) acc[j] *= corr;
-        const int nvalid = (int)((c1 - base) < 32 ? (c1 - base) : 32);
-        // VB cells' V slices (32 registers) are loaded before any is used, so their
-        // latencies overlap; the sums still take the cells in order.
-        constexpr int VB = EPL <= 2 ? 32 : 128 / EPL;
-#pragma unroll
-        for (int i0 = 0; i0 < 32; i0 += VB) {
-            if (i0 >= nvalid) break;
-            VSlice<EPL> vs[VB];
-#pragma unroll
-            for (int k = 0; k < VB; ++k)
-                if (i0 + k < nvalid) vs[k].load(V + (base + i0 + k) * kvs);
-#pragma unroll
-            for (int k = 0; k < VB; ++k) {
-                const float pi = __shfl_sync(0xffffffffu, p, i0 + k);
-                if (i0 + k < nvalid) {
-#pragma unroll
-                    for (int j = 0; j < EPL; ++j) acc[j] = fmaf(pi, vs[k].at(j), acc[j]);
-                }
-            }
-        }
-        m = m_new;
+    if (lane == 0) {
+        wm[w] = m;
+        wl[w] = l;
     }
-    // Splits holding cells of [lo, hi): s_lo .. s_hi - 1. Only those publish a partial
-    // and draw a ticket; when there are none, split 0 writes the zeros.
-    const int s_lo = hi > lo ? (int)(lo / chunk) : 0;
-    const int s_hi = hi > lo ? (int)((hi + chunk - 1) / chunk) : 1;
-    if (split < s_lo || split >= s_hi) return;
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) wacc[w][lane * EPL + j] = acc[j];
+    __syncthreads();
+    if (w != 0) return;
+    float M = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < WARPS; ++k)
+        if (wl[k] > 0.0f) M = fmaxf(M, wm[k]);
+    float L = 0.0f, o[EPL];
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) o[j] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < WARPS; ++k) {
+        if (!(wl[k] > 0.0f)) continue;
+        const float f = expf(wm[k] - M);
+        L += wl[k] * f;
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) o[j] += wacc[k][lane * EPL + j] * f;
+    }
+    const int64_t off = t * a.nh * HD + h * HD;
     if (s_hi - s_lo == 1) {
-        float* o = a.out + t * a.nh * HD + h * HD + lane * EPL;
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float inv = L > 0.0f ? 1.0f / L : 0.0f;
 #pragma unroll
-        for (int j = 0; j < EPL; ++j) o[j] = acc[j] * inv;
-        quant_head<HD>(a, t * a.nh * HD + h * HD, lane);
-    } else {
-        float* pp = part + pair * n_splits * (HD + 2);
-        float* mine = pp + split * (HD + 2);
-        if (lane == 0) {
-            mine[0] = m;
-            mine[1] = l;
-        }
-#pragma unroll
-        for (int j = 0; j < EPL; ++j) mine[2 + lane * EPL + j] = acc[j];
-        // Publish the partial before taking a ticket (threadFenceReduction's pattern):
-        // whoever draws the last ticket then sees every chunk's stores.
-        __threadfence();
-        __syncwarp();
-        int tk = 0;
-        if (lane == 0) tk = atomicAdd(ticket + pair, 1);
-        tk = __shfl_sync(0xffffffffu, tk, 0);
-        if (tk != s_hi - s_lo - 1) return;
-        __threadfence();
-        merge_chunks<HD>(pp, s_lo, s_hi, lane, a.out + t * a.nh * HD + h * HD);
-        quant_head<HD>(a, t * a.nh * HD + h * HD, lane);
-        // Every chunk of this pair has drawn its ticket: ready for the next launch.
-        if (lane == 0) ticket[pair] = 0;
+        for (int j = 0; j < EPL; ++j) a.out[off + lane * EPL + j] = o[j] * inv;
+        quant_head<HD>(a, off, lane);
+        return;
     }
+    float* pp = part + pair * n_splits * (HD + 2);
+    float* mine = pp + split * (HD + 2);
+    if (lane == 0) {
+        mine[0] = M;
+        mine[1] = L;
+    }
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) mine[2 + lane * EPL + j] = o[j];
+    // Publish the partial before taking a ticket (threadFenceReduction's pattern):
+    // whoever draws the last ticket then sees every split's stores.
+    __threadfence();
+    __syncwarp();
+    int tk = 0;
+    if (lane == 0) tk = atomicAdd(ticket + pair, 1);
+    tk = __shfl_sync(0xffffffffu, tk, 0);
+    if (tk != s_hi - s_lo - 1) return;
+    __threadfence();
+    merge_chunks<HD>(pp, s_lo, s_hi, lane, a.out + off);
+    quant_head<HD>(a, off, lane);
+    // Every split of this pair has drawn its ticket: ready for the next launch.
+    if (lane == 0) ticket[pair] = 0;
 }
 
+// Cells per split: whole rounds of the block's warps' 32-cell groups.
 int chunk_of(int64_t n_ctx, int n_splits) {
     int64_t c = (n_ctx + n_splits - 1) / n_splits;
-    return (int)((c + 31) / 32 * 32);
+    return (int)((c + 32 * WARPS - 1) / (32 * WARPS) * (32 * WARPS));
 }
 
 }  // namespace
 
 bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 128 || hd == 256; }
 
-// Cells per decode chunk (MINFER_CUDA_ATTN_CHUNK, read once per process: the scratch is
-// sized with it): a warp walks its chunk's cells in groups of 32, one after another, so
-// shorter chunks mean shorter critical paths and more partials to merge.
+// Cells per decode split (MINFER_CUDA_ATTN_CHUNK, read once per process: the scratch is
+// sized with it; rounded up to whole rounds of 32 * WARPS): a warp walks its share of a
+// split's groups one after another, so shorter splits mean shorter critical paths and
+// more partials to merge.
 int attn_chunk_cells() {
     static const int c = [] {
         const char* e = std::getenv("MINFER_CUDA_ATTN_CHUNK");
-        const int v = e && *e ? std::atoi(e) : 64;
+        const int v = e && *e ? std::atoi(e) : 256;
         return v < 32 ? 32 : v;
     }();
     return c;
@@ -295,7 +336,7 @@ void attention(const AttnDev& a, float* scratch, int* tickets, int* err) {
     const int n_splits = attn_splits(a.nt, a.n_ctx);
     const int chunk = chunk_of(a.n_ctx, n_splits);
     const int64_t pairs = a.nt * a.nh;
-    dim3 grid((unsigned)((pairs + WARPS - 1) / WARPS), (unsigned)n_splits);
+    dim3 grid((unsigned)pairs, (unsigned)n_splits);
     switch (a.hd) {
         case 32: launch(k_attn<32>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
         case 64: launch(k_attn<64>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
