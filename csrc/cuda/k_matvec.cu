@@ -535,6 +535,48 @@ __global__ void k_rms_norm_q8(const float* __restrict__ x, const float* __restri
     norm_q8_block(x, w, y, d, eps, q, ds, blockDim.x);
 }
 
+// The same for d <= NORM_REG_MAX * blockDim.x (blockDim.x = rms_threads(d)), with the
+// thread's elements held in registers: its weights are loaded before pdl_wait() (no
+// kernel writes them) and x is read once. The operations are norm_q8_block's in its
+// order (elements t, t + T, ... of the tree of T = blockDim.x threads), so the bits are.
+constexpr int NORM_REG_MAX = 8;
+__global__ void k_rms_norm_q8_reg(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+                                  int d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds) {
+    __shared__ double red[32];
+    __shared__ float sc;
+    const int T = blockDim.x, t = threadIdx.x, lane = t % 32;
+    float wv[NORM_REG_MAX], xv[NORM_REG_MAX];
+#pragma unroll
+    for (int k = 0; k < NORM_REG_MAX; ++k) wv[k] = w && t + k * T < d ? w[t + k * T] : 0.0f;
+    pdl_wait();
+    pdl_trigger();
+#pragma unroll
+    for (int k = 0; k < NORM_REG_MAX; ++k) xv[k] = t + k * T < d ? __ldcg(x + t + k * T) : 0.0f;
+    double ss = 0.0;
+#pragma unroll
+    for (int k = 0; k < NORM_REG_MAX; ++k)
+        if (t + k * T < d) ss = __fma_rn((double)xv[k], (double)xv[k], ss);
+    for (int o = 16; o > 0; o >>= 1) ss = __dadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
+    if (lane == 0) red[t / 32] = ss;
+    __syncthreads();
+    if (t == 0) {
+        double s = 0.0;
+        for (int k = 0; k < T / 32; ++k) s = __dadd_rn(s, red[k]);
+        sc = (float)(1.0 / sqrt(s / (double)d + (double)eps));
+    }
+    __syncthreads();
+    const float scale = sc;
+#pragma unroll
+    for (int k = 0; k < NORM_REG_MAX; ++k) {
+        const int i = t + k * T;
+        if (i >= d) break;  // whole warps leave together: d and T are multiples of 32
+        const float v0 = __fmul_rn(xv[k], scale);
+        const float v = w ? __fmul_rn(v0, wv[k]) : v0;
+        y[i] = v;
+        quant_block_q8(v, lane, q + (i - lane), ds + i / 32);
+    }
+}
+
 template <int T>
 __global__ void k_dequant_f16(const uint8_t* __restrict__ W, size_t row_bytes, int n_chunks, int64_t total,
                               __half* __restrict__ out) {
@@ -761,7 +803,9 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
 void rms_norm_q8(const float* x, const float* w, float* y, int64_t d, float eps, void* scratch) {
     int8_t* q = (int8_t*)scratch;
     float2* ds = (float2*)((uint8_t*)scratch + d);
-    launch(k_rms_norm_q8, 1, rms_threads(d), x, w, y, d, eps, q, ds);
+    const int T = rms_threads(d);
+    if (d % 32 == 0 && d <= (int64_t)NORM_REG_MAX * T) launch(k_rms_norm_q8_reg, 1, T, x, w, y, (int)d, eps, q, ds);
+    else launch(k_rms_norm_q8, 1, T, x, w, y, d, eps, q, ds);
 }
 
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out,
