@@ -221,6 +221,57 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
     check_matvec(outs["1"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
+def test_matvec_staged_bitwise(qtype, monkeypatch):
+    """The staged matvec (MINFER_CUDA_MV_BULK=1: rows streamed into shared memory by bulk
+    copies) gives the plain kernel's bits: a lone matvec with bias, one with a residual
+    add, gate|up + SwiGLU writing down's int8 input through the 32-row group tickets
+    (warps' row runs straddle the groups), and down itself; row counts below and above
+    one row per warp, and a run direct, captured and replayed (tickets left at zero)."""
+    rng = np.random.default_rng(100 + int(qtype))
+    in_dim = 512
+    outs, staged = {}, {}
+    for rows in (96, 2016):
+        w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
+        u_raw, _ = make_weight(qtype, rows, in_dim, rng)
+        d_raw, _ = make_weight(Q.Q8_0, in_dim, rows, rng)
+        x = rng.standard_normal((1, in_dim)).astype(np.float32)
+        bias = rng.standard_normal(rows).astype(np.float32)
+        res = rng.standard_normal(in_dim).astype(np.float32)
+        for bulk in ("1", "0"):
+            monkeypatch.setenv("MINFER_CUDA_MV_BULK", bulk)
+            r = Rig()
+            w = r.weight("w", w_raw, qtype, in_dim, rows)
+            b = r.weight("b", bias, Q.F32, rows, 1)
+            u = r.weight("u", u_raw, qtype, in_dim, rows)
+            d = r.weight("d", d_raw, Q.Q8_0, rows, in_dim)
+            xi, ri = r.buf(x), r.buf(res)
+            y, g, h, sw, yd, z = (r.out(n) for n in (rows, rows, rows, rows, in_dim, in_dim))
+            plan = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, b]),
+                           ("matmul", [g, xi], [in_dim, rows, 1], [], [w, -1]),
+                           ("matmul", [h, xi], [in_dim, rows, 1], [], [u, -1]),
+                           ("swiglu", [sw, g, h], [rows], [], []),
+                           ("matmul", [yd, sw], [rows, in_dim, 1], [], [d, -1]),
+                           ("add", [z, yd, ri], [in_dim], [], [])])
+            plan.flags = 2 | 4 | 8
+            _core.cuda_validate(plan, r.pool, r.weights)
+            _core.cuda_sync()
+            _core.testing.cuda_reset_counters()
+            runs = []
+            for _ in range(3):
+                r.pool.write(sw, np.full(rows, np.nan, np.float32))
+                r.run(plan)
+                runs.append([r.read(k, n).tobytes() for k, n in ((y, rows), (sw, rows), (z, in_dim))])
+            assert runs[0] == runs[1] == runs[2], f"rows {rows} bulk {bulk}: runs differ"
+            staged[rows, bulk] = _core.testing.cuda_counters()["staged"]
+            outs[rows, bulk] = runs[0]
+        assert outs[rows, "1"] == outs[rows, "0"], f"rows {rows}: staged vs plain bits"
+        # The staged kernel took the quantized launches: matvec + bias, gate|up, down + add.
+        assert staged[rows, "1"] >= 2 * 3 and staged[rows, "0"] == 0, staged
+        got = np.frombuffer(outs[rows, "1"][0], np.float32)
+        check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
+
+
 @pytest.mark.parametrize("rows,rpw", [(5000, "0"), (9000, "0"), (60000, "0"), (3000, "8"), (3000, "1")])
 def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which

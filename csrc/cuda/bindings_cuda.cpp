@@ -247,6 +247,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             d["d2h_bytes"] = k.d2h_bytes;
             d["syncs"] = k.syncs;
             d["allocs"] = k.allocs;
+            d["staged"] = k.staged;
             return d;
         });
     testing.def("cuda_reset_counters", []() { ctx().c = Counters{}; });

@@ -40,6 +40,8 @@ Context& ctx() {
     auto* c = new Context();
     MC_CHECK(cudaSetDevice(0));
     MC_CHECK(cudaDeviceGetAttribute(&c->n_sm, cudaDevAttrMultiProcessorCount, 0));
+    MC_CHECK(cudaDeviceGetAttribute(&c->smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+    MC_CHECK(cudaDeviceGetAttribute(&c->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
     MC_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     MC_CHECK(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking));
     check_blas(cublasCreate(&c->blas), "cublasCreate");

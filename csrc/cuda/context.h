@@ -30,11 +30,14 @@ struct Counters {
     uint64_t h2d_bytes = 0, d2h_bytes = 0;
     uint64_t syncs = 0;           // host waits on the stream or an event
     uint64_t allocs = 0;          // cudaMalloc / cudaMallocHost calls
+    uint64_t staged = 0;          // launches of the staged matvec (k_matvec_bulk), direct or captured
 };
 
 struct Context {
     int device = 0;
     int n_sm = 0;
+    int smem_per_sm = 0;  // shared memory per SM, and the most one block may opt in to (bytes)
+    int smem_optin = 0;
     cudaStream_t stream = nullptr;
     cudaStream_t side = nullptr;  // the prefill GEMMs' weight dequantization (executor.cpp)
     cublasHandle_t blas = nullptr;

@@ -52,10 +52,28 @@ struct MvArgs {
 constexpr int MV_WARPS = 4;
 
 __device__ __forceinline__ uint4 ldg4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-__device__ __forceinline__ float ldh(const uint8_t* p) {
-    return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+// Weight loads: G = global memory through the read-only path, else shared memory (a
+// staged copy of the row, k_matvec_bulk).
+template <bool G = true>
+__device__ __forceinline__ uint4 ld4(const uint8_t* p) {
+    if constexpr (G) return ldg4(p);
+    else return *reinterpret_cast<const uint4*>(p);
 }
-__device__ __forceinline__ uint32_t ldw(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+template <bool G = true>
+__device__ __forceinline__ float ldh(const uint8_t* p) {
+    if constexpr (G) return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+    else return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
+}
+template <bool G = true>
+__device__ __forceinline__ uint32_t ldw(const uint8_t* p) {
+    if constexpr (G) return __ldg(reinterpret_cast<const unsigned int*>(p));
+    else return *reinterpret_cast<const unsigned int*>(p);
+}
+template <bool G = true>
+__device__ __forceinline__ unsigned short ldu16(const uint8_t* p) {
+    if constexpr (G) return __ldg(reinterpret_cast<const unsigned short*>(p));
+    else return *reinterpret_cast<const unsigned short*>(p);
+}
 __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
 __device__ __forceinline__ uint32_t W_(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
@@ -95,12 +113,13 @@ struct UnitQ45 {
     uint4 q;
     uint32_t qh, dm;
     __device__ static int count(int nb) { return nb; }
+    template <bool G = true>
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
-        q = ldg4(row + 16 * u);
-        if constexpr (kHigh) qh = ldw(row + 16 * nb + 4 * u);
+        q = ld4<G>(row + 16 * u);
+        if constexpr (kHigh) qh = ldw<G>(row + 16 * nb + 4 * u);
         constexpr int sc_at = kHigh ? 20 : 16;
-        if constexpr (kMin) dm = ldw(row + sc_at * nb + 4 * u);
-        else dm = __ldg(reinterpret_cast<const unsigned short*>(row + sc_at * nb + 2 * u));
+        if constexpr (kMin) dm = ldw<G>(row + sc_at * nb + 4 * u);
+        else dm = ldu16<G>(row + sc_at * nb + 2 * u);
     }
     __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
         uint32_t w[8];
@@ -133,10 +152,11 @@ template <> struct Unit<T_Q8_0> {
     uint4 q0, q1;
     float d;
     __device__ static int count(int nb) { return nb; }
+    template <bool G = true>
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
-        q0 = ldg4(row + 32 * u);
-        q1 = ldg4(row + 32 * u + 16);
-        d = ldh(row + 32 * nb + 2 * u);
+        q0 = ld4<G>(row + 32 * u);
+        q1 = ld4<G>(row + 32 * u + 16);
+        d = ldh<G>(row + 32 * nb + 2 * u);
     }
     __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
         const uint32_t w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
@@ -154,14 +174,15 @@ struct UnitK45 {
     static constexpr int kQs = T == T_Q5_K ? 48 : 16;
     uint4 h, q0, q1, qh0, qh1;
     __device__ static int count(int nb) { return nb / 2; }
+    template <bool G = true>
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int) {
         const uint8_t* b = row + (size_t)kBlock * (u >> 2);
-        h = ldg4(b);
-        q0 = ldg4(b + kQs + 32 * (u & 3));
-        q1 = ldg4(b + kQs + 32 * (u & 3) + 16);
+        h = ld4<G>(b);
+        q0 = ld4<G>(b + kQs + 32 * (u & 3));
+        q1 = ld4<G>(b + kQs + 32 * (u & 3) + 16);
         if constexpr (T == T_Q5_K) {
-            qh0 = ldg4(b + 16);
-            qh1 = ldg4(b + 32);
+            qh0 = ld4<G>(b + 16);
+            qh1 = ld4<G>(b + 32);
         }
     }
     __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
@@ -202,14 +223,15 @@ template <> struct Unit<T_Q6_K> {
     uint4 l0, l1, h0, h1, sc;
     float d;
     __device__ static int count(int nb) { return nb / 2; }
+    template <bool G = true>
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
         const int ns = nb / 8, s = u >> 2, n = (u >> 1) & 1, k1 = u & 1;
-        l0 = ldg4(row + q6k_ql(s) + 64 * n + 32 * k1);
-        l1 = ldg4(row + q6k_ql(s) + 64 * n + 32 * k1 + 16);
-        h0 = ldg4(row + q6k_qh(ns, s) + 32 * n);
-        h1 = ldg4(row + q6k_qh(ns, s) + 32 * n + 16);
-        sc = ldg4(row + q6k_sc(ns, s));
-        d = ldh(row + q6k_d(ns, s));
+        l0 = ld4<G>(row + q6k_ql(s) + 64 * n + 32 * k1);
+        l1 = ld4<G>(row + q6k_ql(s) + 64 * n + 32 * k1 + 16);
+        h0 = ld4<G>(row + q6k_qh(ns, s) + 32 * n);
+        h1 = ld4<G>(row + q6k_qh(ns, s) + 32 * n + 16);
+        sc = ld4<G>(row + q6k_sc(ns, s));
+        d = ldh<G>(row + q6k_d(ns, s));
     }
     __device__ __forceinline__ static int sbyte(const uint4& v, int i) {
         return (int)(int8_t)((W_(v, i >> 2) >> (8 * (i & 3))) & 0xFF);
@@ -351,6 +373,20 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // One row of one job: the dot products, the warp reduction, the epilogue (lane 0).
+// A row's result from its reduced sums: bias, residual, SwiGLU, as every launch shape
+// computes it.
+__device__ __forceinline__ void mv_store(const MvJob& jb, int row, int c, float acc, float acc2) {
+    float r = acc;
+    if (jb.bias) r = fadd(r, jb.bias[row]);
+    if (jb.resid) r = fadd(r, jb.resid[(size_t)c * jb.rows + row]);
+    if (jb.W2) {
+        float u = acc2;
+        if (jb.bias2) u = fadd(u, jb.bias2[row]);
+        r = silu_f(r) * u;
+    }
+    jb.y[(size_t)c * jb.rows + row] = r;
+}
+
 template <int NC, int TT>
 __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
     float acc[NC], acc2[NC];
@@ -366,17 +402,7 @@ __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row
     }
     if (lane == 0) {
 #pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            float r = acc[c];
-            if (jb.bias) r = fadd(r, jb.bias[row]);
-            if (jb.resid) r = fadd(r, jb.resid[(size_t)c * jb.rows + row]);
-            if (jb.W2) {
-                float u = acc2[c];
-                if (jb.bias2) u = fadd(u, jb.bias2[row]);
-                r = silu_f(r) * u;
-            }
-            jb.y[(size_t)c * jb.rows + row] = r;
-        }
+        for (int c = 0; c < NC; ++c) mv_store(jb, row, c, acc[c], acc2[c]);
     }
 }
 
@@ -515,6 +541,122 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
     }
 }
 
+
+// ---- staged decode matvec (MINFER_CUDA_MV_BULK) ------------------------------------
+// One job, one column, one weight type T (W2 too). Each warp owns a contiguous run of
+// rows and streams them into a ring of BULK_STAGES row slots in shared memory with bulk
+// asynchronous copies (the copy engine, not registers, holds the bytes in flight), one
+// mbarrier per slot; it computes row i from its slot while rows i + 1 .. i + STAGES - 1
+// are on their way. The first slots are requested before pdl_wait() (weights are never
+// written by a kernel). A row's arithmetic is row_dot's (lane l takes units l, l + 32, ...
+// in order), its reduction and epilogue mv_row's: the same bits as k_matvec. The int8
+// copy of y (q_out) is made per 32-row group by the warp whose rows complete it (an
+// integer ticket per group counting rows, zero before and after every launch).
+constexpr int BULK_STAGES = 4;  // ring slots per warp, at most (the launch picks ns <= this)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void bulk_row(uint64_t* bar, uint8_t* dst, const uint8_t* src, uint32_t bytes,
+                                         uint8_t* dst2, const uint8_t* src2, uint32_t bytes2) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes + bytes2)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+    if (bytes2)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         smem_u32(dst2)),
+                     "l"(src2), "r"(bytes2), "r"(smem_u32(bar))
+                     : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t phase) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.b32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(phase)
+            : "memory");
+}
+
+template <int T>
+__device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs& a, int lane) {
+    const int nu = Unit<T>::count(a.nb);
+    float acc = 0.0f;
+    for (int u = lane; u < nu; u += 32) {
+        Unit<T> w;
+        w.template load<false>(srow, u, a.nb);
+        acc = fadd(acc, w.dot(a, 0, u));
+    }
+    return acc;
+}
+
+template <int T>
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns) {
+    pdl_trigger();
+    extern __shared__ __align__(16) uint8_t bulk_smem[];
+    const MvJob& jb = a.job[0];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int gw = blockIdx.x * MV_WARPS + wib;
+    const int r0 = (int)((int64_t)jb.rows * gw / n_warps), r1 = (int)((int64_t)jb.rows * (gw + 1) / n_warps);
+    const uint32_t rb = (uint32_t)jb.row_bytes, rb2 = jb.W2 ? (uint32_t)jb.row_bytes2 : 0u;
+    const uint32_t slot = rb + rb2;
+    uint64_t* bars = reinterpret_cast<uint64_t*>(bulk_smem) + wib * BULK_STAGES;
+    uint8_t* ring = bulk_smem + MV_WARPS * BULK_STAGES * sizeof(uint64_t) + (size_t)wib * ns * slot;
+    const int n = r1 - r0;
+    if (lane == 0 && n > 0) {
+        for (int k = 0; k < ns; ++k)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + k)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int k = 0; k < ns && k < n; ++k) {
+            const size_t r = (size_t)(r0 + k);
+            bulk_row(bars + k, ring + k * slot, jb.W + r * rb, rb, ring + k * slot + rb, jb.W2 ? jb.W2 + r * rb2 : nullptr,
+                     rb2);
+        }
+    }
+    __syncwarp();
+    pdl_wait();
+    int g_done = 0;  // rows of the current 32-row group this warp has written
+    for (int i = 0; i < n; ++i) {
+        const int k = i % ns;
+        bulk_wait(bars + k, (uint32_t)(i / ns) & 1u);
+        const uint8_t* srow = ring + k * slot;
+        float acc = row_dot_smem<T>(srow, a, lane), acc2 = 0.0f;
+        if (rb2) acc2 = row_dot_smem<T>(srow + rb, a, lane);
+        acc = warp_sum(acc);
+        if (rb2) acc2 = warp_sum(acc2);
+        const int row = r0 + i;
+        if (lane == 0) mv_store(jb, row, 0, acc, acc2);
+        __syncwarp();  // every lane is done with slot k
+        if (lane == 0 && i + ns < n) {
+            // The slot's reads (generic proxy) before the copy engine's writes (async proxy).
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            const size_t r = (size_t)(row + ns);
+            bulk_row(bars + k, ring + k * slot, jb.W + r * rb, rb, ring + k * slot + rb, jb.W2 ? jb.W2 + r * rb2 : nullptr,
+                     rb2);
+        }
+        if (jb.q_out) {
+            ++g_done;
+            if ((row + 1) % 32 == 0 || i == n - 1) {
+                // Publish this warp's rows of the group, then count them in; the warp
+                // completing the group's 32 quantizes it (reading y through L2).
+                const int g = row / 32;
+                __threadfence();
+                int old = 0;
+                if (lane == 0) old = atomicAdd(jb.tickets + g, g_done);
+                old = __shfl_sync(0xffffffffu, old, 0);
+                if (old + g_done == 32) {
+                    __threadfence();
+                    quant_block_q8(__ldcg(jb.y + 32 * g + lane), lane, jb.q_out + 32 * g, jb.ds_out + g);
+                    if (lane == 0) jb.tickets[g] = 0;
+                }
+                g_done = 0;
+            }
+        }
+    }
+}
 
 // The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
 __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
@@ -689,6 +831,67 @@ void launch_mv(const MvArgs& a, unsigned blocks) {
     launch(k_matvec<NC>, blocks, MV_WARPS * 32, a);
 }
 
+// The staged matvec for a one-job, one-column, one-type launch of rows whose slots fit.
+// ns slots per warp: MINFER_CUDA_MV_BULK_STAGES, or by default the most (up to 4) that
+// leave room for six blocks per SM: the warps also need company to hide the latency of
+// their arithmetic, not only bytes in flight.
+size_t bulk_smem_bytes(size_t slot, int ns) { return (size_t)MV_WARPS * (BULK_STAGES * sizeof(uint64_t) + ns * slot); }
+
+int bulk_stages(size_t slot) {
+    const int e = env_int("MINFER_CUDA_MV_BULK_STAGES", 0);
+    if (e > 0) return e < BULK_STAGES ? e : BULK_STAGES;
+    int ns = BULK_STAGES;
+    while (ns > 2 && bulk_smem_bytes(slot, ns) * 6 > (size_t)ctx().smem_per_sm) --ns;
+    return ns;
+}
+
+template <int T>
+void launch_bulk_t(const MvArgs& a, size_t slot, int ns) {
+    const MvJob& j = a.job[0];
+    const size_t smem = bulk_smem_bytes(slot, ns);
+    static size_t attr = 0;  // the largest dynamic shared memory this instantiation was allowed
+    if (smem > attr) {
+        check(cudaFuncSetAttribute(k_matvec_bulk<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+              "cudaFuncSetAttribute");
+        attr = smem;
+    }
+    int per_sm = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_matvec_bulk<T>, MV_WARPS * 32, smem),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    int64_t blocks = (int64_t)ctx().n_sm * (per_sm > 0 ? per_sm : 1);
+    const int64_t need = (j.rows + MV_WARPS - 1) / MV_WARPS;  // at least a row per warp
+    if (blocks > need) blocks = need;
+    launch_smem(k_matvec_bulk<T>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns);
+    ++ctx().c.staged;
+}
+
+// Whether the launch takes the staged matvec: MINFER_CUDA_MV_BULK=1 whenever it can, 0
+// never; by default when it streams more than MINFER_CUDA_MV_BULK_MIN bytes (16 MiB) in
+// row slots of at least 2 KB (small rows and small launches ran faster on the plain
+// kernel: H200, 0.5B's Q8_0 output 65 vs 49 us) and of at most MINFER_CUDA_MV_BULK_MAX.
+bool launch_bulk(const MvArgs& a) {
+    const int mode = env_int("MINFER_CUDA_MV_BULK", -1);
+    if (mode == 0) return false;
+    const MvJob& j = a.job[0];
+    if (a.njobs != 1 || a.rope.tickets || (j.W2 && j.type2 != j.type)) return false;
+    if (j.row_bytes % 16 || (j.W2 && (j.row_bytes2 % 16 || (uintptr_t)j.W2 % 16)) || (uintptr_t)j.W % 16) return false;
+    const size_t slot = j.row_bytes + (j.W2 ? j.row_bytes2 : 0);
+    if (mode < 0 && (slot < 2048 || slot * (size_t)j.rows <= (size_t)env_int("MINFER_CUDA_MV_BULK_MIN", 16 << 20)))
+        return false;
+    if (slot > (size_t)env_int("MINFER_CUDA_MV_BULK_MAX", 8192)) return false;
+    const int ns = bulk_stages(slot);
+    if (bulk_smem_bytes(slot, ns) > (size_t)ctx().smem_optin) return false;
+    switch (j.type) {
+        case T_Q4_K: launch_bulk_t<T_Q4_K>(a, slot, ns); return true;
+        case T_Q5_K: launch_bulk_t<T_Q5_K>(a, slot, ns); return true;
+        case T_Q6_K: launch_bulk_t<T_Q6_K>(a, slot, ns); return true;
+        case T_Q8_0: launch_bulk_t<T_Q8_0>(a, slot, ns); return true;
+        case T_Q5_0: launch_bulk_t<T_Q5_0>(a, slot, ns); return true;
+        case T_Q4_0: launch_bulk_t<T_Q4_0>(a, slot, ns); return true;
+        default: return false;
+    }
+}
+
 // The one-type instantiations of one-column launches (decode), for the types the Qwen
 // Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
 bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
@@ -753,6 +956,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // MINFER_CUDA_MV_PREFETCH_MAX weight bytes (16 MiB by default).
     const int pf_env = env_int("MINFER_CUDA_MV_PREFETCH", -1);
     const bool typed = env_int("MINFER_CUDA_MV_TYPED", 1) != 0;
+    const bool bulk = !norm;
     if (pf_env >= 0) {
         a.prefetch = pf_env != 0;
     } else {
@@ -805,6 +1009,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             case 4: launch_mv<4>(ac, (unsigned)b); break;
             case 2: launch_mv<2>(ac, (unsigned)b); break;
             default:
+                if (bulk && launch_bulk(ac)) break;
                 if (!(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv<1>(ac, (unsigned)b);
                 break;
         }

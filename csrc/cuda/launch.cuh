@@ -35,12 +35,13 @@ inline bool pdl_enabled() {
     return on;
 }
 
+// With smem bytes of dynamic shared memory (over 48 KB: once the kernel's attribute allows it).
 template <typename... KArgs, typename... Args>
-void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, Args&&... args) {
+void launch_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
-    cfg.dynamicSmemBytes = 0;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = ctx().stream;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -49,6 +50,11 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, Args&&... args) {
     cfg.numAttrs = pdl_enabled() ? 1 : 0;
     check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "cudaLaunchKernelEx");
     note_launch();
+}
+
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, Args&&... args) {
+    launch_smem(kernel, grid, block, 0, std::forward<Args>(args)...);
 }
 
 }  // namespace minfer::cuda
