@@ -593,8 +593,13 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
     return acc;
 }
 
+// A slot holds R consecutive rows of the warp's run (W's R rows, then W2's), one bulk
+// copy per matrix per slot. Bigger copies did not pay on the H200: the 7B's gate|up took
+// 38.3 us with one row a slot, 41.4 with two, 67.2 with four (the smem they take leaves
+// fewer warps to hide the arithmetic's latency), so by default rows of 2 KB or more take
+// a slot each.
 template <int T>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns) {
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R) {
     pdl_trigger();
     extern __shared__ __align__(16) uint8_t bulk_smem[];
     const MvJob& jb = a.job[0];
@@ -602,58 +607,62 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
     const int gw = blockIdx.x * MV_WARPS + wib;
     const int r0 = (int)((int64_t)jb.rows * gw / n_warps), r1 = (int)((int64_t)jb.rows * (gw + 1) / n_warps);
     const uint32_t rb = (uint32_t)jb.row_bytes, rb2 = jb.W2 ? (uint32_t)jb.row_bytes2 : 0u;
-    const uint32_t slot = rb + rb2;
+    const uint32_t slot = (uint32_t)R * (rb + rb2);
     uint64_t* bars = reinterpret_cast<uint64_t*>(bulk_smem) + wib * BULK_STAGES;
     uint8_t* ring = bulk_smem + MV_WARPS * BULK_STAGES * sizeof(uint64_t) + (size_t)wib * ns * slot;
-    const int n = r1 - r0;
+    const int n = r1 - r0, n_st = (n + R - 1) / R;
+    // Slot k <- rows r0 + R st .. (at most R, within the run).
+    auto request = [&](int st, int k) {
+        const int rs = r0 + R * st, cnt = min(R, r1 - rs);
+        uint8_t* d = ring + (size_t)k * slot;
+        bulk_row(bars + k, d, jb.W + (size_t)rs * rb, (uint32_t)cnt * rb, d + (size_t)R * rb,
+                 jb.W2 ? jb.W2 + (size_t)rs * rb2 : nullptr, (uint32_t)cnt * rb2);
+    };
     if (lane == 0 && n > 0) {
         for (int k = 0; k < ns; ++k)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + k)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int k = 0; k < ns && k < n; ++k) {
-            const size_t r = (size_t)(r0 + k);
-            bulk_row(bars + k, ring + k * slot, jb.W + r * rb, rb, ring + k * slot + rb, jb.W2 ? jb.W2 + r * rb2 : nullptr,
-                     rb2);
-        }
+        for (int k = 0; k < ns && k < n_st; ++k) request(k, k);
     }
     __syncwarp();
     pdl_wait();
     int g_done = 0;  // rows of the current 32-row group this warp has written
-    for (int i = 0; i < n; ++i) {
-        const int k = i % ns;
-        bulk_wait(bars + k, (uint32_t)(i / ns) & 1u);
-        const uint8_t* srow = ring + k * slot;
-        float acc = row_dot_smem<T>(srow, a, lane), acc2 = 0.0f;
-        if (rb2) acc2 = row_dot_smem<T>(srow + rb, a, lane);
-        acc = warp_sum(acc);
-        if (rb2) acc2 = warp_sum(acc2);
-        const int row = r0 + i;
-        if (lane == 0) mv_store(jb, row, 0, acc, acc2);
+    for (int st = 0; st < n_st; ++st) {
+        const int k = st % ns;
+        bulk_wait(bars + k, (uint32_t)(st / ns) & 1u);
+        const uint8_t* sw = ring + (size_t)k * slot;
+        const int rs = r0 + R * st, cnt = min(R, r1 - rs);
+        for (int q = 0; q < cnt; ++q) {
+            float acc = row_dot_smem<T>(sw + (size_t)q * rb, a, lane), acc2 = 0.0f;
+            if (rb2) acc2 = row_dot_smem<T>(sw + (size_t)R * rb + (size_t)q * rb2, a, lane);
+            acc = warp_sum(acc);
+            if (rb2) acc2 = warp_sum(acc2);
+            const int row = rs + q;
+            if (lane == 0) mv_store(jb, row, 0, acc, acc2);
+            if (jb.q_out) {
+                ++g_done;
+                if ((row + 1) % 32 == 0 || row == r1 - 1) {
+                    // Publish this warp's rows of the group, then count them in; the warp
+                    // completing the group's 32 quantizes it (reading y through L2).
+                    const int g = row / 32;
+                    __threadfence();
+                    int old = 0;
+                    if (lane == 0) old = atomicAdd(jb.tickets + g, g_done);
+                    old = __shfl_sync(0xffffffffu, old, 0);
+                    if (old + g_done == 32) {
+                        __threadfence();
+                        quant_block_q8(__ldcg(jb.y + 32 * g + lane), lane, jb.q_out + 32 * g, jb.ds_out + g);
+                        if (lane == 0) jb.tickets[g] = 0;
+                    }
+                    g_done = 0;
+                }
+            }
+        }
         __syncwarp();  // every lane is done with slot k
-        if (lane == 0 && i + ns < n) {
+        if (lane == 0 && st + ns < n_st) {
             // The slot's reads (generic proxy) before the copy engine's writes (async proxy).
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            const size_t r = (size_t)(row + ns);
-            bulk_row(bars + k, ring + k * slot, jb.W + r * rb, rb, ring + k * slot + rb, jb.W2 ? jb.W2 + r * rb2 : nullptr,
-                     rb2);
-        }
-        if (jb.q_out) {
-            ++g_done;
-            if ((row + 1) % 32 == 0 || i == n - 1) {
-                // Publish this warp's rows of the group, then count them in; the warp
-                // completing the group's 32 quantizes it (reading y through L2).
-                const int g = row / 32;
-                __threadfence();
-                int old = 0;
-                if (lane == 0) old = atomicAdd(jb.tickets + g, g_done);
-                old = __shfl_sync(0xffffffffu, old, 0);
-                if (old + g_done == 32) {
-                    __threadfence();
-                    quant_block_q8(__ldcg(jb.y + 32 * g + lane), lane, jb.q_out + 32 * g, jb.ds_out + g);
-                    if (lane == 0) jb.tickets[g] = 0;
-                }
-                g_done = 0;
-            }
+            request(st + ns, k);
         }
     }
 }
@@ -840,13 +849,22 @@ size_t bulk_smem_bytes(size_t slot, int ns) { return (size_t)MV_WARPS * (BULK_ST
 int bulk_stages(size_t slot) {
     const int e = env_int("MINFER_CUDA_MV_BULK_STAGES", 0);
     if (e > 0) return e < BULK_STAGES ? e : BULK_STAGES;
+    const int blocks = env_int("MINFER_CUDA_MV_BULK_SM_BLOCKS", 6);
     int ns = BULK_STAGES;
-    while (ns > 2 && bulk_smem_bytes(slot, ns) * 6 > (size_t)ctx().smem_per_sm) --ns;
+    while (ns > 1 && bulk_smem_bytes(slot, ns) * blocks > (size_t)ctx().smem_per_sm) --ns;
     return ns;
 }
 
+// Rows per slot: as many as make a copy of about MINFER_CUDA_MV_BULK_COPY bytes (4 KB).
+int bulk_rows(size_t row_slot) {
+    const size_t target = (size_t)env_int("MINFER_CUDA_MV_BULK_COPY", 4096);
+    int R = (int)(target / row_slot);
+    return R < 1 ? 1 : R > 8 ? 8 : R;
+}
+
 template <int T>
-void launch_bulk_t(const MvArgs& a, size_t slot, int ns) {
+void launch_bulk_t(const MvArgs& a, size_t row_slot, int R, int ns) {
+    const size_t slot = row_slot * (size_t)R;
     const MvJob& j = a.job[0];
     const size_t smem = bulk_smem_bytes(slot, ns);
     static size_t attr = 0;  // the largest dynamic shared memory this instantiation was allowed
@@ -861,7 +879,9 @@ void launch_bulk_t(const MvArgs& a, size_t slot, int ns) {
     int64_t blocks = (int64_t)ctx().n_sm * (per_sm > 0 ? per_sm : 1);
     const int64_t need = (j.rows + MV_WARPS - 1) / MV_WARPS;  // at least a row per warp
     if (blocks > need) blocks = need;
-    launch_smem(k_matvec_bulk<T>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns);
+    const int cap = env_int("MINFER_CUDA_MV_BULK_BLOCKS", 0);  // tests: long runs per warp
+    if (cap > 0 && blocks > cap) blocks = cap;
+    launch_smem(k_matvec_bulk<T>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R);
     ++ctx().c.staged;
 }
 
@@ -879,15 +899,16 @@ bool launch_bulk(const MvArgs& a) {
     if (mode < 0 && (slot < 2048 || slot * (size_t)j.rows <= (size_t)env_int("MINFER_CUDA_MV_BULK_MIN", 16 << 20)))
         return false;
     if (slot > (size_t)env_int("MINFER_CUDA_MV_BULK_MAX", 8192)) return false;
-    const int ns = bulk_stages(slot);
-    if (bulk_smem_bytes(slot, ns) > (size_t)ctx().smem_optin) return false;
+    const int R = bulk_rows(slot);
+    const int ns = bulk_stages(slot * R);
+    if (bulk_smem_bytes(slot * R, ns) > (size_t)ctx().smem_optin) return false;
     switch (j.type) {
-        case T_Q4_K: launch_bulk_t<T_Q4_K>(a, slot, ns); return true;
-        case T_Q5_K: launch_bulk_t<T_Q5_K>(a, slot, ns); return true;
-        case T_Q6_K: launch_bulk_t<T_Q6_K>(a, slot, ns); return true;
-        case T_Q8_0: launch_bulk_t<T_Q8_0>(a, slot, ns); return true;
-        case T_Q5_0: launch_bulk_t<T_Q5_0>(a, slot, ns); return true;
-        case T_Q4_0: launch_bulk_t<T_Q4_0>(a, slot, ns); return true;
+        case T_Q4_K: launch_bulk_t<T_Q4_K>(a, slot, R, ns); return true;
+        case T_Q5_K: launch_bulk_t<T_Q5_K>(a, slot, R, ns); return true;
+        case T_Q6_K: launch_bulk_t<T_Q6_K>(a, slot, R, ns); return true;
+        case T_Q8_0: launch_bulk_t<T_Q8_0>(a, slot, R, ns); return true;
+        case T_Q5_0: launch_bulk_t<T_Q5_0>(a, slot, R, ns); return true;
+        case T_Q4_0: launch_bulk_t<T_Q4_0>(a, slot, R, ns); return true;
         default: return false;
     }
 }
