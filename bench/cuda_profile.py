@@ -83,6 +83,8 @@ def profile_prefill(path: str, reps: int, n: int) -> int:
 
 
 def report(path: str, what: str, steps: int, wall: float, prof: dict) -> None:
+    if "graph: (whole run)" in prof:
+        steps = max(1, prof["graph: (whole run)"][1])  # stamps come from replays only, not the capture
     tot = sum(v[0] for k, v in prof.items() if not k.startswith((" ", "graph: ("))) / steps
     print(f"{path}: {what}, wall {wall * 1e3:.3f} ms/step, launches timed {tot:.3f} ms/step")
     for k, (ms, n, b) in sorted(prof.items(), key=lambda kv: -kv[1][0]):
