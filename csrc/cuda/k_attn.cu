@@ -188,7 +188,6 @@ __device__ __forceinline__ void attend_group(const float* qs, const __half* K, c
 template <int HD>
 __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, int chunk, float* __restrict__ part,
                                                      int* __restrict__ ticket, int* err) {
-    pdl_wait();
     pdl_trigger();
     constexpr int EPL = HD / 32;  // head dims per lane
     __shared__ float qs[HD];
@@ -200,6 +199,8 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     const int64_t kvh = h / (a.nh / a.nkv);
     const int split = blockIdx.y;
 
+    // Positions and spans are inputs (written before the run, never by a kernel), so the
+    // cells this block reads are known before the kernel before it has finished.
     int64_t lo = 0, hi = 0;
     if (a.span) {
         lo = a.span[2 * t];
@@ -221,14 +222,27 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     const int s_lo = hi > lo ? (int)(lo / chunk) : 0;
     const int s_hi = hi > lo ? (int)((hi + chunk - 1) / chunk) : 1;
     if (split < s_lo || split >= s_hi) return;
-    const float* q = a.q + t * a.q_stride + h * HD;
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
-    __syncthreads();
-
     const int64_t c0 = lo > (int64_t)split * chunk ? lo : (int64_t)split * chunk;
     const int64_t c1e = (int64_t)(split + 1) * chunk;
     const int64_t c1 = hi < c1e ? hi : c1e;
     const int64_t kvs = a.nkv * HD;
+    // Those cells' K and V rows into L2 while the kernel before finishes (the weights
+    // streamed since the last step have evicted them). The newest cell, which that kernel
+    // writes, is read only after the wait; a prefetch has no effect on what is read.
+    for (int64_t c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        const __half* kr = reinterpret_cast<const __half*>(a.k) + c * kvs + kvh * HD;
+        const __half* vr = reinterpret_cast<const __half*>(a.v) + c * kvs + kvh * HD;
+#pragma unroll
+        for (int o = 0; o < HD; o += 64) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(kr + o));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(vr + o));
+        }
+    }
+    pdl_wait();
+    const float* q = a.q + t * a.q_stride + h * HD;
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
+    __syncthreads();
+
     const __half* K = reinterpret_cast<const __half*>(a.k) + kvh * HD;
     const __half* V = reinterpret_cast<const __half*>(a.v) + kvh * HD + lane * EPL;
     float m = -INFINITY, l = 0.0f;
