@@ -441,8 +441,11 @@ __device__ __noinline__ void norm_q8_tail(const float* __restrict__ x, const flo
 // FusedQKV's tail: after this block's rows of job j (one head's rows lie in whole
 // blocks: rpw == 1, hd % MV_WARPS == 0), the last block of the head ropes it and stores
 // it into the KV cache exactly as k_rope2_store does. y is read through L2 (rope_elem's
-// __ldcg): other blocks wrote it during this launch.
-__device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb, int j, int row0) {
+// __ldcg): other blocks wrote it during this launch. cs: the head's pair angles, worked
+// out by every block of a q or k head before the wait (positions are inputs), or null.
+constexpr int ROPE_CS_MAX = 128;  // pairs whose angles a block keeps in shared memory
+__device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb, int j, int row0,
+                                                const float2* cs) {
     const MvRopeStore& r = a.rope;
     const int role = r.role[j];
     if (!role) return;
@@ -472,7 +475,8 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
         for (int64_t k = threadIdx.x; k < per_row; k += blockDim.x) {
             int64_t i0, i1;
             float y0, y1;
-            rope_elem(xr, k, half, r.n_rot, r.pos[0], r.freq_base, i0, y0, i1, y1);
+            if (cs) rope_apply(xr, k, half, r.n_rot, k < half ? cs[k].x : 0.0f, k < half ? cs[k].y : 0.0f, i0, y0, i1, y1);
+            else rope_elem(xr, k, half, r.n_rot, r.pos[0], r.freq_base, i0, y0, i1, y1);
             yr[i0] = y0;
             yr[i1] = y1;
             if (role == 2) {
@@ -499,12 +503,27 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
     const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
     if (a.prefetch && row0 < row1) prefetch_job_row(jb, row0, lane);
     if (a.prefetch && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
+    // FusedQKV's tail: the rotation angles (double-precision pow, cos, sin) off the
+    // critical path, before the wait.
+    __shared__ float2 cs_smem[ROPE_CS_MAX];
+    const float2* cs = nullptr;
+    if constexpr (NC == 1) {
+        if (a.rope.tickets && a.rope.early && (a.rope.role[j] == 1 || a.rope.role[j] == 2) &&
+            a.rope.n_rot / 2 <= ROPE_CS_MAX) {
+            for (int k = threadIdx.x; k < a.rope.n_rot / 2; k += blockDim.x) {
+                float c, sn;
+                rope_cs(k, a.rope.n_rot, a.rope.pos[0], a.rope.freq_base, c, sn);
+                cs_smem[k] = make_float2(c, sn);
+            }
+            cs = cs_smem;  // read in the tail, after its __syncthreads()
+        }
+    }
     pdl_wait();
     for (int row = row0; row < row1; ++row) {
         if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
         mv_row<NC, TT>(a, jb, row, lane);
     }
-    if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0);
+    if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
     if (NC == 1 && jb.q_out) {
         // rows % 32 == 0 and a block's rows (MV_WARPS * rpw, a power of two <= 32) lie in
         // one 32-row group, all warps reach the barriers. Publish y, then draw the group's
@@ -997,6 +1016,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         // A head's rows in whole blocks of one row per warp; one token.
         if (ncols != 1 || rope->hd % MV_WARPS) throw std::invalid_argument("matvec_multi: rope tail needs one column");
         a.rope = *rope;
+        // MINFER_CUDA_ROPE_EARLY=0: the tail's last block works the angles out itself.
+        a.rope.early = env_int("MINFER_CUDA_ROPE_EARLY", 1) != 0;
         a.rpw = 1;
         int tk = 0;
         for (int i = 0; i < njobs; ++i) {

@@ -54,6 +54,7 @@ struct MvRopeStore {
     float freq_base = 0.0f;
     int* tickets = nullptr;  // one per head of the q, k and v jobs, in job order
     int* err = nullptr;
+    int early = 1;  // blocks work out the rotation angles before the wait (set by matvec_multi)
 };
 // scratch: matvec_scratch_bytes(in_dim, ncols) device bytes for the activations' int8
 // copy. xq_ready: the copy is already there (written by rms_norm_q8), skip the

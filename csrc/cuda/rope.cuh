@@ -6,16 +6,20 @@
 
 namespace minfer::cuda {
 
-// Element k of the row: a rotated pair (k < n_rot/2: writes k and k + n_rot/2) or a
-// pass-through dim. Angles in double as the CPU computes them. The row is read through
-// L2 (__ldcg): the matvec tail reads rows other blocks wrote during its launch.
-__device__ __forceinline__ void rope_elem(const float* __restrict__ xr, int64_t k, int64_t half, int64_t n_rot,
-                                          int32_t p, float freq_base, int64_t& i0, float& y0, int64_t& i1,
-                                          float& y1) {
+// The angle of rotated pair k at position p, in double as the CPU computes it.
+__device__ __forceinline__ void rope_cs(int64_t k, int64_t n_rot, int32_t p, float freq_base, float& c, float& s) {
+    const double inv = pow((double)freq_base, -2.0 * (double)k / (double)n_rot);
+    const double th = (double)p * inv;
+    c = (float)cos(th);
+    s = (float)sin(th);
+}
+
+// Element k of the row with pair k's angle (c, s) given (k < n_rot/2: writes k and
+// k + n_rot/2; else a pass-through dim). The row is read through L2 (__ldcg): the matvec
+// tail reads rows other blocks wrote during its launch.
+__device__ __forceinline__ void rope_apply(const float* __restrict__ xr, int64_t k, int64_t half, int64_t n_rot,
+                                           float c, float s, int64_t& i0, float& y0, int64_t& i1, float& y1) {
     if (k < half) {
-        const double inv = pow((double)freq_base, -2.0 * (double)k / (double)n_rot);
-        const double th = (double)p * inv;
-        const float c = (float)cos(th), s = (float)sin(th);
         const float x0 = __ldcg(xr + k), x1 = __ldcg(xr + k + half);
         i0 = k;
         y0 = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
@@ -25,6 +29,14 @@ __device__ __forceinline__ void rope_elem(const float* __restrict__ xr, int64_t 
         i0 = i1 = n_rot + (k - half);
         y0 = y1 = __ldcg(xr + i0);
     }
+}
+
+__device__ __forceinline__ void rope_elem(const float* __restrict__ xr, int64_t k, int64_t half, int64_t n_rot,
+                                          int32_t p, float freq_base, int64_t& i0, float& y0, int64_t& i1,
+                                          float& y1) {
+    float c = 0.0f, s = 0.0f;
+    if (k < half) rope_cs(k, n_rot, p, freq_base, c, s);
+    rope_apply(xr, k, half, n_rot, c, s, i0, y0, i1, y1);
 }
 
 }  // namespace minfer::cuda
