@@ -862,8 +862,8 @@ bool stamping() {
 }
 
 // A whole run's stamps into the profile as "graph: <launch>": the time from the end of
-// the launch before to the end of this one, less nothing (the stamp kernels' own cost is
-// booked as "graph: (stamp)", the gap between the two stamps at the start).
+// the launch before to the end of this one, which includes one stamp kernel. That cost
+// is booked on its own as "graph: (stamp)": the gap between the two stamps at the start.
 void book_stamps(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     const size_t n = st.program.size() + 2;
     std::vector<int64_t> t(n);
