@@ -134,8 +134,8 @@ class Rig:
         _core.cuda_validate(plan, self.pool, self.weights)
         return plan
 
-    def run(self, plan):
-        _core.cuda_run(plan, self.pool, self.weights)
+    def run(self, plan, begin=0, end=-1):
+        _core.cuda_run(plan, self.pool, self.weights, begin, end)
         _core.cuda_sync()
 
 
@@ -421,25 +421,47 @@ def test_prefill_gemm_pipeline_bitwise_and_vs_float64(monkeypatch):
             monkeypatch.delenv(k)
 
 
+def check_after_norm(got, h, nw, eps, deq):
+    """A matvec reading RMSNorm(h) * nw on CUDA meets the norm's deferred int8 copy: the
+    int8 copy of h * nw (f32 products, per 32-element block), the exact dot products,
+    then the norm's scale on the row sums. Against that reference (float64 scale) only
+    f32 rounding is left; against the exact product, the int8 rounding of each block."""
+    h64 = h.astype(np.float64)
+    r = 1.0 / np.sqrt((h64 * h64).mean() + eps)
+    u = (h.astype(np.float32) * nw.astype(np.float32))[None]
+    ua, w64 = q8_roundtrip(u), deq.astype(np.float64)
+    tight = (ua @ w64.T) * r
+    tol = (MATVEC_C * h.size * U * (np.abs(ua) @ np.abs(w64).T) + 1e-30) * r + 4 * U * np.abs(tight)
+    err = np.abs(got - tight)
+    assert np.all(err <= tol), f"max err/tol vs the deferred-copy reference {np.max(err / tol):.3g}"
+    xn = (h64 * r * nw.astype(np.float64))[None]
+    amax = np.abs(xn).reshape(1, -1, 32).max(axis=2)
+    wsum = np.abs(w64).reshape(deq.shape[0], -1, 32).sum(axis=2)
+    err = np.abs(got - xn @ w64.T)
+    bound = (1 / 254 + 2.0**-20) * (amax @ wsum.T) + tol
+    assert np.all(err <= bound), f"max err/bound vs exact {np.max(err / bound):.3g}"
+
+
 @pytest.mark.parametrize("d,rpw,inplace", [(32, "1", False), (896, "1", True), (896, "8", False),
                                             (3584, "1", True), (3584, "8", False)])
-def test_norm_tail_equals_its_own_launch(d, rpw, inplace, monkeypatch):
+def test_norm_copy_by_group_tails_equals_its_own_launch(d, rpw, inplace, monkeypatch):
     """A matvec + residual add whose output a one-row RMSNorm reads (then a matvec reads
-    the norm): the norm folded into the matvec's last block (FUSE_NORM) gives the bits of
-    its own launch (the reduction tree of rms_threads(d) threads run by 4 warps: d = 3584
-    takes 1024 of them, 896 takes 28 warps' worth, 32 leaves warps idle), over one or many
-    blocks (rows per warp), and with the add written over the matvec's own input (the
-    tail then rewrites the int8 scratch that matvec read, as the o projection's does)."""
+    the norm): the norm's deferred int8 copy made by the matvec + add launch's 32-row
+    group tails (FUSE_NORM: the norm's launch goes) gives the bits of the norm's own
+    launch, over one or many blocks (rows per warp), and with the add written over the
+    matvec's own input. The int8 handoff does not depend on FUSE_QUANT. The matvec after
+    the norm is checked against NumPy's float64 over the same deferred copy."""
     monkeypatch.setenv("MINFER_CUDA_MV_RPW", rpw)
     rng = np.random.default_rng(d + int(inplace))
     k_in, n2, eps = (d if inplace else 256), 96, 1e-6
     o_raw, _ = make_weight(Q.Q5_0, d, k_in, rng)
-    n_raw, _ = make_weight(Q.Q4_0, n2, d, rng)
+    n_raw, n_deq = make_weight(Q.Q4_0, n2, d, rng)
     x = rng.standard_normal(k_in).astype(np.float32)
     res = (rng.standard_normal(d) * 4).astype(np.float32)
     nw = rng.standard_normal(d).astype(np.float32)
     outs = {}
-    for flags in (0, 4 | 8, 4 | 8 | 16):
+    launches = {0: 4, 4: 3, 4 | 8: 3, 4 | 16: 2, 4 | 8 | 16: 2}
+    for flags in launches:
         r = Rig()
         wo = r.weight("o", o_raw, Q.Q5_0, k_in, d)
         wn = r.weight("norm", nw, Q.F32, d, 1)
@@ -453,16 +475,28 @@ def test_norm_tail_equals_its_own_launch(d, rpw, inplace, monkeypatch):
                        ("matmul", [z, hn], [d, n2, 1], [], [w2, -1])])
         plan.flags = flags
         _core.cuda_validate(plan, r.pool, r.weights)
-        assert _core.testing.cuda_plan_info(plan)["launches"] == {0: 4, 12: 3, 28: 2}[flags]
-        for _ in range(3):  # direct, captured, replayed: the ticket is left at zero
+        assert _core.testing.cuda_plan_info(plan)["launches"] == launches[flags]
+        for _ in range(3):  # direct, captured, replayed: the tickets are left at zero
             r.pool.write(xi, x)
             r.run(plan)
-            got = [r.read(b, n).tobytes() for b, n in ((h, d), (hn, d), (z, n2))]
+            # The norm's f32 output is dead after the last matvec: a fused launch need not write it.
+            got = [r.read(b, n).tobytes() for b, n in ((h, d), (z, n2))]
+            if launches[flags] > 2:
+                got.append(r.read(hn, d).tobytes())
             assert outs.setdefault(flags, got) == got, f"flags {flags}: runs differ"
-    assert outs[0] == outs[4 | 8] == outs[4 | 8 | 16]
-    hv = np.frombuffer(outs[28][0], np.float32)
-    np.testing.assert_allclose(np.frombuffer(outs[28][1], np.float32), _rms64(hv[None], nw, eps)[0], rtol=1e-6,
+        # Step by step (tracing's partial runs launch each step alone): the same bits.
+        r.pool.write(xi, x)
+        for k in range(4):
+            r.run(plan, k, k + 1)
+        assert [r.read(b, n).tobytes() for b, n in ((h, d), (z, n2), (hn, d))][:len(got)] == got, flags
+    for flags in launches:
+        assert outs[flags][:2] == outs[0][:2], f"flags {flags}: bits differ from the unfused run"
+        if launches[flags] > 2:
+            assert outs[flags][2] == outs[0][2]
+    hv = np.frombuffer(outs[0][0], np.float32)
+    np.testing.assert_allclose(np.frombuffer(outs[0][2], np.float32), _rms64(hv[None], nw, eps)[0], rtol=1e-6,
                                atol=1e-6)
+    check_after_norm(np.frombuffer(outs[0][1], np.float32)[None].astype(np.float64), hv, nw, eps, n_deq)
 
 
 def test_matvec_wide_rows_and_repeat_bitwise():
@@ -1114,16 +1148,20 @@ def test_fusions_reduce_decode_launches(synth, monkeypatch):
     fold = n_layer if MODELS[synth[0]]["arch"] == "qwen2" else 0
     assert counts["all"][0] == counts[no_rope][0] - fold
     # "norm": each residual add merged into its matvec and followed by a one-row RMSNorm
-    # loses the norm's launch (a kernel node too: the next matvec's int8 input stays
-    # written). Per layer the o projection's add (then the FFN norm) and down's add (then
-    # the next layer's or the output norm), except where the o projection + add is not
-    # merged: F32/F16 o weights (read in f32) whose add writes over their own input, as
-    # the allocator does when n_head * head_dim == n_embd (qwen2-f32-tied).
+    # makes the norm's deferred int8 copy itself and the norm's launch goes (a kernel
+    # node too), when every reader of the norm is a quantized matvec (an F32/F16 one reads
+    # the norm's f32 output, which the fused launch does not write). Per layer: the o
+    # projection's add, then the FFN norm (gate, up), unless the o projection + add is
+    # not merged (F32/F16 o weights whose add writes over their own input, as the
+    # allocator does when n_head * head_dim == n_embd); down's add, then the next layer's
+    # attention norm (q, k, v) or the output norm (the output matrix).
     m = MODELS[name]
-    o_type = m.get("types", {}).get("attn_output", "F32")
+    t = lambda role: m.get("types", {}).get(role, "F32")  # noqa: E731
+    q = lambda *roles: all(t(r) not in ("F32", "F16") for r in roles)  # noqa: E731
     hd = m.get("head_dim", m["n_embd"] // m["n_head"])
-    o_merged = o_type not in ("F32", "F16") or m["n_head"] * hd != m["n_embd"]
-    n_norm = n_layer * (1 + int(o_merged))
+    o_merged = t("attn_output") not in ("F32", "F16") or m["n_head"] * hd != m["n_embd"]
+    n_norm = n_layer * int(o_merged and q("ffn_gate", "ffn_up")) + (n_layer - 1) * int(q("attn_q", "attn_k", "attn_v"))
+    n_norm += int(q("output"))
     pre = counts[no_norm]
     assert counts["all"] == (pre[0] - n_norm, pre[1] - n_norm), (counts, n_norm)
 

@@ -72,11 +72,12 @@ struct CudaPlanState : PlanState {
     size_t xq_bytes = 0;
     void* xq2 = nullptr;  // a second one: gate|up writes down's input while reading its own
     size_t xq2_bytes = 0;
+    void* xn = nullptr;  // a decode RMSNorm's deferred int8 copy (kernels.h rms_norm_copy)
+    size_t xn_bytes = 0;
     int* mv_tk = nullptr;  // matvec 32-row group tickets: zeroed at allocation, left zero by every launch
     size_t mv_tk_bytes = 0;
     int* rope_tk = nullptr;  // FusedQKV tail head tickets: likewise
     size_t rope_tk_bytes = 0;
-    int* norm_ticket() const { return mv_tk + (mv_tk_bytes / sizeof(int) - 1); }  // mv_tk's last int
     int direct_runs = 0;
     bool no_graph = false;  // capture failed once: launch directly from then on
     cudaGraphExec_t exec = nullptr;
@@ -110,7 +111,8 @@ struct CudaPlanState : PlanState {
         int n;
         bool xq_ready = false;  // the launch before wrote this matvec's int8 input (in scratch `slot`)
         bool q_next = false;    // this launch writes the next one's int8 input
-        int slot = 0;           // the int8 input scratch this matvec reads: 0 = xq, 1 = xq2
+        int slot = 0;           // the int8 input scratch this matvec reads: 0 = xq, 1 = xq2, 2 = xn
+        int norm_in = -1;       // the RMSNorm step whose deferred copy (xn) this matvec launch reads
         int gq = -1;            // a prefill GEMM whose weight is dequantized: its index in deqs
         bool xh_ready = false;  // a prefill GEMM whose f16 input the launch before left in xh
         bool xh_out = false;    // a prefill RMSNorm that also writes its output's f16 copy into xh
@@ -118,9 +120,12 @@ struct CudaPlanState : PlanState {
         // and KV store steps, and each job's role (1 q, 2 k, 3 v).
         int rope[3] = {-1, -1, -1};
         int role[4] = {0, 0, 0, 0};
-        int norm = -1;          // L_MV_ADD: the one-row RMSNorm step its last block also runs (FUSE_NORM)
+        int norm = -1;          // L_MV_ADD: the one-row RMSNorm whose deferred copy its group tails make (FUSE_NORM)
     };
     std::vector<Launch> program;
+    // Per step: the decode RMSNorm whose deferred copy (xn) a matvec step reads, else -1
+    // (partial runs launch steps one by one, and must read what whole runs read).
+    std::vector<int> norm_in_step;
     // MINFER_CUDA_STAMP=1: device clock stamps around every launch of a whole run (two at
     // the start, then one after each launch), read back after the run.
     int64_t* stamps = nullptr;
@@ -139,6 +144,7 @@ struct CudaPlanState : PlanState {
         if (attn_tk) cudaFree(attn_tk);
         if (xq) cudaFree(xq);
         if (xq2) cudaFree(xq2);
+        if (xn) cudaFree(xn);
         if (mv_tk) cudaFree(mv_tk);
         if (rope_tk) cudaFree(rope_tk);
         if (stamps) cudaFree(stamps);
@@ -195,6 +201,15 @@ bool dead_after(const Plan& plan, size_t after, int buf) {
 }
 
 bool is_mv(const Step& s) { return s.op == OP_MATMUL && s.ip[2] == 1; }
+bool weight_quantized(const Step& s, const WeightStore& ws) {
+    const int t = ws.get(s.w[0]).type;
+    return t != T_F32 && t != T_F16;
+}
+// A decode RMSNorm: its matvec readers take its deferred copy (kernels.h rms_norm_copy).
+bool copy_norm(const Step& s) {
+    return s.op == OP_RMS_NORM && s.ip[1] >= 1 && s.ip[1] <= kRowExactMaxTokens && s.ip[0] % 32 == 0 &&
+           s.ip[0] <= kNormCopyMaxRow;
+}
 // A prefill GEMM (cuBLAS): reads the f16 copy of its input from xh unless its weight is F32.
 bool is_gemm_f16(const Step& s, const WeightStore& ws) {
     return s.op == OP_MATMUL && s.ip[2] > kRowExactMaxTokens && ws.get(s.w[0]).type != T_F32;
@@ -277,21 +292,44 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         st.program.push_back({L_STEP, {(int)i, 0, 0, 0}, 1});
         ++i;
     }
-    // A one-token matvec's int8 input written by the launch producing it: a one-row
-    // RMSNorm, attention (the o projection's input) or gate|up + SwiGLU (down's, into
-    // the second scratch, as gate|up reads the first).
+    // Decode RMSNorms write their deferred copy into xn, and every matvec launch reading
+    // one (its output unchanged since) takes it from there, whatever the flags: a
+    // matvec's bits then depend neither on the fusions nor on the block's token count.
+    int cur = -1;  // the norm step whose copy xn holds
+    st.norm_in_step.assign(S.size(), -1);
+    for (auto& L : st.program) {
+        const Step& m = S[L.s[0]];
+        const bool reads_x = L.kind == L_MV || L.kind == L_SWIGLU || L.kind == L_MV_ADD ||
+                             (L.kind == L_STEP && m.op == OP_MATMUL && m.ip[2] <= kRowExactMaxTokens);
+        if (cur >= 0 && reads_x && m.buf[1] == S[cur].buf[0] && m.ip[0] == S[cur].ip[0] && m.ip[2] == S[cur].ip[1]) {
+            L.norm_in = cur;
+            L.xq_ready = true;
+            L.slot = 2;
+            for (int k = 0; k < L.n; ++k)
+                if (S[L.s[k]].op == OP_MATMUL) st.norm_in_step[L.s[k]] = cur;
+        }
+        if (L.kind == L_STEP && copy_norm(m)) {
+            L.kind = L_NORM_Q;
+            cur = L.s[0];
+            continue;
+        }
+        for (int k = 0; k < L.n && cur >= 0; ++k) {
+            int rd[6], wr[2], nr, nw;
+            step_io(S[L.s[k]], rd, nr, wr, nw);
+            for (int w = 0; w < nw; ++w)
+                if (wr[w] == S[cur].buf[0]) cur = -1;
+        }
+    }
+    // A one-token matvec's int8 input written by the launch producing it: attention (the
+    // o projection's input) or gate|up + SwiGLU (down's, into the second scratch).
     for (size_t k = 0; (f & FUSE_QUANT) && k + 1 < st.program.size(); ++k) {
         auto& L = st.program[k];
         auto& N = st.program[k + 1];
-        if (N.kind == L_ROPE_STORE || N.kind == L_NORM_Q) continue;
+        if (N.kind == L_ROPE_STORE || N.kind == L_NORM_Q || N.norm_in >= 0) continue;
         const Step& m = S[N.s[0]];
         if (!is_mv(m)) continue;
         const Step& p = S[L.s[0]];
-        if (L.kind == L_STEP && p.op == OP_RMS_NORM && p.ip[1] == 1 && m.buf[1] == p.buf[0] && m.ip[0] == p.ip[0] &&
-            p.ip[0] % 32 == 0) {
-            L.kind = L_NORM_Q;
-            N.xq_ready = true;
-        } else if (L.kind == L_STEP && p.op == OP_ATTN && p.ip[0] == 1 && m.buf[1] == p.buf[0] &&
+        if (L.kind == L_STEP && p.op == OP_ATTN && p.ip[0] == 1 && m.buf[1] == p.buf[0] &&
                    m.ip[0] == p.ip[1] * p.ip[3]) {
             L.q_next = true;
             N.xq_ready = true;
@@ -371,20 +409,33 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         L.rope[2] = N.s[2];
         st.program.erase(st.program.begin() + (long)k + 1);
     }
-    // The one-row RMSNorm (and its int8 copy) of a matvec + residual add's output, by the
-    // last block of that launch: the norm's launch goes, the matvec after it still
-    // reads the int8 copy in slot 0 (xq_ready, set above). Slot 0 may be the fused
-    // launch's own int8 input (the o projection reads attention's copy there): safe, as
-    // the tail starts only when every block has drawn its ticket, i.e. finished its
-    // rows and with them every read of its input; the next launch's pdl_wait() waits
-    // for the whole grid, tail included.
-    for (size_t k = 0; (f & FUSE_NORM) && (f & FUSE_QUANT) && (f & FUSE_RESIDUAL) && k + 1 < st.program.size();
-         ++k) {
+    // A matvec + residual add whose output a one-row RMSNorm reads next makes that norm's
+    // deferred copy itself, group by group (group_copy: the norm's launch goes), into xn,
+    // where the norm's readers find it. The norm's f32 output is then never written, so
+    // every read of it must be a quantized matvec of those readers (they read only the
+    // copy); the launch must not read xn itself.
+    for (size_t k = 0; (f & FUSE_NORM) && (f & FUSE_RESIDUAL) && k + 1 < st.program.size(); ++k) {
         auto& L = st.program[k];
         const auto& N = st.program[k + 1];
-        if (L.kind != L_MV_ADD || N.kind != L_NORM_Q) continue;
+        if (L.kind != L_MV_ADD || N.kind != L_NORM_Q || L.norm_in >= 0) continue;
         const Step &m = S[L.s[0]], &ad = S[L.s[1]], &nm = S[N.s[0]];
-        if (nm.buf[1] != ad.buf[0] || nm.buf[0] == nm.buf[1] || nm.ip[1] != 1 || nm.ip[0] != m.ip[1]) continue;
+        if (nm.ip[1] != 1 || nm.buf[1] != ad.buf[0] || nm.buf[0] == nm.buf[1] || nm.ip[0] != m.ip[1] || m.ip[1] % 32)
+            continue;
+        std::vector<char> reader(S.size(), 0);  // steps of launches reading this norm's copy
+        for (const auto& R : st.program)
+            if (R.norm_in == N.s[0])
+                for (int q = 0; q < R.n; ++q) reader[R.s[q]] = 1;
+        bool ok = true;
+        for (size_t p = N.s[0] + 1; p < S.size() && ok; ++p) {
+            int rd[6], wr[2], nr, nw;
+            step_io(S[p], rd, nr, wr, nw);
+            for (int q = 0; q < nr; ++q)
+                if (rd[q] == nm.buf[0]) ok = ok && reader[p] && S[p].op == OP_MATMUL && weight_quantized(S[p], ws);
+            bool rewritten = false;
+            for (int q = 0; q < nw; ++q) rewritten |= wr[q] == nm.buf[0];
+            if (rewritten) break;
+        }
+        if (!ok) continue;
         L.norm = N.s[0];
         st.program.erase(st.program.begin() + (long)(k + 1));
     }
@@ -419,7 +470,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = pool.size(id);
         return true;
     });
-    size_t wh = 0, wh2 = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, mvtk = 0, ropetk = 0;
+    size_t wh = 0, wh2 = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, xnb = 0, mvtk = 0, ropetk = 0;
     int ndeq = 0;  // dequantized GEMMs so far: the pipeline alternates wh, wh2 in step order
     for (const Step& s : plan.steps) {
         const int64_t* ip = s.ip;
@@ -431,6 +482,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 if (ip[0] == 1) ropetk = std::max(ropetk, (size_t)(3 * ip[1]) * sizeof(int));
                 break;
             case OP_RMS_NORM: case OP_QK_NORM:
+                if (ip[0] > kRmsMaxRow) fail(s, "CUDA RMSNorm rows hold at most " + std::to_string(kRmsMaxRow) + " elements");
+                if (copy_norm(s)) xnb = std::max(xnb, norm_copy_bytes(ip[0], ip[1]));
                 if (s.w[0] >= 0) dw.ensure(ws, s.w[0]);
                 break;
             case OP_MATMUL: {
@@ -438,9 +491,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 if (!matvec_type_supported(w.type)) fail(s, "weight type " + std::to_string(w.type) + " has no CUDA kernel");
                 if (ip[0] % 32) fail(s, "CUDA matmuls need a row length that is a multiple of 32");
                 if (ip[2] <= kRowExactMaxTokens) xqb = std::max(xqb, matvec_scratch_bytes(ip[0], ip[2]));
-                // gate|up's rows are down's input: its 32-row group tickets and the second scratch
-                // (and one more int after them: the norm tail's ticket, for any one-token matvec)
-                if (ip[2] == 1) mvtk = std::max(mvtk, (size_t)(ip[1] / 32 + 2) * sizeof(int));
+                // gate|up's rows are down's input, o's and down's a norm's: its 32-row group tickets
+                if (ip[2] == 1) mvtk = std::max(mvtk, (size_t)(ip[1] / 32 + 1) * sizeof(int));
                 if (ip[2] > kRowExactMaxTokens) {
                     if (w.type != T_F32 && w.type != T_F16) {
                         wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
@@ -482,7 +534,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = need;
     };
     if (st.exec && (wh > st.wh_bytes || wh2 > st.wh2_bytes || xh > st.xh_bytes || attn > st.attn_bytes || attn_tk > st.attn_tk_bytes ||
-                    xqb > st.xq_bytes || xqb > st.xq2_bytes || mvtk > st.mv_tk_bytes ||
+                    xqb > st.xq_bytes || xqb > st.xq2_bytes || xnb > st.xn_bytes || mvtk > st.mv_tk_bytes ||
                     ropetk > st.rope_tk_bytes)) {
         cudaStreamSynchronize(ctx().stream);
         cudaGraphExecDestroy(st.exec);
@@ -500,6 +552,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     grow(st.xh, st.xh_bytes, xh);
     grow(st.xq, st.xq_bytes, xqb);
     grow(st.xq2, st.xq2_bytes, xqb);
+    grow(st.xn, st.xn_bytes, xnb);
     if (mvtk > st.mv_tk_bytes) {
         void* m = st.mv_tk;
         grow(m, st.mv_tk_bytes, mvtk);
@@ -618,9 +671,10 @@ void side_dequant(const WeightStore& ws, const DevWeights& dw, CudaPlanState& st
 // xq_ready / xq: a one-token matvec's int8 input is already in xq (else it uses st.xq);
 // q_next: attention also writes its output's int8 copy into st.xq.
 // L: the program entry of a whole run (the GEMM's place in the pipeline), else null.
+// in_norm: a matvec reading a decode RMSNorm's deferred copy (in xq).
 void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st,
                  bool xq_ready = false, void* xq = nullptr, bool q_next = false,
-                 const CudaPlanState::Launch* L = nullptr) {
+                 const CudaPlanState::Launch* L = nullptr, bool in_norm = false) {
     Context& c = ctx();
     const int64_t* ip = s.ip;
     auto F = [&](int slot) { return (float*)pool.data(s.buf[slot]); };
@@ -632,7 +686,10 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
         case OP_SWIGLU: swiglu(F(1), F(2), F(0), ip[0]); break;
         case OP_SILU: silu(F(1), F(0), ip[0]); break;
         case OP_RMS_NORM: case OP_QK_NORM:
-            rms_norm(F(1), (const float*)W(0), F(0), ip[0], ip[1], s.fp[0], L && st.pipe && L->xh_out ? st.xh : nullptr);
+            if (copy_norm(s))  // whole runs launch it as L_NORM_Q; partial runs, here
+                rms_norm_copy(F(1), (const float*)W(0), F(0), ip[0], ip[1], s.fp[0], st.xn);
+            else
+                rms_norm(F(1), (const float*)W(0), F(0), ip[0], ip[1], s.fp[0], L && st.pipe && L->xh_out ? st.xh : nullptr);
             break;
         case OP_MATMUL: {
             const Weight& w = ws.get(s.w[0]);
@@ -646,7 +703,7 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
                 j.rows = (int)out;
                 j.bias = bias;
                 j.y = F(0);
-                matvec_multi(&j, 1, in, F(1), xq ? xq : st.xq, (int)nt, xq_ready);
+                matvec_multi(&j, 1, in, F(1), xq ? xq : st.xq, (int)nt, xq_ready, nullptr, in_norm);
                 break;
             }
             const float one = 1.0f, zero = 0.0f;
@@ -731,19 +788,21 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
                    const DevWeights& dw, CudaPlanState& st) {
     const auto& S = plan.steps;
     auto F = [&](const Step& s, int slot) { return (float*)pool.data(s.buf[slot]); };
-    void* xq = L.slot ? st.xq2 : st.xq;
+    void* xq = L.slot == 2 ? st.xn : L.slot == 1 ? st.xq2 : st.xq;
+    const bool in_norm = L.norm_in >= 0;
     switch (L.kind) {
-        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready, xq, L.q_next, &L); break;
+        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready, xq, L.q_next, &L, in_norm); break;
         case L_NORM_Q: {
             const Step& s = S[L.s[0]];
-            rms_norm_q8(F(s, 1), s.w[0] >= 0 ? (const float*)dw.get(s.w[0]) : nullptr, F(s, 0), s.ip[0], s.fp[0], st.xq);
+            rms_norm_copy(F(s, 1), s.w[0] >= 0 ? (const float*)dw.get(s.w[0]) : nullptr, F(s, 0), s.ip[0], s.ip[1],
+                          s.fp[0], st.xn);
             break;
         }
         case L_MV: {
             MvJob jobs[MV_MAX_JOBS];
             for (int k = 0; k < L.n; ++k) jobs[k] = job_of(S[L.s[k]], pool, ws, dw);
             if (L.rope[0] < 0) {
-                matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready);
+                matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, nullptr, in_norm);
                 break;
             }
             const Step &q = S[L.rope[0]], &k = S[L.rope[1]], &kv = S[L.rope[2]];
@@ -761,7 +820,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             r.freq_base = q.fp[0];
             r.tickets = st.rope_tk;
             r.err = ctx().err_dev;
-            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, &r);
+            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, &r, in_norm);
             break;
         }
         case L_SWIGLU: {
@@ -778,7 +837,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
                 j.ds_out = (float2*)((uint8_t*)st.xq2 + g.ip[1]);
                 j.tickets = st.mv_tk;
             }
-            matvec_multi(&j, 1, g.ip[0], F(g, 1), xq, 1, L.xq_ready);
+            matvec_multi(&j, 1, g.ip[0], F(g, 1), xq, 1, L.xq_ready, nullptr, in_norm);
             break;
         }
         case L_MV_ADD: {
@@ -786,20 +845,19 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             MvJob j = job_of(m, pool, ws, dw);
             j.resid = F(ad, ad.buf[1] == m.buf[0] ? 2 : 1);
             j.y = F(ad, 0);
-            if (L.norm < 0) {
-                matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready);
-                break;
+            if (L.norm >= 0) {
+                // The norm's deferred copy, where rms_norm_copy would put it.
+                const Step& nm = S[L.norm];
+                j.q_out = (int8_t*)st.xn;
+                j.ds_out = (float2*)((uint8_t*)st.xn + nm.ip[0]);
+                j.tickets = st.mv_tk;
+                j.q_w = nm.w[0] >= 0 ? (const float*)dw.get(nm.w[0]) : nullptr;
+                j.q_ss = norm_copy_ss(st.xn, nm.ip[0], 1);
+                j.q_scale = norm_copy_scale(st.xn, nm.ip[0], 1);
+                j.q_tk = st.mv_tk + nm.ip[0] / 32;  // after the group tickets
+                j.q_eps = nm.fp[0];
             }
-            // The norm's output and int8 copy where rms_norm_q8 puts them (slot 0).
-            const Step& nm = S[L.norm];
-            MvNorm nq;
-            nq.w = nm.w[0] >= 0 ? (const float*)dw.get(nm.w[0]) : nullptr;
-            nq.y = F(nm, 0);
-            nq.eps = nm.fp[0];
-            nq.q = (int8_t*)st.xq;
-            nq.ds = (float2*)((uint8_t*)st.xq + nm.ip[0]);
-            nq.ticket = st.norm_ticket();
-            matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready, nullptr, &nq);
+            matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready, nullptr, in_norm);
             break;
         }
         case L_ROPE_STORE: {
@@ -828,7 +886,7 @@ const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
         case L_SWIGLU: return "fused_ffn_swiglu";
         case L_MV_ADD: return L.norm >= 0 ? "matvec_residual_norm" : "matvec_residual";
         case L_ROPE_STORE: return "fused_rope_kv_store";
-        case L_NORM_Q: return "rms_norm_q8";
+        case L_NORM_Q: return "rms_norm_copy";
         case L_ARGMAX: return "argmax";
         default: {
             const Step& s = plan.steps[L.s[0]];
@@ -1028,7 +1086,10 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
         launch_program(plan, pool, ws, dw, st);
     } else {
         // Partial runs (tracing reads every node) launch the steps one by one.
-        for (size_t i = begin; i < end; ++i) launch_step(plan.steps[i], pool, ws, dw, st);
+        for (size_t i = begin; i < end; ++i) {
+            const bool nm = st.norm_in_step[i] >= 0;
+            launch_step(plan.steps[i], pool, ws, dw, st, nm, nm ? st.xn : nullptr, false, nullptr, nm);
+        }
     }
     MC_CHECK(cudaGetLastError());
     if (whole) ++st.direct_runs;

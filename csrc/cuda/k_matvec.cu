@@ -37,16 +37,10 @@ struct MvArgs {
     const float2* xds;    // per block (d, d * sum(q)), column c at xds + c * nb
     MvRopeStore rope;     // FusedQKV's tail (rope.tickets set) or none
     int rope_tk0[MV_MAX_JOBS];  // job j's first head ticket
-    // Norm tail (one job, one column; null ticket = none): once every block has written
-    // its rows, the last one normalizes y (d = rows) into norm_y and writes its int8
-    // copy, bitwise as k_rms_norm_q8 would in a launch of its own. The ticket is zero
-    // before and after every launch.
-    const float* norm_w;
-    float* norm_y;
-    float norm_eps;
-    int8_t* norm_q;
-    float2* norm_ds;
-    int* norm_ticket;
+    // The int8 copy is an RMSNorm's deferred copy (of x * w, not of the normalized x):
+    // a quantized job's row sums are multiplied by the norm's scale (column c's at
+    // xscale[c]) before the epilogue. Null: none.
+    const float* xscale;
 };
 
 constexpr int MV_WARPS = 4;
@@ -387,11 +381,15 @@ __device__ __forceinline__ void mv_store(const MvJob& jb, int row, int c, float 
     jb.y[(size_t)c * jb.rows + row] = r;
 }
 
+__device__ __forceinline__ bool quantized(int type) { return type != T_F32 && type != T_F16; }
+
 template <int NC, int TT>
 __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
     float acc[NC], acc2[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
+    // A deferred norm copy's scale: loaded now, used after the dot products.
+    const float rs = NC == 1 && a.xscale ? __ldg(a.xscale) : 1.0f;
     const uint8_t* ra = jb.W + (size_t)row * jb.row_bytes;
     row_dot_any<NC, TT>(jb.type, ra, a, lane, acc);
     if (jb.W2) row_dot_any<NC, TT>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
@@ -399,6 +397,11 @@ __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row
     for (int c = 0; c < NC; ++c) {
         acc[c] = warp_sum(acc[c]);
         if (jb.W2) acc2[c] = warp_sum(acc2[c]);
+        if (a.xscale) {
+            const float r = NC == 1 ? rs : __ldg(a.xscale + c);
+            if (quantized(jb.type)) acc[c] = fmul(acc[c], r);
+            if (jb.W2 && quantized(jb.type2)) acc2[c] = fmul(acc2[c], r);
+        }
     }
     if (lane == 0) {
 #pragma unroll
@@ -411,29 +414,32 @@ __device__ __forceinline__ void prefetch_job_row(const MvJob& jb, int row, int l
     if (jb.W2) prefetch_row(jb.W2 + (size_t)row * jb.row_bytes2, jb.row_bytes2, lane);
 }
 
-// y = rms_norm(x) * w of one row and y's int8 copy, by one block, with the reduction
-// tree of T threads (norm.cuh). d is a multiple of 32: each trip of a warp is one
-// aligned 32-element block, quantized by warp shuffles alone, so which warp takes a
-// block does not change its bits.
-__device__ __forceinline__ void norm_q8_block(const float* __restrict__ x, const float* __restrict__ w,
-                                              float* __restrict__ y, int64_t d, float eps, int8_t* __restrict__ q,
-                                              float2* __restrict__ ds, int T) {
-    const float scale = rms_inv(x, d, eps, T);
-    const int lane = threadIdx.x % 32;
-    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {
-        const float v = rms_elem(x, w, i, scale);
-        y[i] = v;
-        quant_block_q8(v, lane, q + (i - lane), ds + i / 32);
+// The int8 copy of y's 32-row group g (the next matvec's input), by one warp. For an
+// RMSNorm's deferred copy (q_ss set: the norm of y is the next step), the copy of
+// y * q_w and the group's sum of squares of y, bitwise what k_rms_norm_copy writes.
+__device__ __forceinline__ void group_copy(const MvJob& jb, int g, int lane) {
+    float v = __ldcg(jb.y + 32 * g + lane);
+    if (jb.q_ss) {
+        const double s = group_ss(v);
+        if (lane == 0) jb.q_ss[g] = s;
+        if (jb.q_w) v = fmul(v, jb.q_w[32 * g + lane]);
     }
-}
-
-// The matvec's norm tail (one block per launch runs it): out of line, as inlined into
-// k_matvec<1> it made ptxas spill (72 registers and 108 bytes of spill loads instead
-// of 80 and none). The same arithmetic either way.
-__device__ __noinline__ void norm_q8_tail(const float* __restrict__ x, const float* __restrict__ w,
-                                          float* __restrict__ y, int d, float eps, int8_t* __restrict__ q,
-                                          float2* __restrict__ ds) {
-    norm_q8_block(x, w, y, d, eps, q, ds, rms_threads(d));
+    quant_block_q8(v, lane, jb.q_out + 32 * g, jb.ds_out + g);
+    if (!jb.q_ss) return;
+    // The warp finishing the last group: the norm's scale from every group's sum.
+    const int ng = jb.rows / 32;
+    __threadfence();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(jb.q_tk, 1) == ng - 1;
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    double s = 0.0;
+    for (int k = lane; k < ng; k += 32) s = __dadd_rn(s, __ldcg(jb.q_ss + k));
+    const float r = rms_scale(s, jb.rows, jb.q_eps);
+    if (lane == 0) {
+        *jb.q_scale = r;
+        *jb.q_tk = 0;
+    }
 }
 
 // A warp computes a.rpw consecutive rows, keeping the next two rows' bytes on their way
@@ -492,8 +498,14 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
     if (threadIdx.x == 0) r.tickets[a.rope_tk0[j] + head] = 0;
 }
 
+// Resident blocks per SM the one-type K-quant kernels are held to: left alone, ptxas gave
+// the Q6_K kernel 96 registers (5 blocks) once the deferred norm scale was added (72
+// before); held to 7 blocks it takes 72 and spills nothing.
+template <int NC, int TT>
+constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? 7 : 0; }
+
 template <int NC, int TT = -1>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
+__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matvec(MvArgs a) {
     pdl_trigger();
     int j = 0;
     while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
@@ -538,24 +550,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec(MvArgs a) {
         __syncthreads();
         if (s_ticket == blocks_per_group - 1 && threadIdx.x < 32) {
             __threadfence();
-            quant_block_q8(__ldcg(jb.y + 32 * g + lane), lane, jb.q_out + 32 * g, jb.ds_out + g);
+            group_copy(jb, g, lane);
             if (lane == 0) jb.tickets[g] = 0;
-        }
-    }
-    if constexpr (NC == 1) {
-        if (a.norm_ticket) {
-            // Every block publishes its rows and draws a ticket; the one drawing the last
-            // (all rows written, and every block done reading its input) runs the norm.
-            __shared__ int s_last;
-            __threadfence();
-            __syncthreads();
-            if (threadIdx.x == 0) s_last = atomicAdd(a.norm_ticket, 1) == (int)gridDim.x - 1;
-            __syncthreads();
-            if (s_last) {
-                __threadfence();
-                norm_q8_tail(jb.y, a.norm_w, a.norm_y, jb.rows, a.norm_eps, a.norm_q, a.norm_ds);
-                if (threadIdx.x == 0) *a.norm_ticket = 0;
-            }
         }
     }
 }
@@ -645,6 +641,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
     }
     __syncwarp();
     pdl_wait();
+    // A deferred norm copy's scale (every type here is quantized).
+    const float nsc = a.xscale ? __ldg(a.xscale) : 1.0f;
     int g_done = 0;  // rows of the current 32-row group this warp has written
     for (int st = 0; st < n_st; ++st) {
         const int k = st % ns;
@@ -656,6 +654,10 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
             if (rb2) acc2 = row_dot_smem<T>(sw + (size_t)R * rb + (size_t)q * rb2, a, lane);
             acc = warp_sum(acc);
             if (rb2) acc2 = warp_sum(acc2);
+            if (a.xscale) {
+                acc = fmul(acc, nsc);
+                acc2 = fmul(acc2, nsc);
+            }
             const int row = rs + q;
             if (lane == 0) mv_store(jb, row, 0, acc, acc2);
             if (jb.q_out) {
@@ -670,7 +672,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
                     old = __shfl_sync(0xffffffffu, old, 0);
                     if (old + g_done == 32) {
                         __threadfence();
-                        quant_block_q8(__ldcg(jb.y + 32 * g + lane), lane, jb.q_out + 32 * g, jb.ds_out + g);
+                        group_copy(jb, g, lane);
                         if (lane == 0) jb.tickets[g] = 0;
                     }
                     g_done = 0;
@@ -696,54 +698,48 @@ __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __
     quant_block_q8(x[blk * 32 + lane], lane, q + blk * 32, ds + blk);
 }
 
-// One row: y = rms_norm(x) * w as k_rms_norm computes it, and y's int8 copy, by
-// the whole block, with the reduction tree of T threads (norm.cuh).
-__global__ void k_rms_norm_q8(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-                              int64_t d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds) {
-    pdl_wait();
-    pdl_trigger();
-    norm_q8_block(x, w, y, d, eps, q, ds, blockDim.x);
-}
-
-// The same for d <= NORM_REG_MAX * blockDim.x (blockDim.x = rms_threads(d)), with the
-// thread's elements held in registers: its weights are loaded before pdl_wait() (no
-// kernel writes them) and x is read once. The operations are norm_q8_block's in its
-// order (elements t, t + T, ... of the tree of T = blockDim.x threads), so the bits are.
-constexpr int NORM_REG_MAX = 8;
-__global__ void k_rms_norm_q8_reg(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-                                  int d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds) {
-    __shared__ double red[32];
+// RMSNorm rows (one block each, blockDim.x = rms_threads(d), d % 32 == 0, d <=
+// kNormCopyMaxRow): y = rms_norm(x) * w, bitwise k_rms_norm's, and each row's deferred
+// copy for the matvecs that read y: the int8 copy of x * w per 32-element group and the
+// row's scale (norm.cuh), which rides on the matvec's row sums; so a matvec + residual
+// launch can make the int8 copy group by group (group_copy). A thread's
+// elements are held in registers; its weights are loaded before pdl_wait() (no kernel
+// writes them).
+constexpr int NORM_REG = (int)(kNormCopyMaxRow / 1024);
+__global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+                                int d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds,
+                                float* __restrict__ scale) {
+    __shared__ double red[kNormCopyMaxRow / 32];
     __shared__ float sc;
-    const int T = blockDim.x, t = threadIdx.x, lane = t % 32;
-    float wv[NORM_REG_MAX], xv[NORM_REG_MAX];
+    const int T = blockDim.x, t = threadIdx.x, lane = t % 32, nb = d / 32;
+    const int64_t r = blockIdx.x;
+    float wv[NORM_REG], xv[NORM_REG];
 #pragma unroll
-    for (int k = 0; k < NORM_REG_MAX; ++k) wv[k] = w && t + k * T < d ? w[t + k * T] : 0.0f;
+    for (int k = 0; k < NORM_REG; ++k) wv[k] = w && t + k * T < d ? w[t + k * T] : 0.0f;
     pdl_wait();
     pdl_trigger();
 #pragma unroll
-    for (int k = 0; k < NORM_REG_MAX; ++k) xv[k] = t + k * T < d ? __ldcg(x + t + k * T) : 0.0f;
-    double ss = 0.0;
+    for (int k = 0; k < NORM_REG; ++k) xv[k] = t + k * T < d ? __ldcg(x + r * d + t + k * T) : 0.0f;
 #pragma unroll
-    for (int k = 0; k < NORM_REG_MAX; ++k)
-        if (t + k * T < d) ss = __fma_rn((double)xv[k], (double)xv[k], ss);
-    for (int o = 16; o > 0; o >>= 1) ss = __dadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
-    if (lane == 0) red[t / 32] = ss;
-    __syncthreads();
-    if (t == 0) {
-        double s = 0.0;
-        for (int k = 0; k < T / 32; ++k) s = __dadd_rn(s, red[k]);
-        sc = (float)(1.0 / sqrt(s / (double)d + (double)eps));
+    for (int k = 0; k < NORM_REG; ++k) {
+        const int i = t + k * T, g = i / 32;
+        if (i >= d) break;  // whole warps leave together: d and T are multiples of 32
+        const double s = group_ss(xv[k]);
+        if (lane == 0) red[g] = s;
+        quant_block_q8(w ? __fmul_rn(xv[k], wv[k]) : xv[k], lane, q + r * d + 32 * g, ds + r * nb + g);
     }
     __syncthreads();
-    const float scale = sc;
+    if (t < 32) {
+        const float s = rms_scale_of(red, nb, d, eps, lane);
+        if (lane == 0) sc = scale[r] = s;
+    }
+    __syncthreads();
 #pragma unroll
-    for (int k = 0; k < NORM_REG_MAX; ++k) {
+    for (int k = 0; k < NORM_REG; ++k) {
         const int i = t + k * T;
-        if (i >= d) break;  // whole warps leave together: d and T are multiples of 32
-        const float v0 = __fmul_rn(xv[k], scale);
-        const float v = w ? __fmul_rn(v0, wv[k]) : v0;
-        y[i] = v;
-        quant_block_q8(v, lane, q + (i - lane), ds + i / 32);
+        if (i >= d) break;
+        const float v = __fmul_rn(xv[k], sc);
+        y[r * d + i] = w ? __fmul_rn(v, wv[k]) : v;
     }
 }
 
@@ -844,6 +840,10 @@ bool matvec_type_supported(int32_t wtype) {
 
 size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols) {
     return (size_t)ncols * ((size_t)in_dim + (size_t)(in_dim / 32) * sizeof(float2));
+}
+
+size_t norm_copy_bytes(int64_t d, int64_t nt) {
+    return matvec_scratch_bytes(d, nt) + (size_t)nt * (size_t)(d / 32) * sizeof(double) + (size_t)nt * sizeof(float);
 }
 
 namespace {
@@ -952,21 +952,15 @@ bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
 }  // namespace
 
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols,
-                  bool xq_ready, const MvRopeStore* rope, const MvNorm* norm) {
+                  bool xq_ready, const MvRopeStore* rope, bool in_norm) {
     if (njobs < 1 || njobs > MV_MAX_JOBS) throw std::invalid_argument("matvec_multi: 1..4 jobs");
     if (ncols < 1 || (ncols > 1 && (njobs != 1 || jobs[0].resid || jobs[0].W2)))
         throw std::invalid_argument("matvec_multi: several columns take one plain job");
-    if (norm && (njobs != 1 || ncols != 1 || jobs[0].q_out || jobs[0].rows % 32 || !norm->ticket || !norm->q ||
-                 !norm->ds || !norm->y))
-        throw std::invalid_argument("matvec_multi: the norm tail takes one job, one column, rows % 32 == 0");
+    if (in_norm && (!xq_ready || !scratch || in_dim % 32 || in_dim > kNormCopyMaxRow))
+        throw std::invalid_argument("matvec_multi: a norm's deferred copy is made before, rows of <= 4096");
     const int nb = (int)(in_dim / 32);
     MvArgs a;
-    a.norm_w = norm ? norm->w : nullptr;
-    a.norm_y = norm ? norm->y : nullptr;
-    a.norm_eps = norm ? norm->eps : 0.0f;
-    a.norm_q = norm ? norm->q : nullptr;
-    a.norm_ds = norm ? norm->ds : nullptr;
-    a.norm_ticket = norm ? norm->ticket : nullptr;
+    a.xscale = in_norm ? norm_copy_scale(scratch, in_dim, ncols) : nullptr;
     a.x = x;
     a.in_dim = (int)in_dim;
     a.nb = nb;
@@ -996,7 +990,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // MINFER_CUDA_MV_PREFETCH_MAX weight bytes (16 MiB by default).
     const int pf_env = env_int("MINFER_CUDA_MV_PREFETCH", -1);
     const bool typed = env_int("MINFER_CUDA_MV_TYPED", 1) != 0;
-    const bool bulk = !norm;
     if (pf_env >= 0) {
         a.prefetch = pf_env != 0;
     } else {
@@ -1045,13 +1038,14 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             ac.xq += (size_t)c0 * in_dim;
             ac.xds += (size_t)c0 * nb;
         }
+        if (ac.xscale) ac.xscale += c0;
         ac.job[0].y += (size_t)c0 * jobs[0].rows;
         switch (nc) {
             case 8: launch_mv<8>(ac, (unsigned)b); break;
             case 4: launch_mv<4>(ac, (unsigned)b); break;
             case 2: launch_mv<2>(ac, (unsigned)b); break;
             default:
-                if (bulk && launch_bulk(ac)) break;
+                if (launch_bulk(ac)) break;
                 if (!(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv<1>(ac, (unsigned)b);
                 break;
         }
@@ -1059,12 +1053,10 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     }
 }
 
-void rms_norm_q8(const float* x, const float* w, float* y, int64_t d, float eps, void* scratch) {
-    int8_t* q = (int8_t*)scratch;
-    float2* ds = (float2*)((uint8_t*)scratch + d);
-    const int T = rms_threads(d);
-    if (d % 32 == 0 && d <= (int64_t)NORM_REG_MAX * T) launch(k_rms_norm_q8_reg, 1, T, x, w, y, (int)d, eps, q, ds);
-    else launch(k_rms_norm_q8, 1, T, x, w, y, d, eps, q, ds);
+void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch) {
+    if (d % 32 || d > kNormCopyMaxRow || nt < 1) throw std::invalid_argument("rms_norm_copy: d % 32 == 0, d <= 4096");
+    launch(k_rms_norm_copy, (unsigned)nt, rms_threads(d), x, w, y, (int)d, eps, (int8_t*)scratch,
+           (float2*)((uint8_t*)scratch + nt * d), norm_copy_scale(scratch, d, nt));
 }
 
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out,

@@ -31,7 +31,7 @@ __global__ void k_binary(const float* __restrict__ a, const float* __restrict__ 
     else y[i] = silu_f(a[i]);
 }
 
-// One block per row; a fixed tree over double partial sums. With yh, also y's f16 copy
+// One block per row; norm.cuh's tree over double group sums. With yh, also y's f16 copy
 // (the prefill GEMM's input, as f32_to_f16 would write it).
 __global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int64_t d,
                            float eps, __half* __restrict__ yh) {
@@ -40,7 +40,7 @@ __global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict_
     const int64_t r = blockIdx.x;
     const float* xr = x + r * d;
     float* yr = y + r * d;
-    const float scale = rms_inv(xr, d, eps, blockDim.x);
+    const float scale = rms_inv(xr, d, eps);
     if (yh) {
         __half* hr = yh + r * d;
         for (int64_t i = threadIdx.x; i < d; i += blockDim.x) {

@@ -35,6 +35,15 @@ struct MvJob {
     int8_t* q_out = nullptr;
     float2* ds_out = nullptr;
     int* tickets = nullptr;
+    // With q_ss: the copy is the deferred copy of y's RMSNorm (weight q_w, or none, eps
+    // q_eps) as rms_norm_copy makes it, scale included (the norm's own launch goes): the
+    // groups' sums of squares go to q_ss, and the warp finishing the last group (ticket
+    // q_tk, zero before and after) writes the scale from them.
+    const float* q_w = nullptr;
+    double* q_ss = nullptr;
+    float* q_scale = nullptr;
+    int* q_tk = nullptr;
+    float q_eps = 0.0f;
 };
 constexpr int MV_MAX_JOBS = 4;
 // FusedQKV's tail (one token): the q, k and v jobs of one launch also rope q and k into
@@ -57,31 +66,34 @@ struct MvRopeStore {
     int early = 1;  // blocks work out the rotation angles before the wait (set by matvec_multi)
 };
 // scratch: matvec_scratch_bytes(in_dim, ncols) device bytes for the activations' int8
-// copy. xq_ready: the copy is already there (written by rms_norm_q8), skip the
+// copy. xq_ready: the copy is already there (written by the launch before), skip the
 // quantization launch.
 // ncols > 1 (one job, no resid/W2): ncols tokens at once, x / y / the scratch holding
 // the tokens' rows one after another; each column's bits are those of ncols == 1 (the
 // weights are read once for all of them: a speculative block costs little more than a
 // single step).
-// norm: also y's RMSNorm (one row, d = rows) and its int8 copy, done by the launch's
-// last block once all rows are written (one job, ncols == 1, rows % 32 == 0): bitwise
-// rms_norm_q8(y, w, norm y, rows, eps, q) launched after it. ticket: an int, zero
-// before the first launch and left zero by every launch.
-struct MvNorm {
-    const float* w = nullptr;
-    float* y = nullptr;
-    float eps = 0.0f;
-    int8_t* q = nullptr;
-    float2* ds = nullptr;
-    int* ticket = nullptr;
-};
+// in_norm: x is an RMSNorm's output and the scratch holds that norm's deferred copy
+// (rms_norm_copy, or a q_ss group tail): a quantized job's row sums are multiplied by
+// the norm's scale. Any launch of a matvec reading such a norm does this, so its bits do
+// not depend on which launch made the copy.
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols = 1,
-                  bool xq_ready = false, const MvRopeStore* rope = nullptr,
-                  const MvNorm* norm = nullptr);
+                  bool xq_ready = false, const MvRopeStore* rope = nullptr, bool in_norm = false);
 size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols = 1);
-// rms_norm of one row (bitwise the plain kernel's y) that also writes the int8 copy of y
-// into scratch as matvec_multi lays it out.
-void rms_norm_q8(const float* x, const float* w, float* y, int64_t d, float eps, void* scratch);
+// RMSNorm rows whose readers are decode matvecs (d % 32 == 0, d <= kNormCopyMaxRow, nt
+// rows of at most kRowExactMaxTokens): y bitwise rms_norm's, plus the rows' deferred
+// int8 copy: q8 of x * w per 32-element group (no whole-row reduction in it, so a
+// matvec's group tails can make it), and each row's scale, which the matvec applies to
+// its row sums. Scratch: the int8 copies and their (d, d * sum) pairs as matvec_multi
+// reads them, the groups' sums of squares (nt * d / 32 doubles), the scales (nt floats).
+constexpr int64_t kNormCopyMaxRow = 4096;
+size_t norm_copy_bytes(int64_t d, int64_t nt = 1);
+inline double* norm_copy_ss(void* scratch, int64_t d, int64_t nt) {
+    return (double*)((uint8_t*)scratch + matvec_scratch_bytes(d, nt));
+}
+inline float* norm_copy_scale(void* scratch, int64_t d, int64_t nt) {
+    return (float*)(norm_copy_ss(scratch, d, nt) + nt * (d / 32));
+}
+void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch);
 
 // W (rows x in_dim of wtype, device layout) -> f16 rows (prefill GEMM operand), on
 // `stream` (the context stream when null; the executor's side stream dequantizes the
@@ -97,7 +109,8 @@ void add(const float* a, const float* b, float* y, int64_t n);
 void mul(const float* a, const float* b, float* y, int64_t n);
 void silu(const float* x, float* y, int64_t n);
 void swiglu(const float* g, const float* u, float* y, int64_t n);
-// yh: also write y's f16 copy there (bitwise what f32_to_f16 of y gives).
+// yh: also write y's f16 copy there (bitwise what f32_to_f16 of y gives). d <= kRmsMaxRow.
+constexpr int64_t kRmsMaxRow = 32768;
 void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps, void* yh = nullptr);
 void rope_neox(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
                float freq_base, int* err);

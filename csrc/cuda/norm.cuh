@@ -1,39 +1,59 @@
-// RMSNorm of one row, shared by the plain kernel, the one that also writes the int8
-// copy the next matvec reads (quant.cuh) and the matvec whose last block normalizes
-// its own output (k_matvec.cu): all reduce in the same fixed tree, that of a block of
-// rms_threads(d) threads, so they give the same bits whatever block runs it.
+// RMSNorm's reduction, shared by every kernel that normalizes a row or consumes a norm's
+// deferred int8 copy (k_ops.cu, k_matvec.cu). The tree depends on the row length alone:
+// the sum of squares of each aligned 32-element group (double, one warp butterfly),
+// then lane l adds the groups l, l + 32, l + 64, ... in order, then one more butterfly.
+// A block of any size, a matvec's group tail and a matvec reading the groups' sums all
+// get the same bits from it.
 #pragma once
 #include <cstdint>
+
+#include "cuda/kernels.h"
 
 namespace minfer::cuda {
 
 // A thread per element up to 1024: the norm is one block on the decode critical path.
 __host__ __device__ inline int rms_threads(int64_t d) { return d >= 1024 ? 1024 : (int)((d + 31) / 32 * 32); }
 
-// 1 / sqrt(mean(x^2) + eps) of row xr, in double; every thread of the block gets it.
-// The tree is that of T threads (a multiple of 32, at most 1024): virtual thread t
-// sums elements t, t + T, ... in order, each virtual warp reduces by a butterfly, then
-// the virtual warps' sums are added in order. A block of fewer threads runs virtual
-// warps w, w + nwarps, ... on its warp w: the same sums, so the same bits. x is read
-// through L2 (__ldcg): in the matvec's tail, other blocks wrote it during the launch.
-__device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int64_t d, float eps, int T) {
-    __shared__ double red[32];
+constexpr int64_t kRmsMaxGroups = kRmsMaxRow / 32;  // the groups' sums live in shared memory
+
+// The sum of squares of one 32-element group, v being this lane's element (0 past the
+// row's end); every lane of the warp gets it.
+__device__ __forceinline__ double group_ss(float v) {
+    double s = __dmul_rn((double)v, (double)v);
+    for (int o = 16; o > 0; o >>= 1) s = __dadd_rn(s, __shfl_xor_sync(0xffffffffu, s, o));
+    return s;
+}
+
+// 1 / sqrt(mean + eps) from a lane's in-order sum of its groups' sums; every lane gets it.
+__device__ __forceinline__ float rms_scale(double lane_sum, int64_t d, float eps) {
+    for (int o = 16; o > 0; o >>= 1) lane_sum = __dadd_rn(lane_sum, __shfl_xor_sync(0xffffffffu, lane_sum, o));
+    return (float)(1.0 / sqrt(lane_sum / (double)d + (double)eps));
+}
+
+// The scale of a row whose group sums are ss[0 .. ng), by one warp.
+__device__ __forceinline__ float rms_scale_of(const double* ss, int64_t ng, int64_t d, float eps, int lane) {
+    double s = 0.0;
+    for (int64_t g = lane; g < ng; g += 32) s = __dadd_rn(s, ss[g]);
+    return rms_scale(s, d, eps);
+}
+
+// 1 / sqrt(mean(x^2) + eps) of row xr (d <= kRmsMaxRow), by the whole block; every
+// thread gets it. x is read through L2 (__ldcg): a fused launch's other blocks may have
+// written it.
+__device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int64_t d, float eps) {
+    __shared__ double red[kRmsMaxGroups];
     __shared__ float sc;
     const int lane = threadIdx.x % 32, nw = blockDim.x / 32;
-    for (int vw = threadIdx.x / 32; vw < T / 32; vw += nw) {
-        double ss = 0.0;
-        for (int64_t i = vw * 32 + lane; i < d; i += T) {
-            const double v = (double)__ldcg(xr + i);
-            ss = __fma_rn(v, v, ss);
-        }
-        for (int o = 16; o > 0; o >>= 1) ss = __dadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
-        if (lane == 0) red[vw] = ss;
+    const int64_t ng = (d + 31) / 32;
+    for (int64_t g = threadIdx.x / 32; g < ng; g += nw) {
+        const int64_t i = g * 32 + lane;
+        const double s = group_ss(i < d ? __ldcg(xr + i) : 0.0f);
+        if (lane == 0) red[g] = s;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        double t = 0.0;
-        for (int w = 0; w < T / 32; ++w) t = __dadd_rn(t, red[w]);
-        sc = (float)(1.0 / sqrt(t / (double)d + (double)eps));
+    if (threadIdx.x < 32) {
+        const float r = rms_scale_of(red, ng, d, eps, lane);
+        if (lane == 0) sc = r;
     }
     __syncthreads();
     return sc;

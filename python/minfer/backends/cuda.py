@@ -56,10 +56,10 @@ def supports_attn_span() -> bool:
 
 ENV_FUSE = "MINFER_CUDA_FUSE"
 FUSIONS = ("qkv", "ffn", "residual", "quant", "rope", "norm")
-# "norm" (a residual add's one-row RMSNorm done by the last block of the matvec + add
-# launch; it acts only together with "residual" and "quant") is not on by default: one
-# 128-thread block doing a whole RMSNorm serially made decode slower, not faster (H200,
-# 12f72b7: 0.5B tg128 597-619 vs 736-774 tok/s without it, 7B 186 vs 245-249).
+# "norm" (a residual add's one-row RMSNorm made by the matvec + add launch's 32-row group
+# tails; it acts only together with "residual") is not on by default: its two ticket
+# rounds cost more than the norm's own launch (H200: 0.5B tg128 1,118-1,145 vs
+# 1,245-1,311 tok/s without it, 7B 345-347 vs 362).
 DEFAULT_FUSIONS = ("qkv", "ffn", "residual", "quant", "rope")
 _FLAG_BITS = {"qkv": 1, "ffn": 2, "residual": 4, "quant": 8, "norm": 16, "rope": 32}  # cuda/executor.h PlanFlags
 
