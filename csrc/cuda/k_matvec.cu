@@ -89,6 +89,66 @@ __device__ __forceinline__ int dot32(const uint32_t w[8], const uint4& x0, const
 __device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
 
+// The activation side of one unit (the int8 copy and its (d, d * sum) pairs). A unit's
+// dot product reads it through one of two views with the same methods: Lazy loads each
+// piece where the arithmetic uses it (the plain kernel: few registers), the value type
+// holds pieces loaded once (k_matvec_bulk keeps a lane's units from row to row).
+struct X32 {  // one 32-element block
+    struct Lazy {
+        const MvArgs& a;
+        int col, u;
+        __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 32 * u + 16 * i); }
+        __device__ __forceinline__ float2 ds() const { return xds_at(a, col, u); }
+    };
+    uint4 v[2];
+    float2 d;
+    __device__ __forceinline__ uint4 q(int i) const { return v[i]; }
+    __device__ __forceinline__ float2 ds() const { return d; }
+    __device__ __forceinline__ static X32 load(const MvArgs& a, int col, int u) {
+        const Lazy l{a, col, u};
+        return {{l.q(0), l.q(1)}, l.ds()};
+    }
+};
+struct XK45 {  // Q4_K / Q5_K unit u: sub-blocks 2p, 2p + 1 of superblock u / 4 (p = u % 4)
+    struct Lazy {
+        const MvArgs& a;
+        int col, u;
+        __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 256 * (u >> 2) + 64 * (u & 3) + 16 * i); }
+        __device__ __forceinline__ float4 ds() const {
+            return __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)col * a.nb + 8 * (u >> 2) + 2 * (u & 3)));
+        }
+    };
+    uint4 v[4];
+    float4 d;
+    __device__ __forceinline__ uint4 q(int i) const { return v[i]; }
+    __device__ __forceinline__ float4 ds() const { return d; }
+    __device__ __forceinline__ static XK45 load(const MvArgs& a, int col, int u) {
+        const Lazy l{a, col, u};
+        return {{l.q(0), l.q(1), l.q(2), l.q(3)}, l.ds()};
+    }
+};
+struct XQ6 {  // Q6_K unit u: chunks ja and jb = ja + 2 of superblock u / 4 (ja = 4 n + k1)
+    struct Lazy {
+        const MvArgs& a;
+        int col, u;
+        __device__ __forceinline__ int ja() const { return 4 * ((u >> 1) & 1) + (u & 1); }
+        __device__ __forceinline__ uint4 qa(int i) const { return xq16(a, col, 256 * (u >> 2) + 32 * ja() + 16 * i); }
+        __device__ __forceinline__ uint4 qb(int i) const { return xq16(a, col, 256 * (u >> 2) + 32 * (ja() + 2) + 16 * i); }
+        __device__ __forceinline__ float da() const { return xds_at(a, col, 8 * (u >> 2) + ja()).x; }
+        __device__ __forceinline__ float db() const { return xds_at(a, col, 8 * (u >> 2) + ja() + 2).x; }
+    };
+    uint4 a_[2], b_[2];
+    float da_, db_;
+    __device__ __forceinline__ uint4 qa(int i) const { return a_[i]; }
+    __device__ __forceinline__ uint4 qb(int i) const { return b_[i]; }
+    __device__ __forceinline__ float da() const { return da_; }
+    __device__ __forceinline__ float db() const { return db_; }
+    __device__ __forceinline__ static XQ6 load(const MvArgs& a, int col, int u) {
+        const Lazy l{a, col, u};
+        return {{l.qa(0), l.qa(1)}, {l.qb(0), l.qb(1)}, l.da(), l.db()};
+    }
+};
+
 // Bits j..j+3 of qh to bit 4 of bytes 0..3 (the fifth bit of four 5-bit quants).
 __device__ __forceinline__ uint32_t spread4(uint32_t qh, int j) {
     const uint32_t b = (qh >> j) & 0xF;
@@ -115,7 +175,10 @@ struct UnitQ45 {
         if constexpr (kMin) dm = ldw<G>(row + sc_at * nb + 4 * u);
         else dm = ldu16<G>(row + sc_at * nb + 2 * u);
     }
-    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
+    using X = X32;
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(X::Lazy{a, col, u}, u); }
+    template <class XV>
+    __device__ __forceinline__ float dot(const XV& x, int) const {
         uint32_t w[8];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -129,8 +192,8 @@ struct UnitQ45 {
             w[i] = lo;
             w[4 + i] = hi;
         }
-        const int s = dot32(w, xq16(a, col, 32 * u), xq16(a, col, 32 * u + 16));
-        const float2 ds = xds_at(a, col, u);
+        const int s = dot32(w, x.q(0), x.q(1));
+        const float2 ds = x.ds();
         const float d = __half2float(__ushort_as_half((unsigned short)(dm & 0xFFFF)));
         float r = fmul(fmul(d, ds.x), (float)s);
         if constexpr (kMin) r = fadd(r, fmul(__half2float(__ushort_as_half((unsigned short)(dm >> 16))), ds.y));
@@ -152,10 +215,13 @@ template <> struct Unit<T_Q8_0> {
         q1 = ld4<G>(row + 32 * u + 16);
         d = ldh<G>(row + 32 * nb + 2 * u);
     }
-    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
+    using X = X32;
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(X::Lazy{a, col, u}, u); }
+    template <class XV>
+    __device__ __forceinline__ float dot(const XV& x, int) const {
         const uint32_t w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-        const int s = dot32(w, xq16(a, col, 32 * u), xq16(a, col, 32 * u + 16));
-        return fmul(fmul(d, xds_at(a, col, u).x), (float)s);
+        const int s = dot32(w, x.q(0), x.q(1));
+        return fmul(fmul(d, x.ds().x), (float)s);
     }
 };
 
@@ -179,7 +245,10 @@ struct UnitK45 {
             qh1 = ld4<G>(b + 32);
         }
     }
-    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
+    using X = XK45;
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(X::Lazy{a, col, u}, u); }
+    template <class XV>
+    __device__ __forceinline__ float dot(const XV& x, int u) const {
         const int p = u & 3, j0 = 2 * p, j1 = j0 + 1;
         uint32_t wl[8], wh[8];
 #pragma unroll
@@ -193,10 +262,9 @@ struct UnitK45 {
                 wh[i] |= ((hb >> j1) & 0x01010101u) << 4;
             }
         }
-        const int o = 256 * (u >> 2) + 64 * p;
-        const int s0 = dot32(wl, xq16(a, col, o), xq16(a, col, o + 16));
-        const int s1 = dot32(wh, xq16(a, col, o + 32), xq16(a, col, o + 48));
-        const float4 ds = __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)col * a.nb + 8 * (u >> 2) + j0));
+        const int s0 = dot32(wl, x.q(0), x.q(1));
+        const int s1 = dot32(wh, x.q(2), x.q(3));
+        const float4 ds = x.ds();
         int sc0, m0, sc1, m1;
         k4_scale_min_w(j0, h.y, h.z, h.w, sc0, m0);
         k4_scale_min_w(j1, h.y, h.z, h.w, sc1, m1);
@@ -230,8 +298,11 @@ template <> struct Unit<T_Q6_K> {
     __device__ __forceinline__ static int sbyte(const uint4& v, int i) {
         return (int)(int8_t)((W_(v, i >> 2) >> (8 * (i & 3))) & 0xFF);
     }
-    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
-        const int s = u >> 2, n = (u >> 1) & 1, k1 = u & 1;
+    using X = XQ6;
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(X::Lazy{a, col, u}, u); }
+    template <class XV>
+    __device__ __forceinline__ float dot(const XV& x, int u) const {
+        const int n = (u >> 1) & 1, k1 = u & 1;
         uint32_t wa[8], wb[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -240,10 +311,8 @@ template <> struct Unit<T_Q6_K> {
             wa[i] = __vsubss4((l & 0x0F0F0F0Fu) | (((hb >> (2 * k1)) & 0x03030303u) << 4), 0x20202020u);
             wb[i] = __vsubss4(((l >> 4) & 0x0F0F0F0Fu) | (((hb >> (2 * k1 + 4)) & 0x03030303u) << 4), 0x20202020u);
         }
-        const int ja = 4 * n + k1, jb = ja + 2;
-        const int oa = 256 * s + 32 * ja, ob = 256 * s + 32 * jb;
-        const uint4 xa0 = xq16(a, col, oa), xa1 = xq16(a, col, oa + 16);
-        const uint4 xb0 = xq16(a, col, ob), xb1 = xq16(a, col, ob + 16);
+        const uint4 xa0 = x.qa(0), xa1 = x.qa(1);
+        const uint4 xb0 = x.qb(0), xb1 = x.qb(1);
         int sa0 = 0, sa1 = 0, sb0 = 0, sb1 = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -254,8 +323,8 @@ template <> struct Unit<T_Q6_K> {
         }
         const int ia = sbyte(sc, 8 * n + 2 * k1) * sa0 + sbyte(sc, 8 * n + 2 * k1 + 1) * sa1;
         const int ib = sbyte(sc, 8 * n + 2 * k1 + 4) * sb0 + sbyte(sc, 8 * n + 2 * k1 + 5) * sb1;
-        const float fa = fmul(xds_at(a, col, 8 * s + ja).x, (float)ia);
-        const float fb = fmul(xds_at(a, col, 8 * s + jb).x, (float)ib);
+        const float fa = fmul(x.da(), (float)ia);
+        const float fb = fmul(x.db(), (float)ib);
         return fmul(d, fadd(fa, fb));
     }
 };
@@ -596,14 +665,29 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t phase) {
             : "memory");
 }
 
-template <int T>
-__device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs& a, int lane) {
+// XR: rows of at most 64 units, whose lanes' activation chunks (units lane, lane + 32)
+// the warp holds in registers, xr, for all its rows.
+template <int T, bool XR>
+__device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs& a, int lane,
+                                              const typename Unit<T>::X* xr) {
     const int nu = Unit<T>::count(a.nb);
     float acc = 0.0f;
-    for (int u = lane; u < nu; u += 32) {
-        Unit<T> w;
-        w.template load<false>(srow, u, a.nb);
-        acc = fadd(acc, w.dot(a, 0, u));
+    if constexpr (XR) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const int u = lane + 32 * k;
+            if (u < nu) {
+                Unit<T> w;
+                w.template load<false>(srow, u, a.nb);
+                acc = fadd(acc, w.dot(xr[k], u));
+            }
+        }
+    } else {
+        for (int u = lane; u < nu; u += 32) {
+            Unit<T> w;
+            w.template load<false>(srow, u, a.nb);
+            acc = fadd(acc, w.dot(a, 0, u));
+        }
     }
     return acc;
 }
@@ -613,7 +697,7 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
 // 38.3 us with one row a slot, 41.4 with two, 67.2 with four (the smem they take leaves
 // fewer warps to hide the arithmetic's latency), so by default rows of 2 KB or more take
 // a slot each.
-template <int T>
+template <int T, bool XR>
 __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R) {
     pdl_trigger();
     extern __shared__ __align__(16) uint8_t bulk_smem[];
@@ -643,6 +727,12 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
     pdl_wait();
     // A deferred norm copy's scale (every type here is quantized).
     const float nsc = a.xscale ? __ldg(a.xscale) : 1.0f;
+    typename Unit<T>::X xr[2];
+    if constexpr (XR) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+            if (lane + 32 * k < Unit<T>::count(a.nb)) xr[k] = Unit<T>::X::load(a, 0, lane + 32 * k);
+    }
     int g_done = 0;  // rows of the current 32-row group this warp has written
     for (int st = 0; st < n_st; ++st) {
         const int k = st % ns;
@@ -650,8 +740,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
         const uint8_t* sw = ring + (size_t)k * slot;
         const int rs = r0 + R * st, cnt = min(R, r1 - rs);
         for (int q = 0; q < cnt; ++q) {
-            float acc = row_dot_smem<T>(sw + (size_t)q * rb, a, lane), acc2 = 0.0f;
-            if (rb2) acc2 = row_dot_smem<T>(sw + (size_t)R * rb + (size_t)q * rb2, a, lane);
+            float acc = row_dot_smem<T, XR>(sw + (size_t)q * rb, a, lane, xr), acc2 = 0.0f;
+            if (rb2) acc2 = row_dot_smem<T, XR>(sw + (size_t)R * rb + (size_t)q * rb2, a, lane, xr);
             acc = warp_sum(acc);
             if (rb2) acc2 = warp_sum(acc2);
             if (a.xscale) {
@@ -881,27 +971,36 @@ int bulk_rows(size_t row_slot) {
     return R < 1 ? 1 : R > 8 ? 8 : R;
 }
 
-template <int T>
-void launch_bulk_t(const MvArgs& a, size_t row_slot, int R, int ns) {
+template <int T, bool XR>
+void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
     const size_t slot = row_slot * (size_t)R;
     const MvJob& j = a.job[0];
     const size_t smem = bulk_smem_bytes(slot, ns);
     static size_t attr = 0;  // the largest dynamic shared memory this instantiation was allowed
     if (smem > attr) {
-        check(cudaFuncSetAttribute(k_matvec_bulk<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+        check(cudaFuncSetAttribute(k_matvec_bulk<T, XR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
               "cudaFuncSetAttribute");
         attr = smem;
     }
     int per_sm = 0;
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_matvec_bulk<T>, MV_WARPS * 32, smem),
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_matvec_bulk<T, XR>, MV_WARPS * 32, smem),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     int64_t blocks = (int64_t)ctx().n_sm * (per_sm > 0 ? per_sm : 1);
     const int64_t need = (j.rows + MV_WARPS - 1) / MV_WARPS;  // at least a row per warp
     if (blocks > need) blocks = need;
     const int cap = env_int("MINFER_CUDA_MV_BULK_BLOCKS", 0);  // tests: long runs per warp
     if (cap > 0 && blocks > cap) blocks = cap;
-    launch_smem(k_matvec_bulk<T>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R);
+    launch_smem(k_matvec_bulk<T, XR>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R);
     ++ctx().c.staged;
+}
+
+// Rows of at most 64 units keep each lane's activation chunks in registers
+// (MINFER_CUDA_MV_BULK_XREG=0: reloaded for every row, as the plain kernel does).
+template <int T>
+void launch_bulk_t(const MvArgs& a, size_t row_slot, int R, int ns) {
+    const int units = (T == T_Q4_K || T == T_Q5_K || T == T_Q6_K) ? a.nb / 2 : a.nb;
+    if (units <= 64 && env_int("MINFER_CUDA_MV_BULK_XREG", 1) != 0) launch_bulk_xr<T, true>(a, row_slot, R, ns);
+    else launch_bulk_xr<T, false>(a, row_slot, R, ns);
 }
 
 // Whether the launch takes the staged matvec: MINFER_CUDA_MV_BULK=1 whenever it can, 0
