@@ -996,17 +996,24 @@ void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
 
 // Rows of at most 64 units keep each lane's activation chunks in registers
 // (MINFER_CUDA_MV_BULK_XREG=0: reloaded for every row, as the plain kernel does).
+bool bulk_xreg(int type, int nb) {
+    const int units = (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) ? nb / 2 : nb;
+    return units <= 64 && env_int("MINFER_CUDA_MV_BULK_XREG", 1) != 0;
+}
+
 template <int T>
 void launch_bulk_t(const MvArgs& a, size_t row_slot, int R, int ns) {
-    const int units = (T == T_Q4_K || T == T_Q5_K || T == T_Q6_K) ? a.nb / 2 : a.nb;
-    if (units <= 64 && env_int("MINFER_CUDA_MV_BULK_XREG", 1) != 0) launch_bulk_xr<T, true>(a, row_slot, R, ns);
+    if (bulk_xreg(T, a.nb)) launch_bulk_xr<T, true>(a, row_slot, R, ns);
     else launch_bulk_xr<T, false>(a, row_slot, R, ns);
 }
 
 // Whether the launch takes the staged matvec: MINFER_CUDA_MV_BULK=1 whenever it can, 0
 // never; by default when it streams more than MINFER_CUDA_MV_BULK_MIN bytes (16 MiB) in
-// row slots of at least 2 KB (small rows and small launches ran faster on the plain
-// kernel: H200, 0.5B's Q8_0 output 65 vs 49 us) and of at most MINFER_CUDA_MV_BULK_MAX.
+// row slots of at most MINFER_CUDA_MV_BULK_MAX and at least MINFER_CUDA_MV_BULK_MIN_ROW:
+// 512 bytes when the activations stay in registers, else 2 KB (H200, the 0.5B's Q8_0
+// output of 952-byte rows: 45.2 us staged with them in registers, 51.0 plain; 65 vs 49
+// staged without). Smaller launches ran faster on the plain kernel (0.5B gate|up 9.5 vs
+// 8.6 us, 7B o 14.6 vs 14.2 with the o / down average, at 4 MiB).
 bool launch_bulk(const MvArgs& a) {
     const int mode = env_int("MINFER_CUDA_MV_BULK", -1);
     if (mode == 0) return false;
@@ -1014,7 +1021,9 @@ bool launch_bulk(const MvArgs& a) {
     if (a.njobs != 1 || a.rope.tickets || (j.W2 && j.type2 != j.type)) return false;
     if (j.row_bytes % 16 || (j.W2 && (j.row_bytes2 % 16 || (uintptr_t)j.W2 % 16)) || (uintptr_t)j.W % 16) return false;
     const size_t slot = j.row_bytes + (j.W2 ? j.row_bytes2 : 0);
-    if (mode < 0 && (slot < 2048 || slot * (size_t)j.rows <= (size_t)env_int("MINFER_CUDA_MV_BULK_MIN", 16 << 20)))
+    const size_t min_row = (size_t)env_int("MINFER_CUDA_MV_BULK_MIN_ROW", bulk_xreg(j.type, a.nb) ? 512 : 2048);
+    if (mode < 0 && (slot < min_row ||
+                     slot * (size_t)j.rows <= (size_t)env_int("MINFER_CUDA_MV_BULK_MIN", 16 << 20)))
         return false;
     if (slot > (size_t)env_int("MINFER_CUDA_MV_BULK_MAX", 8192)) return false;
     const int R = bulk_rows(slot);
