@@ -93,40 +93,39 @@ __device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b)
 // dot product reads it through one of two views with the same methods: Lazy loads each
 // piece where the arithmetic uses it (the plain kernel: few registers), the value type
 // holds pieces loaded once (k_matvec_bulk keeps a lane's units from row to row).
-struct X32 {  // one 32-element block
-    struct Lazy {
-        const MvArgs& a;
-        int col, u;
-        __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 32 * u + 16 * i); }
-        __device__ __forceinline__ float2 ds() const { return xds_at(a, col, u); }
-    };
-    uint4 v[2];
-    float2 d;
+template <class L, int N, class DS>
+struct Held {
+    using Lazy = L;
+    uint4 v[N];
+    DS d;
     __device__ __forceinline__ uint4 q(int i) const { return v[i]; }
-    __device__ __forceinline__ float2 ds() const { return d; }
-    __device__ __forceinline__ static X32 load(const MvArgs& a, int col, int u) {
-        const Lazy l{a, col, u};
-        return {{l.q(0), l.q(1)}, l.ds()};
+    __device__ __forceinline__ DS ds() const { return d; }
+    __device__ __forceinline__ static Held load(const MvArgs& a, int col, int u) {
+        const L l{a, col, u};
+        Held h;
+#pragma unroll
+        for (int i = 0; i < N; ++i) h.v[i] = l.q(i);
+        h.d = l.ds();
+        return h;
     }
 };
-struct XK45 {  // Q4_K / Q5_K unit u: sub-blocks 2p, 2p + 1 of superblock u / 4 (p = u % 4)
-    struct Lazy {
-        const MvArgs& a;
-        int col, u;
-        __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 256 * (u >> 2) + 64 * (u & 3) + 16 * i); }
-        __device__ __forceinline__ float4 ds() const {
-            return __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)col * a.nb + 8 * (u >> 2) + 2 * (u & 3)));
-        }
-    };
-    uint4 v[4];
-    float4 d;
-    __device__ __forceinline__ uint4 q(int i) const { return v[i]; }
-    __device__ __forceinline__ float4 ds() const { return d; }
-    __device__ __forceinline__ static XK45 load(const MvArgs& a, int col, int u) {
-        const Lazy l{a, col, u};
-        return {{l.q(0), l.q(1), l.q(2), l.q(3)}, l.ds()};
+struct X32Lazy {  // one 32-element block: its two 16-byte halves, its (d, d * sum)
+    const MvArgs& a;
+    int col, u;
+    __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 32 * u + 16 * i); }
+    __device__ __forceinline__ float2 ds() const { return xds_at(a, col, u); }
+};
+struct XK45Lazy {  // Q4_K / Q5_K unit u: sub-blocks 2p, 2p + 1 of superblock u / 4 (p = u % 4)
+    const MvArgs& a;
+    int col, u;
+    __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 256 * (u >> 2) + 64 * (u & 3) + 16 * i); }
+    __device__ __forceinline__ float4 ds() const {
+        return __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)col * a.nb + 8 * (u >> 2) + 2 * (u & 3)));
     }
 };
+using X32 = Held<X32Lazy, 2, float2>;
+using XK45 = Held<XK45Lazy, 4, float4>;
+// Q6_K's pieces come from two chunks, each with its own d: a view of its own.
 struct XQ6 {  // Q6_K unit u: chunks ja and jb = ja + 2 of superblock u / 4 (ja = 4 n + k1)
     struct Lazy {
         const MvArgs& a;
@@ -176,7 +175,7 @@ struct UnitQ45 {
         else dm = ldu16<G>(row + sc_at * nb + 2 * u);
     }
     using X = X32;
-    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(X::Lazy{a, col, u}, u); }
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int) const {
         uint32_t w[8];
@@ -216,7 +215,7 @@ template <> struct Unit<T_Q8_0> {
         d = ldh<G>(row + 32 * nb + 2 * u);
     }
     using X = X32;
-    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(X::Lazy{a, col, u}, u); }
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int) const {
         const uint32_t w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
@@ -246,7 +245,7 @@ struct UnitK45 {
         }
     }
     using X = XK45;
-    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(X::Lazy{a, col, u}, u); }
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int u) const {
         const int p = u & 3, j0 = 2 * p, j1 = j0 + 1;
@@ -299,7 +298,7 @@ template <> struct Unit<T_Q6_K> {
         return (int)(int8_t)((W_(v, i >> 2) >> (8 * (i & 3))) & 0xFF);
     }
     using X = XQ6;
-    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(X::Lazy{a, col, u}, u); }
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int u) const {
         const int n = (u >> 1) & 1, k1 = u & 1;
