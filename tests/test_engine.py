@@ -69,6 +69,21 @@ def test_context_limits_are_errors(engine):
         engine.forward(list(range(10, 20)))
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_work(engine):
+    """Ids are bounded on the fill side (a device cannot check its buffers): a lone
+    decode id and a prompt's ids alike, before the KV or the graph is touched."""
+    from minfer.errors import MinferError
+
+    engine.reset()
+    engine.forward([1, 2, 3], n_out=1)
+    n = engine.model.hp.n_vocab
+    for bad in ([-1], [n], [1, n, 2], [-5, 1]):
+        with pytest.raises(MinferError, match=rf"token id out of range \[0, {n}\)"):
+            engine.forward(bad)
+        assert engine.n_past == 3
+    assert engine.forward([n - 1], n_out=1).shape == (1, n)  # the last id is in range
+
+
 def test_kv_survives_prefill_to_decode_rebuild(synth_model_path):
     eng = Session.open(synth_model_path, n_ctx=64, n_threads=2)
     ids = [5, 17, 42, 99, 3, 250, 7]

@@ -301,6 +301,14 @@ def test_fill_input_checks():
         c.alloc.fill_input(g, "ids", np.array([0.0, 1.0]))
     with pytest.raises(MinferError, match="no input named"):
         c.alloc.fill_input(g, "nope", [1])
+    # Arrays already in the input's dtype take the short path: their size is still checked.
+    with pytest.raises(MinferError, match="exactly 2"):
+        c.alloc.fill_input(g, "ids", np.array([1, 0, 1], dtype=np.int32))
+    with pytest.raises(MinferError, match="exactly 8"):
+        c.alloc.fill_input(g, "x", np.zeros(9, dtype=np.float32))
+    c.alloc.fill_input(g, "ids", np.arange(4, dtype=np.int32)[::-2])  # strided: copied contiguous
+    ref = c.alloc.buffer(ids)
+    assert c.alloc.devices[ref.backend].read(ref.id, "int32", 2).tolist() == [3, 1]
     c.alloc.fill_input(g, "ids", np.array([1, 0], dtype=np.int64))
     ref = c.alloc.buffer(ids)
     assert c.alloc.devices[ref.backend].read(ref.id, "int32", 2).tolist() == [1, 0]   # real int32, not f32 bits

