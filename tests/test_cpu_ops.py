@@ -148,6 +148,39 @@ def test_threads_agree_bitwise_on_silu():
     np.testing.assert_array_equal(one.view(np.uint32), two.view(np.uint32))
 
 
+# ---------------------------------------------------------------- greedy pick (argmax)
+
+F32_MAX = np.finfo(np.float32).max
+
+
+@pytest.mark.parametrize("n", [1, 7, 32, 33, 1023, 1024, 1025, 4099, 151936])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_argmax_is_the_first_index_of_the_max(n, threads, kernel_path):
+    rng = np.random.default_rng(n * 7 + threads)
+    r = Rig()
+    rows = [rng.standard_normal(n).astype(np.float32),
+            np.round(rng.standard_normal(n)).astype(np.float32),     # many ties: the first wins
+            np.where(rng.random(n) < 0.5, -0.0, 0.0).astype(np.float32),  # -0 and +0 tie
+            np.linspace(-5, 5, n, dtype=np.float32),                 # the max in the last value
+            np.where(rng.random(n) < 0.1, F32_MAX, 1e-45).astype(np.float32)]  # extremes are finite
+    for x in rows:
+        assert _core.argmax(r.pool, r.buf(x), n, threads) == int(np.argmax(x))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_flags_any_nan_or_inf(bad, threads, kernel_path):
+    """A greedy pick never answers for broken logits: -1, wherever the value lies (any
+    thread's share, inside a vector or in a tail), found by the same pass as the max."""
+    n = 151936
+    x = np.random.default_rng(5).standard_normal(n).astype(np.float32)
+    r = Rig()
+    for at in (0, 1, 31, 1023, 1024, n // 2 - 1, n // 2, n - 33, n - 1):
+        y = x.copy()
+        y[at] = bad
+        assert _core.argmax(r.pool, r.buf(y), n, threads) == -1, at
+
+
 # ---------------------------------------------------------------- RMSNorm / QK-norm
 
 

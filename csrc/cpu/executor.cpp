@@ -597,14 +597,14 @@ int64_t argmax_f32(const float* x, int64_t n, int n_threads) {
         const int ith = omp_get_thread_num();
         placement.place(ith);
         const auto [r0, r1] = row_range(n, ith, omp_get_num_threads());
-        int64_t b = r0 < r1 ? r0 : -1;
-        for (int64_t i = r0 + 1; i < r1; ++i)
-            if (x[i] > x[b]) b = i;
-        best[ith] = b;
+        const int64_t b = first_max_finite(x + r0, r1 - r0);
+        best[ith] = b < 0 ? (r0 < r1 ? -2 : -1) : r0 + b;  // -2: a NaN or Inf in this share
     }
     int64_t b = -1;
-    for (int64_t c : best)
+    for (int64_t c : best) {
+        if (c == -2) return -1;
         if (c >= 0 && (b < 0 || x[c] > x[b])) b = c;
+    }
     return b;
 }
 

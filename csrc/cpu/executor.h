@@ -19,7 +19,8 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
               size_t begin = 0, size_t end = (size_t)-1);
 
 // Index of the largest of x[0..n) (first on ties), computed by n_threads threads over
-// the same contiguous row ranges the matmul gives each thread.
+// the same contiguous row ranges the matmul gives each thread; -1 when any value is NaN
+// or +-Inf (checked in the same pass, so greedy decoding needs no second scan).
 int64_t argmax_f32(const float* x, int64_t n, int n_threads);
 
 }  // namespace minfer::cpu

@@ -1,6 +1,7 @@
 // Element-wise ops, RMSNorm, RoPE, row gathers and the KV store (attention lives in
 // attention.cpp). Each kernel does a contiguous share of its rows/elements; nothing
 // here synchronizes, the executor's barrier between steps does that.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -35,6 +36,66 @@ inline void map2_avx2(const float* a, const float* b, float* y, int64_t i0, int6
 #endif
 
 }  // namespace
+
+namespace {
+// 1 when the float's exponent bits are all ones (NaN or +-Inf): integer arithmetic, so
+// the check vectorizes and costs nothing beside the max.
+inline uint32_t non_finite_bit(float v) {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    return ((u & 0x7f800000u) + 0x00800000u) >> 31;
+}
+
+// Blocks of values scanned for their max before any index is tracked: the max pass
+// carries no index (so it is a plain vector max), then only the first block holding the
+// overall max is searched for its first index.
+constexpr int64_t kPickBlock = 1024;
+
+float block_max(const float* x, int64_t n, uint32_t& bad) {
+    int64_t i = 0;
+    float m = -INFINITY;
+#ifdef MINFER_VEC_AVX2
+    if (use_simd() && n >= 32) {
+        const __m256i exp = _mm256_set1_epi32(0x7f800000);
+        __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+        __m256i b = _mm256_setzero_si256();
+        for (; i + 32 <= n; i += 32) {
+            const __m256 v[4] = {_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(x + i + 16),
+                                 _mm256_loadu_ps(x + i + 24)};
+            m0 = _mm256_max_ps(m0, v[0]);
+            m1 = _mm256_max_ps(m1, v[1]);
+            m2 = _mm256_max_ps(m2, v[2]);
+            m3 = _mm256_max_ps(m3, v[3]);
+            for (const __m256& w : v)
+                b = _mm256_or_si256(b, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(w), exp), exp));
+        }
+        bad |= !_mm256_testz_si256(b, b);
+        alignas(32) float t[8];
+        _mm256_store_ps(t, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+        for (float f : t) m = f > m ? f : m;
+    }
+#endif
+    for (; i < n; ++i) {
+        bad |= non_finite_bit(x[i]);
+        m = x[i] > m ? x[i] : m;
+    }
+    return m;
+}
+}  // namespace
+
+int64_t first_max_finite(const float* x, int64_t n) {
+    if (n <= 0) return -1;
+    uint32_t bad = 0;
+    float best = 0.0f;
+    int64_t at = -1;  // the first block whose max is the largest so far
+    for (int64_t b0 = 0; b0 < n; b0 += kPickBlock) {
+        const float m = block_max(x + b0, std::min(kPickBlock, n - b0), bad);
+        if (at < 0 || m > best) best = m, at = b0;
+    }
+    if (bad) return -1;
+    while (!(x[at] == best)) ++at;  // -0 and +0 compare equal, as a strict > scan treats them
+    return at;
+}
 
 void add_f32(const float* a, const float* b, float* y, int64_t n, int ith, int nth) {
     int64_t i0, i1;

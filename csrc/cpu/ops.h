@@ -23,6 +23,9 @@ void rms_norm_f32(const float* x, const float* w, float* y, int64_t d, int64_t n
 void rope_neox_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh,
                    int64_t hd, int64_t n_rot, float freq_base, int ith, int nth);
 
+// Greedy pick over x[0..n): the first index of the maximum, or -1 when any value is
+// NaN or +-Inf (the pick must never be the argmax of broken logits), or when n <= 0.
+int64_t first_max_finite(const float* x, int64_t n);
 // Embedding lookup from a (possibly quantized) weight table of row_bytes per row.
 void get_rows_w(int32_t wtype, const void* table, size_t row_bytes, int64_t d,
                 const int32_t* ids, int64_t n, float* y, int ith, int nth);

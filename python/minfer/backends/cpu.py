@@ -61,6 +61,8 @@ class CpuDevice:
     """One GraphCache's CPU state: a buffer pool and the thread count plans run with.
     The pool's own methods are bound directly, so host I/O adds no Python frame."""
 
+    argmax_checks_finite = True
+
     def __init__(self, name: str, options: Mapping) -> None:
         self.pool = pool = _core.Pool(name)
         self.n_threads = max(1, int(options.get("threads") or default_threads()))
@@ -68,7 +70,8 @@ class CpuDevice:
         self.count, self.size = pool.count, pool.size
         self.write, self.read, self.view = pool.write, pool.read, pool.view
         # argmax(buf, n): the greedy pick over n f32 values, scanned by the threads that
-        # wrote them (a partial, not a method: one Python frame less per decode step).
+        # wrote them (a partial, not a method: one Python frame less per decode step);
+        # -1 when a value is NaN or Inf, found in the same pass (argmax_checks_finite).
         self.argmax = functools.partial(_core.argmax, pool, n_threads=self.n_threads)
 
     def new_plan(self, label: str):
