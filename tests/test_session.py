@@ -106,6 +106,77 @@ def test_closing_or_cancelling_a_stream_stops_between_steps(model):
     assert len(evs) == 5 and evs[-1].timings.generated_tokens == 4
 
 
+def test_every_end_of_a_stream_leaves_the_kv_holding_what_was_fed_back(model, monkeypatch):
+    """A stream sends each token's forward before that token's text work and its
+    consumer: whatever ends the output (length, an end-of-generation id, a stop string,
+    a close, a cancel), the KV holds the prompt and exactly the picks fed back, and the
+    next forward gives a fresh session's logits bitwise."""
+    g = SamplingParams(temperature=0.0)
+    p = prompts(1, seed=6)[0]
+    full = Session(model, n_ctx=128).generate(p, 12, g, stop_at_eog=False)
+
+    def check(s, fed):
+        assert s.tokens == p + fed
+        ref = Session(model, n_ctx=128).forward(p + fed + [17])[-1]
+        assert np.array_equal(s.forward([17])[-1], ref)
+
+    s = Session(model, n_ctx=128)
+    res = s.generate(p, 12, g, stop_at_eog=False)
+    assert res.ids == full.ids and res.stop_reason == "length"
+    check(s, full.ids[:-1])  # the last pick is never fed back
+
+    eog = full.ids[5]
+    monkeypatch.setattr(model.tokenizer, "eot_ids", frozenset({eog}), raising=False)
+    s = Session(model, n_ctx=128)
+    res = s.generate(p, 12, g)
+    k = full.ids.index(eog)
+    assert res.stop_reason == "eos" and res.ids == full.ids[:k]
+    check(s, full.ids[:k])
+    monkeypatch.undo()
+
+    # A stop string completed by pick k: the k picks before it were fed back. The stop is
+    # the piece of the first pick after the third whose text first occurs where it ends.
+    tok = model.tokenizer
+
+    def first_completed_by(i):
+        piece, text = tok.decode([full.ids[i]]), tok.decode(full.ids[:i + 1])
+        return piece and "\ufffd" not in piece and text.find(piece) == len(text) - len(piece)
+
+    k = next(i for i in range(3, 12) if first_completed_by(i))
+    s = Session(model, n_ctx=128)
+    res = s.generate(p, 12, g, stop=[tok.decode([full.ids[k]])], stop_at_eog=False)
+    assert res.stop_reason == "stop" and res.ids == full.ids[:k]
+    check(s, full.ids[:k])
+
+    for end in ("close", "cancel"):
+        s = Session(model, n_ctx=128)
+        gen = s.stream(p, 12, g, stop_at_eog=False)
+        got = [next(gen) for _ in range(4)]
+        if end == "close":
+            gen.close()
+        else:
+            s.cancel()
+            assert [e.stop_reason for e in gen] == ["cancelled"]
+        assert [e.id for e in got] == full.ids[:4]
+        check(s, full.ids[:3])
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.9])
+def test_interleaved_streams_of_one_context_each_give_their_own_output(model, temp):
+    """Two sequences of one context streamed in turns: each token's forward went out
+    before the other sequence ran, so its pick must not read the other's logits."""
+    pa, pb = prompts(2, seed=7)
+    sp = SamplingParams(temperature=temp, seed=11)
+    alone = [Session(model, n_ctx=64).generate(q, 10, sp, stop_at_eog=False).ids for q in (pa, pb)]
+    ctx = Context(model, n_ctx=64, n_seq=2)
+    ga, gb = (ctx.session(i).stream(q, 10, sp, stop_at_eog=False) for i, q in enumerate((pa, pb)))
+    got: list[list[int]] = [[], []]
+    for _ in range(10):
+        got[0].append(next(ga).id)
+        got[1].append(next(gb).id)
+    assert got == alone
+
+
 def test_context_limits_are_errors_before_work(model):
     s = Session(model, n_ctx=16)
     with pytest.raises(ContextError):

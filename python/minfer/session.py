@@ -86,6 +86,7 @@ class Context:
         self._out = None               # (device, buffer id, n_vocab, rows) of the logits
         self._picked = None            # the _out a device was told greedy picks read
         self.builds = 0                # graph builds so far (reuse is observable in tests)
+        self.runs = 0                  # forwards so far: a stream's logits are its own while unchanged
         self.lock = threading.Lock()   # one forward at a time per context
         self.tracer = None             # a tools.trace.Tracer (or Profiler) replaces execute() when set
 
@@ -125,6 +126,7 @@ class Context:
         then the step's only readback."""
         nt = int(tokens.size)
         self.model.check_tokens(tokens)
+        self.runs += 1
         params = self.params(nt, n_out)
         self.ensure_graph(params)
         cache = self.cache
@@ -528,9 +530,21 @@ class Session:
             from minfer.speculate import Runner
 
             source = Runner(speculate, self, sampler, pick, prompt_ids, n_predict, logprobs, tm)
+        # The forward of a token goes out before its text work and its consumer (the
+        # yield): a device runs the step meanwhile, and a greedy step reads nothing back
+        # until the next pick. Not for a token that ends the output by itself (an
+        # end-of-generation id, the last of n_predict, a cancelled stream); a stop string
+        # or a consumer that stops the stream take the token back. `ahead`: the context's
+        # run count after that forward, until its pick.
+        ahead = None
         try:
             while True:
                 sampler.accept(nxt)
+                out = None
+                if (source is None and nxt not in text.eog and len(text.ids) + 1 < n_predict
+                        and not self._cancel.is_set()):
+                    out = self.forward([nxt], n_out=1, copy=copy)
+                    ahead = self.context.runs
                 piece, end = text.push(nxt)
                 if end is not None:
                     reason = end
@@ -541,10 +555,21 @@ class Session:
                 if self._cancel.is_set():
                     reason = "cancelled"
                     break
-                nxt, lp = source.next(nxt) if source else pick(self.forward([nxt], n_out=1, copy=copy))
+                if source:
+                    nxt, lp = source.next(nxt)
+                else:  # the forward went ahead: every other case has left the loop
+                    if self.context.runs != ahead:
+                        # Another sequence of this context ran meanwhile: its logits
+                        # replaced ours. The KV row is ours; the same step again.
+                        self.truncate(len(self.tokens) - 1)
+                        out = self.forward([nxt], n_out=1, copy=copy)
+                    ahead = None
+                    nxt, lp = pick(out)
                 picks += 1
             rest, reason = text.finish(reason)
         finally:
+            if ahead is not None:
+                self.truncate(len(self.tokens) - 1)  # its output ended before it
             if source:
                 source.finish(picks)  # drop verified cells a plain stream would not hold
             tm.generated_tokens = len(text.ids)
