@@ -181,6 +181,28 @@ def test_argmax_flags_any_nan_or_inf(bad, threads, kernel_path):
         assert _core.argmax(r.pool, r.buf(y), n, threads) == -1, at
 
 
+@pytest.mark.parametrize("n", [1, 5, 8, 9, 40, 1000, 151936])
+@pytest.mark.parametrize("k", [1, 7, 40, 1000])
+def test_top_k_is_a_stable_sort_prefix(n, k, kernel_path):
+    """Sampling's candidates: the k largest, best first, equal values by index."""
+    rng = np.random.default_rng(n + k)
+    for x in (rng.standard_normal(n).astype(np.float32), np.round(rng.standard_normal(n) * 2).astype(np.float32),
+              np.linspace(3, -3, n, dtype=np.float32), np.full(n, -F32_MAX, np.float32)):
+        want = np.lexsort((np.arange(n), -x))[:k]
+        assert np.array_equal(_core.top_k(x, k), want)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_top_k_refuses_nan_and_inf(bad, kernel_path):
+    x = np.random.default_rng(3).standard_normal(4099).astype(np.float32)
+    for at in (0, 5, 39, 40, 4095, 4098):
+        y = x.copy()
+        y[at] = bad
+        assert _core.top_k(y, 40) is None, at
+    with pytest.raises(ValueError, match="k must be"):
+        _core.top_k(x, 0)
+
+
 # ---------------------------------------------------------------- RMSNorm / QK-norm
 
 

@@ -70,3 +70,70 @@ def test_repetition_penalty_follows_llama_cpp_rule():
 def test_invalid_parameters_are_errors(bad):
     with pytest.raises(MinferError):
         Sampler(SamplingParams(**bad))
+
+
+# ---- the candidate selection against a plain full sort -------------------------------
+
+def reference_distribution(sp: SamplingParams, logits: np.ndarray, recent) -> tuple:
+    """The filter chain over the whole row sorted in float64 (value desc, id asc)."""
+    x = logits.astype(np.float64)
+    if sp.repeat_penalty != 1.0 and recent:
+        ids = np.array(sorted(set(recent)))
+        with np.errstate(over="ignore", under="ignore"):
+            x[ids] = np.where(x[ids] > 0, x[ids] / sp.repeat_penalty, x[ids] * sp.repeat_penalty)
+        x = np.clip(x, -np.finfo(np.float64).max / 4, np.finfo(np.float64).max / 4)
+    order = np.lexsort((np.arange(x.size), -x))
+    if sp.temperature <= 0:
+        return int(order[0]), None
+    if 0 < sp.top_k < x.size:
+        order = order[: sp.top_k]
+    vals = x[order]
+    probs = np.exp(vals - vals.max()) / np.exp(vals - vals.max()).sum()
+    if sp.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), sp.top_p) + 1)
+        order, vals, probs = order[:keep], vals[:keep], probs[:keep]
+    if sp.min_p > 0.0:
+        keep = probs >= sp.min_p * probs[0]
+        order, vals = order[keep], vals[keep]
+    z = (vals - vals.max()) / sp.temperature
+    return order, np.exp(z) / np.exp(z).sum()
+
+
+@pytest.mark.parametrize("n", [1, 3, 40, 41, 1000, 151936])
+@pytest.mark.parametrize("ties", [False, True])
+def test_distribution_equals_a_full_sort(n, ties):
+    rng = np.random.default_rng(n + ties)
+    settings = [dict(temperature=0.8), dict(temperature=0.8, top_k=0), dict(temperature=1.3, top_k=0, min_p=0.0),
+                dict(temperature=0.5, top_k=1), dict(temperature=0.7, top_k=n), dict(temperature=1.0, top_p=0.5),
+                dict(temperature=0.9, top_k=0, top_p=0.99, min_p=0.0), dict(temperature=0.0, repeat_penalty=1.3),
+                dict(temperature=0.8, repeat_penalty=1.3), dict(temperature=0.8, top_k=0, repeat_penalty=0.7),
+                dict(temperature=0.8, repeat_penalty=5e-324), dict(temperature=0.6, top_k=3, repeat_penalty=2.0)]
+    if n <= 1000:  # the whole row sorted: a plain temperature draw
+        settings.append(dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0))
+    for kw in settings:
+        sp = SamplingParams(**kw)
+        x = rng.standard_normal(n).astype(np.float32) * 3
+        if ties:
+            x = np.round(x)
+        recent = [int(t) for t in rng.integers(0, n, size=min(n, 70))] + [int(np.argmax(x))]
+        s = Sampler(sp)
+        for t in recent:
+            s.accept(t)
+        got_ids, got_p = s.distribution(x)
+        want_ids, want_p = reference_distribution(sp, x, list(s.recent))
+        assert np.array_equal(got_ids, want_ids), kw
+        if want_p is None:
+            assert got_p is None
+        else:
+            np.testing.assert_allclose(got_p, want_p, rtol=1e-9, atol=1e-15, err_msg=str(kw))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_sampling_refuses_non_finite_logits(bad):
+    from minfer.errors import NumericsError
+
+    x = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
+    x[4321] = bad
+    for kw in (dict(temperature=0.8), dict(temperature=0.8, top_k=0)):
+        with pytest.raises(NumericsError, match="NaN or Inf"):
+            Sampler(SamplingParams(**kw)).sample(x)

@@ -97,6 +97,52 @@ int64_t first_max_finite(const float* x, int64_t n) {
     return at;
 }
 
+bool top_k_finite(const float* x, int64_t n, int64_t k, int64_t* ids) {
+    k = std::min(k, n);
+    if (k <= 0) return true;
+    // A heap of the k best so far whose top is the worst of them: a later value enters
+    // only when strictly greater than that (an equal one has the higher index, and
+    // loses). Logits rarely beat the k-th best, so most of the scan is the compare.
+    const auto better = [x](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+    std::vector<int64_t> h(k);
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < k; ++i) {
+        h[i] = i;
+        bad |= non_finite_bit(x[i]);
+    }
+    std::make_heap(h.begin(), h.end(), better);
+    float thr = x[h[0]];
+    const auto offer = [&](int64_t i) {
+        if (!(x[i] > thr)) return;
+        std::pop_heap(h.begin(), h.end(), better);
+        h.back() = i;
+        std::push_heap(h.begin(), h.end(), better);
+        thr = x[h[0]];
+    };
+    int64_t i = k;
+#ifdef MINFER_VEC_AVX2
+    if (use_simd()) {
+        const __m256i exp = _mm256_set1_epi32(0x7f800000);
+        __m256i b = _mm256_setzero_si256();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            b = _mm256_or_si256(b, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), exp), exp));
+            for (int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(thr), _CMP_GT_OQ)); m; m &= m - 1)
+                offer(i + __builtin_ctz(m));
+        }
+        bad |= !_mm256_testz_si256(b, b);
+    }
+#endif
+    for (; i < n; ++i) {
+        bad |= non_finite_bit(x[i]);
+        offer(i);
+    }
+    if (bad) return false;
+    std::sort_heap(h.begin(), h.end(), better);
+    std::copy(h.begin(), h.end(), ids);
+    return true;
+}
+
 void add_f32(const float* a, const float* b, float* y, int64_t n, int ith, int nth) {
     int64_t i0, i1;
     vm::share(n, ith, nth, 16, i0, i1);

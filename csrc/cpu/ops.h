@@ -26,6 +26,9 @@ void rope_neox_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int
 // Greedy pick over x[0..n): the first index of the maximum, or -1 when any value is
 // NaN or +-Inf (the pick must never be the argmax of broken logits), or when n <= 0.
 int64_t first_max_finite(const float* x, int64_t n);
+// The min(k, n) largest of x[0..n), best first (equal values: the lower index first),
+// written to ids; false (ids unspecified) when any value is NaN or +-Inf.
+bool top_k_finite(const float* x, int64_t n, int64_t k, int64_t* ids);
 // Embedding lookup from a (possibly quantized) weight table of row_bytes per row.
 void get_rows_w(int32_t wtype, const void* table, size_t row_bytes, int64_t d,
                 const int32_t* ids, int64_t n, float* y, int ith, int nth);
