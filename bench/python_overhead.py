@@ -1,5 +1,5 @@
 """Python overhead of a reused decode step as the generation loop runs it (forward with
-the logits viewed in place, then greedy sampling): the time spent outside `_core.run`
+nothing read back, then the greedy pick, checked for NaN/Inf): the time spent outside `_core.run`
 (reuse check, input fills, the greedy pick) as a fraction of the step.
 
     python bench/python_overhead.py [MODEL] [--steps 64] [--threads N]
@@ -50,8 +50,8 @@ def main() -> None:
     for i in range(a.steps):
         inside.clear()
         t = time.perf_counter()
-        eng.forward([tok], copy=False)
-        tok = eng.argmax_last()  # what Session.stream does for greedy decoding
+        eng.forward([tok], copy=None)
+        tok = eng.argmax_last(i + 1)  # what Session.stream does for greedy decoding
         total = time.perf_counter() - t
         totals.append(total)
         outs.append(total - sum(inside))
