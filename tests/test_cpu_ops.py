@@ -181,6 +181,20 @@ def test_argmax_flags_any_nan_or_inf(bad, threads, kernel_path):
         assert _core.argmax(r.pool, r.buf(y), n, threads) == -1, at
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_picks_each_row_and_flags_broken_ones(threads):
+    """A verified speculative block: one pick per row, -1 for a row with NaN or Inf."""
+    n, rows = 4099, 9
+    x = np.round(np.random.default_rng(8).standard_normal((rows, n)) * 3).astype(np.float32)
+    r = Rig()
+    assert _core.argmax_rows(r.pool, r.buf(x), n, rows, threads) == [int(i) for i in np.argmax(x, axis=1)]
+    x[3, 100], x[8, n - 1] = np.nan, -np.inf
+    want = [-1 if i in (3, 8) else int(np.argmax(x[i])) for i in range(rows)]
+    assert _core.argmax_rows(r.pool, r.buf(x), n, rows, threads) == want
+    with pytest.raises(IndexError):
+        _core.argmax_rows(r.pool, r.buf(x), n, rows + 1, threads)  # past the buffer
+
+
 @pytest.mark.parametrize("n", [1, 5, 8, 9, 40, 1000, 151936])
 @pytest.mark.parametrize("k", [1, 7, 40, 1000])
 def test_top_k_is_a_stable_sort_prefix(n, k, kernel_path):

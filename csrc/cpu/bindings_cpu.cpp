@@ -176,6 +176,19 @@ void register_cpu(py::module_& m) {
             py::gil_scoped_release nogil;
             return argmax_f32(x, n, n_threads);
         }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("n_threads"));
+    m.def("argmax_rows", [](const Pool& pool, int id, int64_t n, int rows, int n_threads) {
+            // A verified speculative block's picks, row by row as argmax above (-1 for a
+            // row holding NaN or Inf).
+            if (rows < 1) throw std::invalid_argument("argmax_rows: rows must be >= 1");
+            check_range(pool, id, 0, (size_t)n * rows * 4);
+            const float* x = (const float*)pool.data(id);
+            std::vector<int64_t> picks(rows);
+            {
+                py::gil_scoped_release nogil;
+                for (int r = 0; r < rows; ++r) picks[r] = argmax_f32(x + (size_t)r * n, n, n_threads);
+            }
+            return picks;
+        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"), py::arg("n_threads"));
     m.def("top_k", [](py::array_t<float, py::array::c_style> row, int64_t k) -> py::object {
             // Sampling's candidates: sorting a 152k-entry vocabulary to keep 40 of it
             // took milliseconds in NumPy, longer than a GPU decode step.

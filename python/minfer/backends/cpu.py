@@ -73,6 +73,7 @@ class CpuDevice:
         # wrote them (a partial, not a method: one Python frame less per decode step);
         # -1 when a value is NaN or Inf, found in the same pass (argmax_checks_finite).
         self.argmax = functools.partial(_core.argmax, pool, n_threads=self.n_threads)
+        self.argmax_rows = functools.partial(_core.argmax_rows, pool, n_threads=self.n_threads)
 
     def new_plan(self, label: str):
         return _core.Plan(label)
