@@ -35,9 +35,6 @@ inline void map2_avx2(const float* a, const float* b, float* y, int64_t i0, int6
 }
 #endif
 
-}  // namespace
-
-namespace {
 // 1 when the float's exponent bits are all ones (NaN or +-Inf): integer arithmetic, so
 // the check vectorizes and costs nothing beside the max.
 inline uint32_t non_finite_bit(float v) {

@@ -53,9 +53,9 @@ class KvRegion:
         return self.kv_type.nbytes(self.kv_dim)
 
 
-
 # Host fills take these element types (numpy dtype objects: comparing them is cheap).
 _FILL_DTYPES = {DType.I32: np.dtype(np.int32), DType.F32: np.dtype(np.float32)}
+
 
 def _kv_type(meta) -> DType:
     # The fused decode writers carry no element type yet: their regions are f32.
