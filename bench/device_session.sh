@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (the `device` tool's `run`): build with CUDA, the GPU test
+# suite, then the benchmark table, each phase's log and time under $OUT, so one call
+# (and one machine start) does what a session needs. The machine has no registry: the
+# `gguf` wheel travels with the tree (carry it), e.g.
+#
+#   pip download --no-deps gguf==0.19.0 -d .whl/
+#   run(command="bash bench/device_session.sh", carry=[".whl/gguf-0.19.0-py3-none-any.whl"])
+#
+# Knobs (environment): TESTS=0 skips the GPU suite, TESTS_K=expr narrows it (pytest -k);
+# BENCH=none|0.5b|7b|all (default all) and REPS (default 3) for bench/cuda_bench.py;
+# AB="NAME=VAL[,NAME=VAL];..." runs `minfer bench -p 0 -n 128` on the 0.5B and 7B shapes
+# once per variant (empty = defaults), rounds alternating, side by side in one run;
+# STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape.
+# Phases that fail are reported in summary.txt; the later ones still run.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/minfer-device}
+mkdir -p "$OUT"
+S=$OUT/summary.txt
+phase() { printf '%s %s\n' "$(date +%T)" "$*" | tee -a "$S"; }
+
+phase "start at $(git log --oneline -1 2>/dev/null || echo 'no git')"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader >>"$S" 2>&1
+if compgen -G ".whl/gguf-*.whl" >/dev/null; then
+  python3 -m pip install -q --no-deps .whl/gguf-*.whl >>"$S" 2>&1
+fi
+
+t0=$SECONDS
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+python3 -m pip install -q --no-build-isolation --no-deps -C cmake.define.MINFER_CUDA=ON . >"$OUT/build.log" 2>&1
+rc=$?
+phase "build rc $rc in $((SECONDS - t0)) s"
+[ $rc -eq 0 ] || { tail -40 "$OUT/build.log" >>"$S"; exit 1; }
+python3 -c "from minfer import _core; assert _core.HAS_CUDA" >>"$S" 2>&1 || { phase "no CUDA in the build"; exit 1; }
+
+if [ "${TESTS:-1}" = 1 ]; then
+  t0=$SECONDS
+  python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider --durations=10 ${TESTS_K:+-k "$TESTS_K"} \
+    >"$OUT/tests.log" 2>&1
+  phase "tests rc $? in $((SECONDS - t0)) s: $(tail -1 "$OUT/tests.log")"
+fi
+
+models=$OUT/models
+mkdir -p "$models"
+if [ -n "${AB:-}" ] || [ "${STAMP:-0}" = 1 ]; then
+  # The benchmark-shaped models, written once (cuda_bench.py names them the same way).
+  python3 - "$models" >>"$S" 2>&1 <<'EOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+from cuda_bench import shapes
+from minfer.testing.synth import write_model
+for name, cfg in shapes().items():
+    p = Path(sys.argv[1]) / f"qwen2-{name}-q4km-shape.gguf"
+    if not p.exists():
+        write_model(p, seed=1, with_tokenizer=False, fast=True, ctx=4096, **cfg)
+EOF
+fi
+
+if [ -n "${AB:-}" ]; then
+  t0=$SECONDS
+  IFS=';' read -r -a variants <<<"$AB"
+  for round in 1 2; do
+    for shape in 0.5b 7b; do
+      for v in "${variants[@]}"; do
+        env_args=()
+        [ -n "$v" ] && IFS=',' read -r -a env_args <<<"$v"
+        tg=$(env "${env_args[@]}" python3 -m minfer.cli bench "$models/qwen2-$shape-q4km-shape.gguf" --backend cuda \
+          -p 0 -n 128 -r 3 -o json 2>>"$OUT/ab.log" |
+          python3 -c "import json,sys,statistics; print(round(statistics.median(json.load(sys.stdin)[0]['samples_ts']),1))")
+        phase "ab round $round $shape [${v:-defaults}] tg128 $tg"
+      done
+    done
+  done
+  phase "ab done in $((SECONDS - t0)) s"
+fi
+
+if [ "${STAMP:-0}" = 1 ]; then
+  for shape in 0.5b 7b; do
+    python3 bench/cuda_profile.py "$models/qwen2-$shape-q4km-shape.gguf" 32 --at 64 --stamp \
+      >"$OUT/stamp-$shape.txt" 2>&1
+    phase "stamp $shape rc $?"
+  done
+fi
+
+BENCH=${BENCH:-all}
+if [ "$BENCH" != none ]; then
+  t0=$SECONDS
+  only=()
+  [ "$BENCH" = all ] || only=(--only "$BENCH")
+  python3 bench/cuda_bench.py --out "$models" --reps "${REPS:-3}" "${only[@]}" >"$OUT/bench.log" 2>&1
+  phase "bench rc $? in $((SECONDS - t0)) s"
+  tail -30 "$OUT/bench.log" >>"$S"
+fi
+phase "done"
