@@ -197,3 +197,50 @@ def test_steady_batches_reuse_their_graph(model):
     finally:
         assert sched.stop()
     assert sched.steps == 10 and sched.ctx.builds == 2
+
+
+def test_broken_logits_end_only_their_job_naming_the_step(tmp_path):
+    """A pick is never taken from NaN/Inf logits (their argmax is a plausible token): the
+    job whose row is broken ends with a 500 naming its step, after the tokens before it;
+    a job batched beside it finishes as it would alone."""
+    from minfer.io.gguf_file import GGUFFile
+
+    small = dict(n_embd=128, n_head=4, n_head_kv=2, n_ff=256)
+    path = write_model(tmp_path / "ok.gguf", **small).path
+    ok = Model.open(path, n_threads=2)
+    a, b = prompts(2, seed=9)
+    g0 = alone(ok, a, 1).ids[0]
+    want_b = alone(ok, b, 6)
+    assert g0 not in want_b.ids and g0 not in b, "pick other prompts"
+    # NaN in the embedding row of a's first pick: a's step 1 is broken, b never reads it.
+    poisoned = tmp_path / "row.gguf"
+    poisoned.write_bytes(path.read_bytes())
+    with GGUFFile.open(poisoned) as g:
+        off = g.tensors["token_embd.weight"].offset + g0 * small["n_embd"] * 4
+    with open(poisoned, "r+b") as f:
+        f.seek(off)
+        f.write(np.full(small["n_embd"], np.nan, np.float32).tobytes())
+    sched = Scheduler(Model.open(poisoned, n_threads=2), n_slots=3, n_ctx=CTX, chunk=16)
+    sched.start()
+    try:
+        # Greedy: a's first pick is g0, so step 1 is broken. Sampling: a prompt ending
+        # in g0 breaks the prompt's own row (step 0).
+        for temp, pa, where, before in ((0.0, a, "at step 1", [g0]), (0.8, a + [g0], "at the prompt (step 0)", [])):
+            q: queue.Queue = queue.Queue()
+            for k, p in enumerate((pa, b)):
+                sched.submit(Job(prompt_ids=p, n_predict=6, sampling=SamplingParams(temperature=temp, seed=1),
+                                 stop_at_eog=False, emit=lambda ev, k=k: q.put((k, ev))))
+            evs: list[list] = [[], []]
+            while not all(e and e[-1].kind != "token" for e in evs):
+                k, ev = q.get(timeout=60)
+                evs[k].append(ev)
+            end_a = evs[0][-1]
+            assert end_a.kind == "error" and end_a.status == 500, end_a
+            assert f"non-finite logits {where}" in end_a.message, end_a.message
+            assert [e.id for e in evs[0][:-1]] == before
+            assert evs[1][-1].kind == "done" and evs[1][-1].reason == "length"
+            if temp == 0.0:
+                assert [e.id for e in evs[1][:-1]] == want_b.ids
+        assert sched.alive
+    finally:
+        assert sched.stop()

@@ -34,7 +34,8 @@ from typing import Callable
 
 import numpy as np
 
-from minfer.errors import MinferError
+from minfer.errors import MinferError, NumericsError
+from minfer.logits_check import check_logits_finite
 from minfer.sampling import Sampler, SamplingParams
 from minfer.session import Context, TextState, pick_token
 from minfer.speculate import NgramDrafter, Policy, check_same_vocab, verify
@@ -454,6 +455,14 @@ class Scheduler:
             s.pending = s.pending[len(toks):]
             if s.pending:
                 return              # more prompt to go: this row is not a pick
+        try:
+            # Never a pick from broken logits (the argmax of NaNs is a plausible token):
+            # the job ends with the error naming its step; the other slots carry on.
+            for i, row in enumerate(block if s.draft else block[-1:]):
+                check_logits_finite(row, s.picks + i)
+        except NumericsError as e:
+            self._fail(s, e)
+            return
         if s.draft:
             draft, s.draft = s.draft, []
             picks, j = verify(block, draft, s.sampler)
