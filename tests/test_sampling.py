@@ -135,5 +135,5 @@ def test_sampling_refuses_non_finite_logits(bad):
     x = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
     x[4321] = bad
     for kw in (dict(temperature=0.8), dict(temperature=0.8, top_k=0)):
-        with pytest.raises(NumericsError, match="NaN or Inf"):
+        with pytest.raises(NumericsError, match="non-finite logits at the last forward: [01] NaN and [01] Inf"):
             Sampler(SamplingParams(**kw)).sample(x)

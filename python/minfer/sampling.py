@@ -16,6 +16,7 @@ import numpy as np
 
 from minfer import _core
 from minfer.errors import MinferError, NumericsError
+from minfer.logits_check import check_logits_finite
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,9 @@ def _best(logits: np.ndarray, k: int, pen: tuple | None) -> tuple[np.ndarray, np
     row = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
     extra = 0 if pen is None else pen[0].size
     ids = _core.top_k(row, min(k + extra, row.size))
-    if ids is None:
-        raise NumericsError(f"the logits hold NaN or Inf ({int(np.isnan(row).sum())} NaN, "
-                            f"{int(np.isinf(row).sum())} Inf of {row.size}); sampling stops")
+    if ids is None:  # a NaN or Inf in the row: the check words the error
+        check_logits_finite(row, None)
+        raise NumericsError("top_k flagged a row that checks finite")
     vals = row[ids].astype(np.float64)
     if pen is not None:
         # The penalized entries first, so unique() keeps their values for ids in both.
