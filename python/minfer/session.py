@@ -558,12 +558,12 @@ class Session:
                 if source:
                     nxt, lp = source.next(nxt)
                 else:  # the forward went ahead: every other case has left the loop
-                    if self.context.runs != ahead:
+                    stale, ahead = self.context.runs != ahead, None
+                    if stale:
                         # Another sequence of this context ran meanwhile: its logits
                         # replaced ours. The KV row is ours; the same step again.
                         self.truncate(len(self.tokens) - 1)
                         out = self.forward([nxt], n_out=1, copy=copy)
-                    ahead = None
                     nxt, lp = pick(out)
                 picks += 1
             rest, reason = text.finish(reason)
