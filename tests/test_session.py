@@ -290,3 +290,41 @@ def test_text_state_holds_back_stop_prefixes_and_split_characters(model):
     st = TextState(tok)
     assert st.push(byte_id[b"q"]) == ("q", None) and st.push(eog) == ("", "eos") and st.ids == [byte_id[b"q"]]
     assert TextState(tok, stop_at_eog=False).push(eog)[1] is None
+
+
+def test_warming_readies_the_weights_beside_other_work_and_changes_no_bits(model, monkeypatch):
+    """Context.warming() runs warm() (decode graph built, the CPU's repacked weights made)
+    on a thread for the block's length; the forwards after it give a fresh session's
+    logits bitwise. A warm-up that fails is left to the first forward."""
+    import threading
+
+    p = prompts(1, seed=12)[0]
+    s = Session(model, n_ctx=64)
+    ran_in, warm = [], s.context.warm
+    monkeypatch.setattr(s.context, "warm", lambda: (ran_in.append(threading.current_thread().name), warm()))
+    with s.context.warming():
+        pass
+    assert ran_in == ["minfer-warm"]
+    assert not any(t.name == "minfer-warm" for t in threading.enumerate())  # joined on leaving
+    assert all(ls.prepare is not None for ls in s.context.cache.lowered.splits)
+    assert s.builds == 1  # the decode graph, built by warm()
+    ref = Session(model, n_ctx=64)
+    assert np.array_equal(s.forward(p)[-1], ref.forward(p)[-1])
+    assert np.array_equal(s.forward([5])[-1], ref.forward([5])[-1])
+
+    def broken():
+        raise MinferError("warm-up failed")
+
+    s2 = Session(model, n_ctx=64)
+    monkeypatch.setattr(s2.context, "warm", broken)
+    with s2.context.warming():
+        pass
+    assert np.array_equal(s2.forward(p)[-1], Session(model, n_ctx=64).forward(p)[-1])  # nothing escaped
+    # A context with a device that cannot prepare apart from a run starts no thread.
+    s3 = Session(model, n_ctx=64)
+    monkeypatch.setattr(s3.context, "warm", lambda: ran_in.append("s3"))
+    (dev,) = s3.context.cache.alloc.devices.values()
+    monkeypatch.delattr(type(dev), "prepare")
+    with s3.context.warming():
+        pass
+    assert ran_in == ["minfer-warm"]

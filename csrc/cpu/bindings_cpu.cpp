@@ -167,6 +167,11 @@ void register_cpu(py::module_& m) {
         }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("n_threads"), py::arg("begin") = 0,
         py::arg("end") = -1, "Execute plan steps [begin, end) on one pool, GIL released.");
 
+    m.def("prepare", [](const Plan& plan, const PyWeightStore& ws, int n_threads) {
+            py::gil_scoped_release nogil;
+            prepare_weights(plan, ws.store, n_threads);
+        }, py::arg("plan"), py::arg("weights"), py::arg("n_threads"),
+        "Repack the plan's matmul weights now (its first run would), GIL released.");
     m.def("argmax", [](const Pool& pool, int id, int64_t n, int n_threads) {
             // Greedy decoding's argmax over the logits, split across threads the way the
             // matmul split its rows, so each thread scans the half its own core wrote

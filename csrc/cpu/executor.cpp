@@ -588,6 +588,8 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
     if (times) stats::add_run(*times, stats::now_ns() - run_t0);
 }
 
+void prepare_weights(const Plan& plan, const WeightStore& ws, int n_threads) { prepare_packed(plan, ws, n_threads); }
+
 int64_t argmax_f32(const float* x, int64_t n, int n_threads) {
     const int nth = std::max(1, n_threads);
     std::vector<int64_t> best(nth, -1);

@@ -18,6 +18,10 @@ void validate_plan(const Plan& plan, const Pool& pool, const WeightStore& ws);
 void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads,
               size_t begin = 0, size_t end = (size_t)-1);
 
+// What a plan's first run would do to its weights (the repacked copies of its matmul
+// weights), done now: a caller can overlap it with other start-up work.
+void prepare_weights(const Plan& plan, const WeightStore& ws, int n_threads);
+
 // Index of the largest of x[0..n) (first on ties), computed by n_threads threads over
 // the same contiguous row ranges the matmul gives each thread; -1 when any value is NaN
 // or +-Inf (checked in the same pass, so greedy decoding needs no second scan).

@@ -4,6 +4,7 @@ bad arguments exit 2 with one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -155,9 +156,13 @@ def generate(
     t0 = time.perf_counter()
     session = _open_session(model, ctx, threads, backend, kv_type)
     spec = _speculation(session, speculate, draft_max, draft_model)
-    tok = session.tokenizer
-    text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True) if chat else prompt
-    prompt_ids = tok.encode(text)
+    # The weights get ready while the tokenizer is built (the graph dumps read the context).
+    dumping = dump_graph is not None or dump_graph_json is not None
+    warming = contextlib.nullcontext() if dumping else session.context.warming()
+    with warming:
+        tok = session.tokenizer
+        text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True) if chat else prompt
+        prompt_ids = tok.encode(text)
     if dump_graph is not None:
         _write_output(dump_graph, lambda: session.dump_graph(dump_graph, n_tokens=1 if decode else max(len(prompt_ids), 1),
                                                              decode=decode))
@@ -313,7 +318,8 @@ def chat(
         raise click_exc.UsageError("--session-reset needs --session FILE")
     session = _open_session(model, ctx, threads, backend, kv_type)
     spec = _speculation(session, speculate, draft_max, draft_model)
-    tok = session.tokenizer
+    with session.context.warming():  # the weights get ready while the tokenizer is built
+        tok = session.tokenizer
     start = [{"role": "system", "content": system}] if system else []
     messages = list(start)
     if session_path is not None and session_path.exists() and not session_reset:

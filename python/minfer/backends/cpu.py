@@ -81,6 +81,10 @@ class CpuDevice:
     def validate(self, plan, weights: HostWeights) -> None:
         _core.validate(plan, self.pool, weights.core)
 
+    def prepare(self, plan, weights: HostWeights) -> None:
+        """The plan's weights made ready (repacked) now instead of at its first run."""
+        _core.prepare(plan, weights.core, self.n_threads)
+
     def bind(self, plan, weights: HostWeights) -> Callable:
         """run(begin=0, end=-1): one GIL-free core call, with this device's threads."""
         return functools.partial(_core.run, plan, self.pool, weights.core, self.n_threads)

@@ -8,6 +8,7 @@ per node. The plan itself (creation, validation, execution) belongs to the backe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from minfer.errors import BackendError
@@ -23,6 +24,7 @@ class LoweredSplit:
     plan: object
     run: object                                     # run(begin=0, end=-1): the plan, bound to its device
     step_nodes: list
+    prepare: object = None                          # prepare(): the device readies the plan's weights now
     staged: list = field(default_factory=list)      # (node, backend) keys, in first-read order
     first_read: dict = field(default_factory=dict)  # step index -> staged keys first read there
 
@@ -119,6 +121,8 @@ def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, params=None) 
             device.validate(plan, bound.store)
         except (ValueError, IndexError) as e:
             raise GraphError(f"split {k} ({entry.name}) does not lower to a valid plan: {e}") from e
-        out.append(LoweredSplit(sp, entry, device, plan, device.bind(plan, bound.store), step_nodes, ctx.staged,
-                                ctx.first_read))
+        prepare = getattr(device, "prepare", None)
+        out.append(LoweredSplit(sp, entry, device, plan, device.bind(plan, bound.store), step_nodes,
+                                functools.partial(prepare, plan, bound.store) if prepare else None,
+                                ctx.staged, ctx.first_read))
     return Lowered(out)
