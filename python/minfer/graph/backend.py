@@ -41,7 +41,9 @@ class Device(Protocol):
     def new_plan(self, label: str) -> Any: ...        # has .add(op, node, bufs, ip, fp, w)
     def validate(self, plan, weights) -> None: ...    # raises ValueError/IndexError
     def bind(self, plan, weights) -> Callable: ...    # run(begin=0, end=-1): one call per split
-    # Optional: argmax_checks_finite = True when argmax answers -1 for a row holding NaN
+    # Optional: prepare(plan, weights) readies the plan's weights apart from a run (the
+    # CPU repacks them; Context.warming() overlaps it with start-up work);
+    # argmax_checks_finite = True when argmax answers -1 for a row holding NaN
     # or Inf (else the generation loop checks the row on the host first);
     # argmax_rows(buf, n, rows) -> list of picks, -1 for a non-finite row
     # (Context.argmax_rows reads the rows back without it);
