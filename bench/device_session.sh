@@ -9,9 +9,10 @@
 #
 # Knobs (environment): TESTS=0 skips the GPU suite, TESTS_K=expr narrows it (pytest -k);
 # BENCH=none|0.5b|7b|all (default all) and REPS (default 3) for bench/cuda_bench.py;
-# AB="NAME=VAL[,NAME=VAL];..." runs `minfer bench -p 0 -n 128` on the 0.5B and 7B shapes
-# once per variant (empty = defaults), rounds alternating, side by side in one run;
-# STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape.
+# AB="NAME=VAL[ NAME=VAL];..." runs `minfer bench -p 0 -n 128` on the 0.5B and 7B shapes
+# once per variant (empty = defaults), ROUNDS rounds (2) alternating, side by side in one run;
+# STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
+# once per variant of STAMP_AB (as AB; unset: the defaults).
 # Phases that fail are reported in summary.txt; the later ones still run.
 set -u
 cd "$(dirname "$0")/.."
@@ -61,11 +62,11 @@ fi
 if [ -n "${AB:-}" ]; then
   t0=$SECONDS
   IFS=';' read -r -a variants <<<"$AB"
-  for round in 1 2; do
+  for round in $(seq "${ROUNDS:-2}"); do
     for shape in 0.5b 7b; do
       for v in "${variants[@]}"; do
         env_args=()
-        [ -n "$v" ] && IFS=',' read -r -a env_args <<<"$v"
+        [ -n "$v" ] && read -r -a env_args <<<"$v"
         tg=$(env "${env_args[@]}" python3 -m minfer.cli bench "$models/qwen2-$shape-q4km-shape.gguf" --backend cuda \
           -p 0 -n 128 -r 3 -o json 2>>"$OUT/ab.log" |
           python3 -c "import json,sys,statistics; print(round(statistics.median(json.load(sys.stdin)[0]['samples_ts']),1))")
@@ -77,10 +78,17 @@ if [ -n "${AB:-}" ]; then
 fi
 
 if [ "${STAMP:-0}" = 1 ]; then
+  IFS=';' read -r -a svariants <<<"${STAMP_AB:-}"
+  [ ${#svariants[@]} -gt 0 ] || svariants=("")
   for shape in 0.5b 7b; do
-    python3 bench/cuda_profile.py "$models/qwen2-$shape-q4km-shape.gguf" 32 --at 64 --stamp \
-      >"$OUT/stamp-$shape.txt" 2>&1
-    phase "stamp $shape rc $?"
+    for i in "${!svariants[@]}"; do
+      v=${svariants[$i]}
+      env_args=()
+      [ -n "$v" ] && read -r -a env_args <<<"$v"
+      env "${env_args[@]}" python3 bench/cuda_profile.py "$models/qwen2-$shape-q4km-shape.gguf" 32 --at 64 --stamp \
+        >"$OUT/stamp-$shape-$i.txt" 2>&1
+      phase "stamp $shape [${v:-defaults}] rc $? -> stamp-$shape-$i.txt"
+    done
   done
 fi
 
