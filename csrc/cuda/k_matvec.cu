@@ -537,10 +537,10 @@ __device__ __forceinline__ void group_copy(const MvJob& jb, int g, int lane) {
 // The norm prologue (P): the block makes the deferred copy of RMSNorm(a.nx) * a.nw that
 // k_rms_norm_copy would write, into its shared memory, with the same operations in the
 // same order (group_ss, quant_block_q8, rms_scale_of: the same bits), after pdl_wait().
-// Warp w takes the 32-element groups w, w + MV_WARPS, ..., four at a time so their
+// Warp w takes the 32-element groups w, w + MV_WARPS, ..., eight at a time so their
 // loads and shuffle chains overlap. Every thread of the block must call it.
 __device__ __forceinline__ void norm_prologue(const MvArgs& a) {
-    constexpr int K = 4;
+    constexpr int K = 8;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, ng = a.in_dim / 32;
     int8_t* q = reinterpret_cast<int8_t*>(mv_smem);
     float2* ds = reinterpret_cast<float2*>(mv_smem + pro_ds_off(a.in_dim));
