@@ -442,103 +442,61 @@ def check_after_norm(got, h, nw, eps, deq):
     assert np.all(err <= bound), f"max err/bound vs exact {np.max(err / bound):.3g}"
 
 
-@pytest.mark.parametrize("bulk", ["0", "1"])
-@pytest.mark.parametrize("d,qtype", [(32, Q.Q4_0), (896, Q.Q8_0), (896, Q.Q5_0), (3584, Q.Q4_K), (4096, Q.Q6_K)],
-                         ids=lambda v: getattr(v, "name", v))
-def test_norm_prologue_equals_the_norms_launch(d, qtype, bulk, monkeypatch):
-    """A matvec + residual add, a one-row RMSNorm of its output, then two quantized matvecs
-    reading the norm (one of the tested type, one Q5_0: as one mixed-type launch under
-    FUSE_QKV, else two). With FUSE_NORM each reader's blocks make the norm's deferred
-    int8 copy themselves (the norm prologue) and the norm's launch goes: the same bits as
-    the norm's own launch, in the plain kernels and (bulk 1) the staged one, directly,
-    captured, replayed and step by step. The readers are checked against NumPy's float64
-    over the same deferred copy."""
-    monkeypatch.setenv("MINFER_CUDA_MV_BULK", bulk)
-    monkeypatch.setenv("MINFER_CUDA_MV_BULK_MIN_ROW", "16")
-    rng = np.random.default_rng(d + int(qtype))
-    k_in, n1, n2, eps = 256, 96, 64, 1e-6
+@pytest.mark.parametrize("d,rpw,inplace", [(32, "1", False), (896, "1", True), (896, "8", False),
+                                            (3584, "1", True), (3584, "8", False)])
+def test_norm_copy_by_group_tails_equals_its_own_launch(d, rpw, inplace, monkeypatch):
+    """A matvec + residual add whose output a one-row RMSNorm reads (then a matvec reads
+    the norm): the norm's deferred int8 copy made by the matvec + add launch's 32-row
+    group tails (FUSE_NORM: the norm's launch goes) gives the bits of the norm's own
+    launch, over one or many blocks (rows per warp), and with the add written over the
+    matvec's own input. The int8 handoff does not depend on FUSE_QUANT. The matvec after
+    the norm is checked against NumPy's float64 over the same deferred copy."""
+    monkeypatch.setenv("MINFER_CUDA_MV_RPW", rpw)
+    rng = np.random.default_rng(d + int(inplace))
+    k_in, n2, eps = (d if inplace else 256), 96, 1e-6
     o_raw, _ = make_weight(Q.Q5_0, d, k_in, rng)
-    a_raw, a_deq = make_weight(qtype, n1, d, rng)
-    b_raw, b_deq = make_weight(Q.Q5_0, n2, d, rng)
+    n_raw, n_deq = make_weight(Q.Q4_0, n2, d, rng)
     x = rng.standard_normal(k_in).astype(np.float32)
     res = (rng.standard_normal(d) * 4).astype(np.float32)
     nw = rng.standard_normal(d).astype(np.float32)
     outs = {}
-    # flags: qkv 1, residual 4, quant 8, norm 16 -> launches
-    launches = {0: 5, 16: 4, 1: 4, 1 | 16: 3, 4 | 1 | 16: 2, 4 | 8 | 1 | 16: 2, 4 | 8 | 1: 3}
+    launches = {0: 4, 4: 3, 4 | 8: 3, 4 | 16: 2, 4 | 8 | 16: 2}
     for flags in launches:
         r = Rig()
         wo = r.weight("o", o_raw, Q.Q5_0, k_in, d)
         wn = r.weight("norm", nw, Q.F32, d, 1)
-        wa = r.weight("a", a_raw, qtype, d, n1)
-        wb = r.weight("b", b_raw, Q.Q5_0, d, n2)
+        w2 = r.weight("next", n_raw, Q.Q4_0, d, n2)
         xi, ri = r.buf(x), r.buf(res)
-        yo, h, hn, za, zb = r.out(d), r.out(d), r.out(d), r.out(n1), r.out(n2)
+        yo, hn, z = r.out(d), r.out(d), r.out(n2)
+        h = xi if inplace else r.out(d)
         plan = r.plan([("matmul", [yo, xi], [k_in, d, 1], [], [wo, -1]),
                        ("add", [h, yo, ri], [d], [], []),
                        ("rms_norm", [hn, h], [d, 1], [eps], [wn]),
-                       ("matmul", [za, hn], [d, n1, 1], [], [wa, -1]),
-                       ("matmul", [zb, hn], [d, n2, 1], [], [wb, -1])])
+                       ("matmul", [z, hn], [d, n2, 1], [], [w2, -1])])
         plan.flags = flags
         _core.cuda_validate(plan, r.pool, r.weights)
-        assert _core.testing.cuda_plan_info(plan)["launches"] == launches[flags], flags
-        fused = bool(flags & 16)
-        for _ in range(3):  # direct, captured, replayed
+        assert _core.testing.cuda_plan_info(plan)["launches"] == launches[flags]
+        for _ in range(3):  # direct, captured, replayed: the tickets are left at zero
             r.pool.write(xi, x)
             r.run(plan)
-            # With the prologue the norm's f32 output is never written (only the copy is read).
-            got = [r.read(b, n).tobytes() for b, n in ((h, d), (za, n1), (zb, n2))]
-            if not fused:
+            # The norm's f32 output is dead after the last matvec: a fused launch need not write it.
+            got = [r.read(b, n).tobytes() for b, n in ((h, d), (z, n2))]
+            if launches[flags] > 2:
                 got.append(r.read(hn, d).tobytes())
             assert outs.setdefault(flags, got) == got, f"flags {flags}: runs differ"
         # Step by step (tracing's partial runs launch each step alone): the same bits.
         r.pool.write(xi, x)
-        for k in range(5):
+        for k in range(4):
             r.run(plan, k, k + 1)
-        assert [r.read(b, n).tobytes() for b, n in ((h, d), (za, n1), (zb, n2))] == got[:3], flags
+        assert [r.read(b, n).tobytes() for b, n in ((h, d), (z, n2), (hn, d))][:len(got)] == got, flags
     for flags in launches:
-        assert outs[flags][:3] == outs[0][:3], f"flags {flags}: bits differ from the unfused run"
+        assert outs[flags][:2] == outs[0][:2], f"flags {flags}: bits differ from the unfused run"
+        if launches[flags] > 2:
+            assert outs[flags][2] == outs[0][2]
     hv = np.frombuffer(outs[0][0], np.float32)
-    np.testing.assert_allclose(np.frombuffer(outs[0][3], np.float32), _rms64(hv[None], nw, eps)[0], rtol=1e-6,
+    np.testing.assert_allclose(np.frombuffer(outs[0][2], np.float32), _rms64(hv[None], nw, eps)[0], rtol=1e-6,
                                atol=1e-6)
-    check_after_norm(np.frombuffer(outs[0][1], np.float32)[None].astype(np.float64), hv, nw, eps, a_deq)
-    check_after_norm(np.frombuffer(outs[0][2], np.float32)[None].astype(np.float64), hv, nw, eps, b_deq)
-
-
-def test_norm_prologue_only_where_every_reader_can_make_the_copy():
-    """FUSE_NORM drops a norm's launch only when every reader is a quantized one-token
-    matvec and the norm's input is intact until the last of them: an F32 reader (it
-    reads the f32 output), or a reader writing over the norm's input before another
-    reader, keep the launch; the bits stay the unfused ones."""
-    rng = np.random.default_rng(5)
-    d, eps = 256, 1e-6
-    h0 = rng.standard_normal(d).astype(np.float32)
-    nw = rng.standard_normal(d).astype(np.float32)
-    q_raw, _ = make_weight(Q.Q8_0, d, d, rng)
-    f_raw, _ = make_weight(Q.F32, 32, d, rng)
-    cases = {
-        "f32 reader": lambda h, hn, z1, z2, wq, wf: [("matmul", [z1, hn], [d, d, 1], [], [wq, -1]),
-                                                     ("matmul", [z2, hn], [d, 32, 1], [], [wf, -1])],
-        "input rewritten": lambda h, hn, z1, z2, wq, wf: [("matmul", [h, hn], [d, d, 1], [], [wq, -1]),
-                                                          ("matmul", [z2, hn], [d, d, 1], [], [wq, -1])],
-        "input rewritten last": lambda h, hn, z1, z2, wq, wf: [("matmul", [z2, hn], [d, d, 1], [], [wq, -1]),
-                                                               ("matmul", [h, hn], [d, d, 1], [], [wq, -1])],
-    }
-    for name, tail in cases.items():
-        outs = {}
-        for flags in (0, 16):
-            r = Rig()
-            wn = r.weight("norm", nw, Q.F32, d, 1)
-            wq = r.weight("q", q_raw, Q.Q8_0, d, d)
-            wf = r.weight("f", f_raw, Q.F32, d, 32)
-            h, hn, z1, z2 = r.buf(h0), r.out(d), r.out(d), r.out(d)
-            plan = r.plan([("rms_norm", [hn, h], [d, 1], [eps], [wn])] + tail(h, hn, z1, z2, wq, wf))
-            plan.flags = flags
-            _core.cuda_validate(plan, r.pool, r.weights)
-            assert _core.testing.cuda_plan_info(plan)["launches"] == 3, (name, flags)
-            r.run(plan)
-            outs[flags] = [r.read(b, d).tobytes() for b in (h, hn, z2)]
-        assert outs[16] == outs[0], name
+    check_after_norm(np.frombuffer(outs[0][1], np.float32)[None].astype(np.float64), hv, nw, eps, n_deq)
 
 
 def test_matvec_wide_rows_and_repeat_bitwise():
@@ -1189,15 +1147,21 @@ def test_fusions_reduce_decode_launches(synth, monkeypatch):
     # layer (Qwen2; Qwen3's QK norms sit between the matvec and the rope: no fold)
     fold = n_layer if MODELS[synth[0]]["arch"] == "qwen2" else 0
     assert counts["all"][0] == counts[no_rope][0] - fold
-    # "norm": a one-token RMSNorm whose every reader is a quantized matvec loses its launch
-    # (a kernel node too): the readers' blocks make its deferred copy themselves. Per
-    # layer: the attention norm (q, k, v) and the FFN norm (gate, up); then the output
-    # norm (the output matrix). An F32/F16 reader reads the norm's f32 output: no fold.
+    # "norm": each residual add merged into its matvec and followed by a one-row RMSNorm
+    # makes the norm's deferred int8 copy itself and the norm's launch goes (a kernel
+    # node too), when every reader of the norm is a quantized matvec (an F32/F16 one reads
+    # the norm's f32 output, which the fused launch does not write). Per layer: the o
+    # projection's add, then the FFN norm (gate, up), unless the o projection + add is
+    # not merged (F32/F16 o weights whose add writes over their own input, as the
+    # allocator does when n_head * head_dim == n_embd); down's add, then the next layer's
+    # attention norm (q, k, v) or the output norm (the output matrix).
     m = MODELS[name]
     t = lambda role: m.get("types", {}).get(role, "F32")  # noqa: E731
     q = lambda *roles: all(t(r) not in ("F32", "F16") for r in roles)  # noqa: E731
-    out_role = "token_embd" if m.get("tie_embeddings") else "output"
-    n_norm = n_layer * (int(q("ffn_gate", "ffn_up")) + int(q("attn_q", "attn_k", "attn_v"))) + int(q(out_role))
+    hd = m.get("head_dim", m["n_embd"] // m["n_head"])
+    o_merged = t("attn_output") not in ("F32", "F16") or m["n_head"] * hd != m["n_embd"]
+    n_norm = n_layer * int(o_merged and q("ffn_gate", "ffn_up")) + (n_layer - 1) * int(q("attn_q", "attn_k", "attn_v"))
+    n_norm += int(q("output"))
     pre = counts[no_norm]
     assert counts["all"] == (pre[0] - n_norm, pre[1] - n_norm), (counts, n_norm)
 

@@ -120,7 +120,7 @@ struct CudaPlanState : PlanState {
         // and KV store steps, and each job's role (1 q, 2 k, 3 v).
         int rope[3] = {-1, -1, -1};
         int role[4] = {0, 0, 0, 0};
-        int pro = -1;           // the one-row RMSNorm this matvec launch makes its deferred copy of itself (FUSE_NORM)
+        int norm = -1;          // L_MV_ADD: the one-row RMSNorm whose deferred copy its group tails make (FUSE_NORM)
     };
     std::vector<Launch> program;
     // Per step: the decode RMSNorm whose deferred copy (xn) a matvec step reads, else -1
@@ -409,54 +409,35 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         L.rope[2] = N.s[2];
         st.program.erase(st.program.begin() + (long)k + 1);
     }
-    // A one-row RMSNorm whose every reader is a quantized matvec of a launch reading its
-    // deferred copy: each of those launches makes the copy itself, block by block (the
-    // norm prologue, k_matvec.cu), and the norm's launch goes. Its input must be intact
-    // until the last of them, and its f32 output is never written.
-    // MINFER_CUDA_NORM_PRO (measurement): the reader launches that may take a prologue,
-    // a comma list of qkv (merged matvecs), ffn (gate|up + SwiGLU), out (one matvec);
-    // unset: all.
-    const char* pro_env = std::getenv("MINFER_CUDA_NORM_PRO");
-    const std::string pro_kinds = pro_env && *pro_env ? std::string(",") + pro_env + "," : ",qkv,ffn,out,";
-    auto pro_allowed = [&](const CudaPlanState::Launch& R) {
-        const char* kind = R.kind == L_MV ? ",qkv," : R.kind == L_SWIGLU ? ",ffn," : ",out,";
-        return pro_kinds.find(kind) != std::string::npos;
-    };
-    for (size_t k = 0; (f & FUSE_NORM) && k < st.program.size(); ++k) {
-        const auto& N = st.program[k];
-        if (N.kind != L_NORM_Q) continue;
-        const Step& nm = S[N.s[0]];
-        if (nm.ip[1] != 1 || nm.buf[0] == nm.buf[1]) continue;
+    // A matvec + residual add whose output a one-row RMSNorm reads next makes that norm's
+    // deferred copy itself, group by group (group_copy: the norm's launch goes), into xn,
+    // where the norm's readers find it. The norm's f32 output is then never written, so
+    // every read of it must be a quantized matvec of those readers (they read only the
+    // copy); the launch must not read xn itself.
+    for (size_t k = 0; (f & FUSE_NORM) && (f & FUSE_RESIDUAL) && k + 1 < st.program.size(); ++k) {
+        auto& L = st.program[k];
+        const auto& N = st.program[k + 1];
+        if (L.kind != L_MV_ADD || N.kind != L_NORM_Q || L.norm_in >= 0) continue;
+        const Step &m = S[L.s[0]], &ad = S[L.s[1]], &nm = S[N.s[0]];
+        if (nm.ip[1] != 1 || nm.buf[1] != ad.buf[0] || nm.buf[0] == nm.buf[1] || nm.ip[0] != m.ip[1] || m.ip[1] % 32)
+            continue;
         std::vector<char> reader(S.size(), 0);  // steps of launches reading this norm's copy
-        int last = -1;                          // the last such step
-        bool ok = true;
         for (const auto& R : st.program)
-            if (R.norm_in == N.s[0]) {
-                for (int q = 0; q < R.n; ++q) reader[R.s[q]] = 1, last = std::max(last, R.s[q]);
-                ok = ok && pro_allowed(R);
-            }
-        ok = ok && last >= 0;
-        for (int p = N.s[0] + 1; p < (int)S.size() && ok; ++p) {
+            if (R.norm_in == N.s[0])
+                for (int q = 0; q < R.n; ++q) reader[R.s[q]] = 1;
+        bool ok = true;
+        for (size_t p = N.s[0] + 1; p < S.size() && ok; ++p) {
             int rd[6], wr[2], nr, nw;
             step_io(S[p], rd, nr, wr, nw);
             for (int q = 0; q < nr; ++q)
                 if (rd[q] == nm.buf[0]) ok = ok && reader[p] && S[p].op == OP_MATMUL && weight_quantized(S[p], ws);
-            bool out_rewritten = false;
-            for (int q = 0; q < nw; ++q) {
-                out_rewritten |= wr[q] == nm.buf[0];
-                if (wr[q] == nm.buf[1] && p <= last) ok = false;  // a reader must find the input intact
-            }
-            if (out_rewritten) break;
+            bool rewritten = false;
+            for (int q = 0; q < nw; ++q) rewritten |= wr[q] == nm.buf[0];
+            if (rewritten) break;
         }
         if (!ok) continue;
-        for (auto& R : st.program)
-            if (R.norm_in == N.s[0]) {
-                R.pro = N.s[0];
-                R.norm_in = -1;
-                R.xq_ready = false;
-            }
-        st.program.erase(st.program.begin() + (long)k);
-        --k;
+        L.norm = N.s[0];
+        st.program.erase(st.program.begin() + (long)(k + 1));
     }
     // The greedy pick last (after the passes above, which read entries' steps).
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
@@ -511,7 +492,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 if (ip[0] % 32) fail(s, "CUDA matmuls need a row length that is a multiple of 32");
                 if (ip[2] <= kRowExactMaxTokens) xqb = std::max(xqb, matvec_scratch_bytes(ip[0], ip[2]));
                 // gate|up's rows are down's input, o's and down's a norm's: its 32-row group tickets
-                if (ip[2] == 1) mvtk = std::max(mvtk, (size_t)((ip[1] + 31) / 32) * sizeof(int));
+                if (ip[2] == 1) mvtk = std::max(mvtk, (size_t)(ip[1] / 32 + 1) * sizeof(int));
                 if (ip[2] > kRowExactMaxTokens) {
                     if (w.type != T_F32 && w.type != T_F16) {
                         wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
@@ -690,10 +671,10 @@ void side_dequant(const WeightStore& ws, const DevWeights& dw, CudaPlanState& st
 // xq_ready / xq: a one-token matvec's int8 input is already in xq (else it uses st.xq);
 // q_next: attention also writes its output's int8 copy into st.xq.
 // L: the program entry of a whole run (the GEMM's place in the pipeline), else null.
-// in_norm: a matvec reading a decode RMSNorm's deferred copy (in xq); pro: one making it.
+// in_norm: a matvec reading a decode RMSNorm's deferred copy (in xq).
 void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st,
                  bool xq_ready = false, void* xq = nullptr, bool q_next = false,
-                 const CudaPlanState::Launch* L = nullptr, bool in_norm = false, const MvNormIn* pro = nullptr) {
+                 const CudaPlanState::Launch* L = nullptr, bool in_norm = false) {
     Context& c = ctx();
     const int64_t* ip = s.ip;
     auto F = [&](int slot) { return (float*)pool.data(s.buf[slot]); };
@@ -722,7 +703,7 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
                 j.rows = (int)out;
                 j.bias = bias;
                 j.y = F(0);
-                matvec_multi(&j, 1, in, F(1), xq ? xq : st.xq, (int)nt, xq_ready, nullptr, in_norm, pro);
+                matvec_multi(&j, 1, in, F(1), xq ? xq : st.xq, (int)nt, xq_ready, nullptr, in_norm);
                 break;
             }
             const float one = 1.0f, zero = 0.0f;
@@ -809,16 +790,8 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
     auto F = [&](const Step& s, int slot) { return (float*)pool.data(s.buf[slot]); };
     void* xq = L.slot == 2 ? st.xn : L.slot == 1 ? st.xq2 : st.xq;
     const bool in_norm = L.norm_in >= 0;
-    MvNormIn pro_in;  // the norm this launch makes its input's deferred copy of (L.pro)
-    if (L.pro >= 0) {
-        const Step& nm = S[L.pro];
-        pro_in.x = F(nm, 1);
-        pro_in.w = nm.w[0] >= 0 ? (const float*)dw.get(nm.w[0]) : nullptr;
-        pro_in.eps = nm.fp[0];
-    }
-    const MvNormIn* pro = L.pro >= 0 ? &pro_in : nullptr;
     switch (L.kind) {
-        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready, xq, L.q_next, &L, in_norm, pro); break;
+        case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready, xq, L.q_next, &L, in_norm); break;
         case L_NORM_Q: {
             const Step& s = S[L.s[0]];
             rms_norm_copy(F(s, 1), s.w[0] >= 0 ? (const float*)dw.get(s.w[0]) : nullptr, F(s, 0), s.ip[0], s.ip[1],
@@ -829,7 +802,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             MvJob jobs[MV_MAX_JOBS];
             for (int k = 0; k < L.n; ++k) jobs[k] = job_of(S[L.s[k]], pool, ws, dw);
             if (L.rope[0] < 0) {
-                matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, nullptr, in_norm, pro);
+                matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, nullptr, in_norm);
                 break;
             }
             const Step &q = S[L.rope[0]], &k = S[L.rope[1]], &kv = S[L.rope[2]];
@@ -847,7 +820,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             r.freq_base = q.fp[0];
             r.tickets = st.rope_tk;
             r.err = ctx().err_dev;
-            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, &r, in_norm, pro);
+            matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, &r, in_norm);
             break;
         }
         case L_SWIGLU: {
@@ -864,7 +837,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
                 j.ds_out = (float2*)((uint8_t*)st.xq2 + g.ip[1]);
                 j.tickets = st.mv_tk;
             }
-            matvec_multi(&j, 1, g.ip[0], F(g, 1), xq, 1, L.xq_ready, nullptr, in_norm, pro);
+            matvec_multi(&j, 1, g.ip[0], F(g, 1), xq, 1, L.xq_ready, nullptr, in_norm);
             break;
         }
         case L_MV_ADD: {
@@ -872,7 +845,19 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             MvJob j = job_of(m, pool, ws, dw);
             j.resid = F(ad, ad.buf[1] == m.buf[0] ? 2 : 1);
             j.y = F(ad, 0);
-            matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready, nullptr, in_norm, pro);
+            if (L.norm >= 0) {
+                // The norm's deferred copy, where rms_norm_copy would put it.
+                const Step& nm = S[L.norm];
+                j.q_out = (int8_t*)st.xn;
+                j.ds_out = (float2*)((uint8_t*)st.xn + nm.ip[0]);
+                j.tickets = st.mv_tk;
+                j.q_w = nm.w[0] >= 0 ? (const float*)dw.get(nm.w[0]) : nullptr;
+                j.q_ss = norm_copy_ss(st.xn, nm.ip[0], 1);
+                j.q_scale = norm_copy_scale(st.xn, nm.ip[0], 1);
+                j.q_tk = st.mv_tk + nm.ip[0] / 32;  // after the group tickets
+                j.q_eps = nm.fp[0];
+            }
+            matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready, nullptr, in_norm);
             break;
         }
         case L_ROPE_STORE: {
@@ -899,7 +884,7 @@ const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
     switch (L.kind) {
         case L_MV: return L.rope[0] >= 0 ? "fused_qkv_rope_store" : "fused_matvec";
         case L_SWIGLU: return "fused_ffn_swiglu";
-        case L_MV_ADD: return "matvec_residual";
+        case L_MV_ADD: return L.norm >= 0 ? "matvec_residual_norm" : "matvec_residual";
         case L_ROPE_STORE: return "fused_rope_kv_store";
         case L_NORM_Q: return "rms_norm_copy";
         case L_ARGMAX: return "argmax";

@@ -41,8 +41,9 @@ enum PlanFlags : int32_t {
     FUSE_RESIDUAL = 4,  // a matvec followed by a residual add: the add in the matvec epilogue
     FUSE_QUANT = 8,     // a decode matvec's int8 input is written by the kernel producing it
                         // (attention, gate|up + SwiGLU) instead of a launch of its own
-    FUSE_NORM = 16,     // a one-row RMSNorm read only by quantized matvecs: each reader launch's
-                        // blocks make its deferred int8 copy themselves, no launch of its own
+    FUSE_NORM = 16,     // a one-row RMSNorm of a matvec + residual add's output: its deferred int8
+                        // copy made by that launch's 32-row group tails, no launch of its own;
+                        // needs FUSE_RESIDUAL
     FUSE_ROPE = 32,     // a one-token q|k|v matvec also ropes q, k and stores k, v (its last block per head)
 };
 

@@ -41,24 +41,9 @@ struct MvArgs {
     // a quantized job's row sums are multiplied by the norm's scale (column c's at
     // xscale[c]) before the epilogue. Null: none.
     const float* xscale;
-    // A norm prologue (kernels instantiated with P): every block makes the deferred copy
-    // of RMSNorm(nx) * nw itself, in shared memory (pro_*), and the norm's launch goes.
-    const float* nx;
-    const float* nw;
-    float neps;
 };
 
 constexpr int MV_WARPS = 4;
-
-// Dynamic shared memory of the matvec kernels: a norm prologue's block-local copy first
-// (P), then the staged kernel's barriers and ring.
-extern __shared__ __align__(16) uint8_t mv_smem[];
-// The prologue's area for rows of in_dim: the int8 copy (in_dim bytes), its (d, d * sum)
-// pairs, the groups' sums of squares, the scale; 16-byte aligned for the ring after it.
-__host__ __device__ constexpr size_t pro_ds_off(int in_dim) { return (size_t)in_dim; }
-__host__ __device__ constexpr size_t pro_ss_off(int in_dim) { return (size_t)in_dim + (size_t)(in_dim / 32) * 8; }
-__host__ __device__ constexpr size_t pro_sc_off(int in_dim) { return (size_t)in_dim + (size_t)(in_dim / 32) * 16; }
-__host__ __device__ constexpr size_t pro_bytes(int in_dim) { return (pro_sc_off(in_dim) + 4 + 15) / 16 * 16; }
 
 __device__ __forceinline__ uint4 ldg4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 // Weight loads: G = global memory through the read-only path, else shared memory (a
@@ -86,27 +71,11 @@ __device__ __forceinline__ unsigned short ldu16(const uint8_t* p) {
 __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
 __device__ __forceinline__ uint32_t W_(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-// The int8 activations: the launch's scratch, or (P) the block's prologue copy.
-template <bool P>
 __device__ __forceinline__ uint4 xq16(const MvArgs& a, int col, int o) {
-    if constexpr (P) return *reinterpret_cast<const uint4*>(mv_smem + o);
-    else return ldg4(a.xq + (size_t)col * a.in_dim + o);
+    return ldg4(a.xq + (size_t)col * a.in_dim + o);
 }
-template <bool P>
 __device__ __forceinline__ float2 xds_at(const MvArgs& a, int col, int blk) {
-    if constexpr (P) return reinterpret_cast<const float2*>(mv_smem + pro_ds_off(a.in_dim))[blk];
-    else return __ldg(a.xds + (size_t)col * a.nb + blk);
-}
-template <bool P>
-__device__ __forceinline__ float4 xds4_at(const MvArgs& a, int col, int blk) {  // blk even
-    if constexpr (P) return *reinterpret_cast<const float4*>(mv_smem + pro_ds_off(a.in_dim) + 8 * blk);
-    else return __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)col * a.nb + blk));
-}
-// A deferred norm copy's scale: the launch's (column c's), or the block's own (P).
-template <bool P>
-__device__ __forceinline__ float xscale_at(const MvArgs& a, int col) {
-    if constexpr (P) return *reinterpret_cast<const float*>(mv_smem + pro_sc_off(a.in_dim));
-    else return __ldg(a.xscale + col);
+    return __ldg(a.xds + (size_t)col * a.nb + blk);
 }
 // sum over i of dot4(w[i], x[i]) for two 16-byte groups, in order.
 __device__ __forceinline__ int dot32(const uint32_t w[8], const uint4& x0, const uint4& x1) {
@@ -140,33 +109,32 @@ struct Held {
         return h;
     }
 };
-template <bool P>
 struct X32Lazy {  // one 32-element block: its two 16-byte halves, its (d, d * sum)
     const MvArgs& a;
     int col, u;
-    __device__ __forceinline__ uint4 q(int i) const { return xq16<P>(a, col, 32 * u + 16 * i); }
-    __device__ __forceinline__ float2 ds() const { return xds_at<P>(a, col, u); }
+    __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 32 * u + 16 * i); }
+    __device__ __forceinline__ float2 ds() const { return xds_at(a, col, u); }
 };
-template <bool P>
 struct XK45Lazy {  // Q4_K / Q5_K unit u: sub-blocks 2p, 2p + 1 of superblock u / 4 (p = u % 4)
     const MvArgs& a;
     int col, u;
-    __device__ __forceinline__ uint4 q(int i) const { return xq16<P>(a, col, 256 * (u >> 2) + 64 * (u & 3) + 16 * i); }
-    __device__ __forceinline__ float4 ds() const { return xds4_at<P>(a, col, 8 * (u >> 2) + 2 * (u & 3)); }
+    __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 256 * (u >> 2) + 64 * (u & 3) + 16 * i); }
+    __device__ __forceinline__ float4 ds() const {
+        return __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)col * a.nb + 8 * (u >> 2) + 2 * (u & 3)));
+    }
 };
-template <bool P> using X32 = Held<X32Lazy<P>, 2, float2>;
-template <bool P> using XK45 = Held<XK45Lazy<P>, 4, float4>;
+using X32 = Held<X32Lazy, 2, float2>;
+using XK45 = Held<XK45Lazy, 4, float4>;
 // Q6_K's pieces come from two chunks, each with its own d: a view of its own.
-template <bool P>
 struct XQ6 {  // Q6_K unit u: chunks ja and jb = ja + 2 of superblock u / 4 (ja = 4 n + k1)
     struct Lazy {
         const MvArgs& a;
         int col, u;
         __device__ __forceinline__ int ja() const { return 4 * ((u >> 1) & 1) + (u & 1); }
-        __device__ __forceinline__ uint4 qa(int i) const { return xq16<P>(a, col, 256 * (u >> 2) + 32 * ja() + 16 * i); }
-        __device__ __forceinline__ uint4 qb(int i) const { return xq16<P>(a, col, 256 * (u >> 2) + 32 * (ja() + 2) + 16 * i); }
-        __device__ __forceinline__ float da() const { return xds_at<P>(a, col, 8 * (u >> 2) + ja()).x; }
-        __device__ __forceinline__ float db() const { return xds_at<P>(a, col, 8 * (u >> 2) + ja() + 2).x; }
+        __device__ __forceinline__ uint4 qa(int i) const { return xq16(a, col, 256 * (u >> 2) + 32 * ja() + 16 * i); }
+        __device__ __forceinline__ uint4 qb(int i) const { return xq16(a, col, 256 * (u >> 2) + 32 * (ja() + 2) + 16 * i); }
+        __device__ __forceinline__ float da() const { return xds_at(a, col, 8 * (u >> 2) + ja()).x; }
+        __device__ __forceinline__ float db() const { return xds_at(a, col, 8 * (u >> 2) + ja() + 2).x; }
     };
     uint4 a_[2], b_[2];
     float da_, db_;
@@ -206,11 +174,8 @@ struct UnitQ45 {
         if constexpr (kMin) dm = ldw<G>(row + sc_at * nb + 4 * u);
         else dm = ldu16<G>(row + sc_at * nb + 2 * u);
     }
-    template <bool P> using X = X32<P>;
-    template <bool P>
-    __device__ __forceinline__ float dot_at(const MvArgs& a, int col, int u) const {
-        return dot(typename X<P>::Lazy{a, col, u}, u);
-    }
+    using X = X32;
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int) const {
         uint32_t w[8];
@@ -249,11 +214,8 @@ template <> struct Unit<T_Q8_0> {
         q1 = ld4<G>(row + 32 * u + 16);
         d = ldh<G>(row + 32 * nb + 2 * u);
     }
-    template <bool P> using X = X32<P>;
-    template <bool P>
-    __device__ __forceinline__ float dot_at(const MvArgs& a, int col, int u) const {
-        return dot(typename X<P>::Lazy{a, col, u}, u);
-    }
+    using X = X32;
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int) const {
         const uint32_t w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
@@ -282,11 +244,8 @@ struct UnitK45 {
             qh1 = ld4<G>(b + 32);
         }
     }
-    template <bool P> using X = XK45<P>;
-    template <bool P>
-    __device__ __forceinline__ float dot_at(const MvArgs& a, int col, int u) const {
-        return dot(typename X<P>::Lazy{a, col, u}, u);
-    }
+    using X = XK45;
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int u) const {
         const int p = u & 3, j0 = 2 * p, j1 = j0 + 1;
@@ -338,11 +297,8 @@ template <> struct Unit<T_Q6_K> {
     __device__ __forceinline__ static int sbyte(const uint4& v, int i) {
         return (int)(int8_t)((W_(v, i >> 2) >> (8 * (i & 3))) & 0xFF);
     }
-    template <bool P> using X = XQ6<P>;
-    template <bool P>
-    __device__ __forceinline__ float dot_at(const MvArgs& a, int col, int u) const {
-        return dot(typename X<P>::Lazy{a, col, u}, u);
-    }
+    using X = XQ6;
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int u) const {
         const int n = (u >> 1) & 1, k1 = u & 1;
@@ -380,8 +336,7 @@ template <> struct Unit<T_F16> {
 #pragma unroll
         for (int i = 0; i < 4; ++i) w[i] = ldg4(row + 64 * u + 16 * i);
     }
-    template <bool P>  // never a prologue's reader: P is only for quantized launches
-    __device__ __forceinline__ float dot_at(const MvArgs& a, int col, int u) const {
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
         const float4* x = reinterpret_cast<const float4*>(a.x + (size_t)col * a.in_dim + 32 * u);
         float s = 0.0f;
 #pragma unroll
@@ -405,8 +360,7 @@ template <> struct Unit<T_F32> {
 #pragma unroll
         for (int i = 0; i < 8; ++i) w[i] = __ldg(reinterpret_cast<const float4*>(row + 128 * u) + i);
     }
-    template <bool P>  // never a prologue's reader: P is only for quantized launches
-    __device__ __forceinline__ float dot_at(const MvArgs& a, int col, int u) const {
+    __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const {
         const float4* x = reinterpret_cast<const float4*>(a.x + (size_t)col * a.in_dim + 32 * u);
         float s = 0.0f;
 #pragma unroll
@@ -419,7 +373,7 @@ template <> struct Unit<T_F32> {
     }
 };
 
-template <int T, int NC, bool P>
+template <int T, int NC>
 __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int lane, float acc[NC]) {
     const int nu = Unit<T>::count(a.nb);
     int u = lane;
@@ -429,15 +383,15 @@ __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const M
         w1.load(row, u + 32, a.nb);
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-            acc[c] = fadd(acc[c], w0.template dot_at<P>(a, c, u));
-            acc[c] = fadd(acc[c], w1.template dot_at<P>(a, c, u + 32));
+            acc[c] = fadd(acc[c], w0.dot(a, c, u));
+            acc[c] = fadd(acc[c], w1.dot(a, c, u + 32));
         }
     }
     if (u < nu) {
         Unit<T> w0;
         w0.load(row, u, a.nb);
 #pragma unroll
-        for (int c = 0; c < NC; ++c) acc[c] = fadd(acc[c], w0.template dot_at<P>(a, c, u));
+        for (int c = 0; c < NC; ++c) acc[c] = fadd(acc[c], w0.dot(a, c, u));
     }
 }
 
@@ -468,11 +422,11 @@ __device__ __forceinline__ void mv_dispatch(int type, F&& f) {
 
 // TT >= 0: every job of the launch has weight type TT (no switch: the kernel's register
 // count is that type's, not the most demanding type's, so more warps stay resident).
-template <int NC, int TT, bool P>
+template <int NC, int TT>
 __device__ __forceinline__ void row_dot_any(int type, const uint8_t* __restrict__ row, const MvArgs& a, int lane,
                                             float acc[NC]) {
-    if constexpr (TT >= 0) row_dot<TT, NC, P>(row, a, lane, acc);
-    else mv_dispatch(type, [&] <int T>() { row_dot<T, NC, P>(row, a, lane, acc); });
+    if constexpr (TT >= 0) row_dot<TT, NC>(row, a, lane, acc);
+    else mv_dispatch(type, [&] <int T>() { row_dot<T, NC>(row, a, lane, acc); });
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -495,27 +449,26 @@ __device__ __forceinline__ void mv_store(const MvJob& jb, int row, int c, float 
     jb.y[(size_t)c * jb.rows + row] = r;
 }
 
-__host__ __device__ __forceinline__ bool quantized_type(int type) { return type != T_F32 && type != T_F16; }
+__device__ __forceinline__ bool quantized(int type) { return type != T_F32 && type != T_F16; }
 
-template <int NC, int TT, bool P>
+template <int NC, int TT>
 __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
     float acc[NC], acc2[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
     // A deferred norm copy's scale: loaded now, used after the dot products.
-    const bool scaled = P || a.xscale;
-    const float rs = NC == 1 && scaled ? xscale_at<P>(a, 0) : 1.0f;
+    const float rs = NC == 1 && a.xscale ? __ldg(a.xscale) : 1.0f;
     const uint8_t* ra = jb.W + (size_t)row * jb.row_bytes;
-    row_dot_any<NC, TT, P>(jb.type, ra, a, lane, acc);
-    if (jb.W2) row_dot_any<NC, TT, P>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
+    row_dot_any<NC, TT>(jb.type, ra, a, lane, acc);
+    if (jb.W2) row_dot_any<NC, TT>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
         acc[c] = warp_sum(acc[c]);
         if (jb.W2) acc2[c] = warp_sum(acc2[c]);
-        if (scaled) {
-            const float r = NC == 1 ? rs : xscale_at<P>(a, c);
-            if (quantized_type(jb.type)) acc[c] = fmul(acc[c], r);
-            if (jb.W2 && quantized_type(jb.type2)) acc2[c] = fmul(acc2[c], r);
+        if (a.xscale) {
+            const float r = NC == 1 ? rs : __ldg(a.xscale + c);
+            if (quantized(jb.type)) acc[c] = fmul(acc[c], r);
+            if (jb.W2 && quantized(jb.type2)) acc2[c] = fmul(acc2[c], r);
         }
     }
     if (lane == 0) {
@@ -529,45 +482,32 @@ __device__ __forceinline__ void prefetch_job_row(const MvJob& jb, int row, int l
     if (jb.W2) prefetch_row(jb.W2 + (size_t)row * jb.row_bytes2, jb.row_bytes2, lane);
 }
 
-// The int8 copy of y's 32-row group g (the next matvec's input), by one warp.
+// The int8 copy of y's 32-row group g (the next matvec's input), by one warp. For an
+// RMSNorm's deferred copy (q_ss set: the norm of y is the next step), the copy of
+// y * q_w and the group's sum of squares of y, bitwise what k_rms_norm_copy writes.
 __device__ __forceinline__ void group_copy(const MvJob& jb, int g, int lane) {
-    quant_block_q8(__ldcg(jb.y + 32 * g + lane), lane, jb.q_out + 32 * g, jb.ds_out + g);
-}
-
-// The norm prologue (P): the block makes the deferred copy of RMSNorm(a.nx) * a.nw that
-// k_rms_norm_copy would write, into its shared memory, with the same operations in the
-// same order (group_ss, quant_block_q8, rms_scale_of: the same bits), after pdl_wait().
-// Warp w takes the 32-element groups w, w + MV_WARPS, ..., eight at a time so their
-// loads and shuffle chains overlap. Every thread of the block must call it.
-__device__ __forceinline__ void norm_prologue(const MvArgs& a) {
-    constexpr int K = 8;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, ng = a.in_dim / 32;
-    int8_t* q = reinterpret_cast<int8_t*>(mv_smem);
-    float2* ds = reinterpret_cast<float2*>(mv_smem + pro_ds_off(a.in_dim));
-    double* ss = reinterpret_cast<double*>(mv_smem + pro_ss_off(a.in_dim));
-    for (int g0 = w; g0 < ng; g0 += K * MV_WARPS) {
-        float v[K], p[K];
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = g0 + k * MV_WARPS;
-            v[k] = g < ng ? __ldcg(a.nx + 32 * g + lane) : 0.0f;
-            p[k] = g < ng && a.nw ? __ldg(a.nw + 32 * g + lane) : 0.0f;
-        }
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int g = g0 + k * MV_WARPS;
-            if (g >= ng) break;  // the same for the whole warp
-            const double s = group_ss(v[k]);
-            if (lane == 0) ss[g] = s;
-            quant_block_q8(a.nw ? __fmul_rn(v[k], p[k]) : v[k], lane, q + 32 * g, ds + g);
-        }
+    float v = __ldcg(jb.y + 32 * g + lane);
+    if (jb.q_ss) {
+        const double s = group_ss(v);
+        if (lane == 0) jb.q_ss[g] = s;
+        if (jb.q_w) v = fmul(v, jb.q_w[32 * g + lane]);
     }
-    __syncthreads();
-    if (w == 0) {
-        const float r = rms_scale_of(ss, ng, a.in_dim, a.neps, lane);
-        if (lane == 0) *reinterpret_cast<float*>(mv_smem + pro_sc_off(a.in_dim)) = r;
+    quant_block_q8(v, lane, jb.q_out + 32 * g, jb.ds_out + g);
+    if (!jb.q_ss) return;
+    // The warp finishing the last group: the norm's scale from every group's sum.
+    const int ng = jb.rows / 32;
+    __threadfence();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(jb.q_tk, 1) == ng - 1;
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    double s = 0.0;
+    for (int k = lane; k < ng; k += 32) s = __dadd_rn(s, __ldcg(jb.q_ss + k));
+    const float r = rms_scale(s, jb.rows, jb.q_eps);
+    if (lane == 0) {
+        *jb.q_scale = r;
+        *jb.q_tk = 0;
     }
-    __syncthreads();
 }
 
 // A warp computes a.rpw consecutive rows, keeping the next two rows' bytes on their way
@@ -632,7 +572,7 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
 template <int NC, int TT>
 constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? 7 : 0; }
 
-template <int NC, int TT = -1, bool P = false>
+template <int NC, int TT = -1>
 __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matvec(MvArgs a) {
     pdl_trigger();
     int j = 0;
@@ -659,10 +599,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
         }
     }
     pdl_wait();
-    if constexpr (P) norm_prologue(a);
     for (int row = row0; row < row1; ++row) {
         if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-        mv_row<NC, TT, P>(a, jb, row, lane);
+        mv_row<NC, TT>(a, jb, row, lane);
     }
     if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
     if (NC == 1 && jb.q_out) {
@@ -727,9 +666,9 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t phase) {
 
 // XR: rows of at most 64 units, whose lanes' activation chunks (units lane, lane + 32)
 // the warp holds in registers, xr, for all its rows.
-template <int T, bool XR, bool P>
+template <int T, bool XR>
 __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs& a, int lane,
-                                              const typename Unit<T>::template X<P>* xr) {
+                                              const typename Unit<T>::X* xr) {
     const int nu = Unit<T>::count(a.nb);
     float acc = 0.0f;
     if constexpr (XR) {
@@ -746,7 +685,7 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
         for (int u = lane; u < nu; u += 32) {
             Unit<T> w;
             w.template load<false>(srow, u, a.nb);
-            acc = fadd(acc, w.template dot_at<P>(a, 0, u));
+            acc = fadd(acc, w.dot(a, 0, u));
         }
     }
     return acc;
@@ -757,10 +696,10 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
 // 38.3 us with one row a slot, 41.4 with two, 67.2 with four (the smem they take leaves
 // fewer warps to hide the arithmetic's latency), so by default rows of 2 KB or more take
 // a slot each.
-template <int T, bool XR, bool P>
+template <int T, bool XR>
 __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R) {
     pdl_trigger();
-    uint8_t* const bulk_smem = mv_smem + (P ? pro_bytes(a.in_dim) : 0);
+    extern __shared__ __align__(16) uint8_t bulk_smem[];
     const MvJob& jb = a.job[0];
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int gw = blockIdx.x * MV_WARPS + wib;
@@ -785,16 +724,13 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
     }
     __syncwarp();
     pdl_wait();
-    if constexpr (P) norm_prologue(a);
     // A deferred norm copy's scale (every type here is quantized).
-    const bool scaled = P || a.xscale;
-    const float nsc = scaled ? xscale_at<P>(a, 0) : 1.0f;
-    using XV = typename Unit<T>::template X<P>;
-    XV xr[2];
+    const float nsc = a.xscale ? __ldg(a.xscale) : 1.0f;
+    typename Unit<T>::X xr[2];
     if constexpr (XR) {
 #pragma unroll
         for (int k = 0; k < 2; ++k)
-            if (lane + 32 * k < Unit<T>::count(a.nb)) xr[k] = XV::load(a, 0, lane + 32 * k);
+            if (lane + 32 * k < Unit<T>::count(a.nb)) xr[k] = Unit<T>::X::load(a, 0, lane + 32 * k);
     }
     int g_done = 0;  // rows of the current 32-row group this warp has written
     for (int st = 0; st < n_st; ++st) {
@@ -803,11 +739,11 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
         const uint8_t* sw = ring + (size_t)k * slot;
         const int rs = r0 + R * st, cnt = min(R, r1 - rs);
         for (int q = 0; q < cnt; ++q) {
-            float acc = row_dot_smem<T, XR, P>(sw + (size_t)q * rb, a, lane, xr), acc2 = 0.0f;
-            if (rb2) acc2 = row_dot_smem<T, XR, P>(sw + (size_t)R * rb + (size_t)q * rb2, a, lane, xr);
+            float acc = row_dot_smem<T, XR>(sw + (size_t)q * rb, a, lane, xr), acc2 = 0.0f;
+            if (rb2) acc2 = row_dot_smem<T, XR>(sw + (size_t)R * rb + (size_t)q * rb2, a, lane, xr);
             acc = warp_sum(acc);
             if (rb2) acc2 = warp_sum(acc2);
-            if (scaled) {
+            if (a.xscale) {
                 acc = fmul(acc, nsc);
                 acc2 = fmul(acc2, nsc);
             }
@@ -854,8 +790,8 @@ __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __
 // RMSNorm rows (one block each, blockDim.x = rms_threads(d), d % 32 == 0, d <=
 // kNormCopyMaxRow): y = rms_norm(x) * w, bitwise k_rms_norm's, and each row's deferred
 // copy for the matvecs that read y: the int8 copy of x * w per 32-element group and the
-// row's scale (norm.cuh), which rides on the matvec's row sums; so a matvec launch can
-// make the copy itself (norm_prologue). A thread's
+// row's scale (norm.cuh), which rides on the matvec's row sums; so a matvec + residual
+// launch can make the int8 copy group by group (group_copy). A thread's
 // elements are held in registers; its weights are loaded before pdl_wait() (no kernel
 // writes them).
 constexpr int NORM_REG = (int)(kNormCopyMaxRow / 1024);
@@ -996,7 +932,7 @@ size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols) {
 }
 
 size_t norm_copy_bytes(int64_t d, int64_t nt) {
-    return matvec_scratch_bytes(d, nt) + (size_t)nt * sizeof(float);
+    return matvec_scratch_bytes(d, nt) + (size_t)nt * (size_t)(d / 32) * sizeof(double) + (size_t)nt * sizeof(float);
 }
 
 namespace {
@@ -1007,9 +943,9 @@ int env_int(const char* name, int dflt) {
     return e && *e ? std::atoi(e) : dflt;
 }
 
-template <int NC, int TT = -1, bool P = false>
+template <int NC>
 void launch_mv(const MvArgs& a, unsigned blocks) {
-    launch_smem(k_matvec<NC, TT, P>, blocks, MV_WARPS * 32, P ? pro_bytes(a.in_dim) : 0, a);
+    launch(k_matvec<NC>, blocks, MV_WARPS * 32, a);
 }
 
 // The staged matvec for a one-job, one-column, one-type launch of rows whose slots fit.
@@ -1034,26 +970,26 @@ int bulk_rows(size_t row_slot) {
     return R < 1 ? 1 : R > 8 ? 8 : R;
 }
 
-template <int T, bool XR, bool P>
+template <int T, bool XR>
 void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
     const size_t slot = row_slot * (size_t)R;
     const MvJob& j = a.job[0];
-    const size_t smem = bulk_smem_bytes(slot, ns) + (P ? pro_bytes(a.in_dim) : 0);
+    const size_t smem = bulk_smem_bytes(slot, ns);
     static size_t attr = 0;  // the largest dynamic shared memory this instantiation was allowed
     if (smem > attr) {
-        check(cudaFuncSetAttribute(k_matvec_bulk<T, XR, P>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+        check(cudaFuncSetAttribute(k_matvec_bulk<T, XR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
               "cudaFuncSetAttribute");
         attr = smem;
     }
     int per_sm = 0;
-    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_matvec_bulk<T, XR, P>, MV_WARPS * 32, smem),
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_matvec_bulk<T, XR>, MV_WARPS * 32, smem),
           "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
     int64_t blocks = (int64_t)ctx().n_sm * (per_sm > 0 ? per_sm : 1);
     const int64_t need = (j.rows + MV_WARPS - 1) / MV_WARPS;  // at least a row per warp
     if (blocks > need) blocks = need;
     const int cap = env_int("MINFER_CUDA_MV_BULK_BLOCKS", 0);  // tests: long runs per warp
     if (cap > 0 && blocks > cap) blocks = cap;
-    launch_smem(k_matvec_bulk<T, XR, P>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R);
+    launch_smem(k_matvec_bulk<T, XR>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R);
     ++ctx().c.staged;
 }
 
@@ -1064,13 +1000,10 @@ bool bulk_xreg(int type, int nb) {
     return units <= 64 && env_int("MINFER_CUDA_MV_BULK_XREG", 1) != 0;
 }
 
-// A norm prologue's launch only with the activations in registers (P kernels need
-// fewer instantiations; launch_bulk checks).
 template <int T>
 void launch_bulk_t(const MvArgs& a, size_t row_slot, int R, int ns) {
-    if (a.nx) launch_bulk_xr<T, true, true>(a, row_slot, R, ns);
-    else if (bulk_xreg(T, a.nb)) launch_bulk_xr<T, true, false>(a, row_slot, R, ns);
-    else launch_bulk_xr<T, false, false>(a, row_slot, R, ns);
+    if (bulk_xreg(T, a.nb)) launch_bulk_xr<T, true>(a, row_slot, R, ns);
+    else launch_bulk_xr<T, false>(a, row_slot, R, ns);
 }
 
 // Whether the launch takes the staged matvec: MINFER_CUDA_MV_BULK=1 whenever it can, 0
@@ -1085,7 +1018,6 @@ bool launch_bulk(const MvArgs& a) {
     if (mode == 0) return false;
     const MvJob& j = a.job[0];
     if (a.njobs != 1 || a.rope.tickets || (j.W2 && j.type2 != j.type)) return false;
-    if (a.nx && !bulk_xreg(j.type, a.nb)) return false;
     if (j.row_bytes % 16 || (j.W2 && (j.row_bytes2 % 16 || (uintptr_t)j.W2 % 16)) || (uintptr_t)j.W % 16) return false;
     const size_t slot = j.row_bytes + (j.W2 ? j.row_bytes2 : 0);
     const size_t min_row = (size_t)env_int("MINFER_CUDA_MV_BULK_MIN_ROW", bulk_xreg(j.type, a.nb) ? 512 : 2048);
@@ -1109,50 +1041,33 @@ bool launch_bulk(const MvArgs& a) {
 
 // The one-type instantiations of one-column launches (decode), for the types the Qwen
 // Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
-template <bool P>
 bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
     int t = a.job[0].type;
     for (int i = 0; i < a.njobs; ++i)
         if (a.job[i].type != t || (a.job[i].W2 && a.job[i].type2 != t)) return false;
     switch (t) {
-        case T_Q4_K: launch_mv<1, T_Q4_K, P>(a, blocks); return true;
-        case T_Q5_K: launch_mv<1, T_Q5_K, P>(a, blocks); return true;
-        case T_Q6_K: launch_mv<1, T_Q6_K, P>(a, blocks); return true;
-        case T_Q8_0: launch_mv<1, T_Q8_0, P>(a, blocks); return true;
-        case T_Q5_0: launch_mv<1, T_Q5_0, P>(a, blocks); return true;
-        case T_Q4_0: launch_mv<1, T_Q4_0, P>(a, blocks); return true;
+        case T_Q4_K: launch(k_matvec<1, T_Q4_K>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q5_K: launch(k_matvec<1, T_Q5_K>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q6_K: launch(k_matvec<1, T_Q6_K>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q8_0: launch(k_matvec<1, T_Q8_0>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q5_0: launch(k_matvec<1, T_Q5_0>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q4_0: launch(k_matvec<1, T_Q4_0>, blocks, MV_WARPS * 32, a); return true;
         default: return false;
     }
-}
-
-template <bool P>
-void launch_mv_one(const MvArgs& a, unsigned blocks, bool typed) {
-    if (launch_bulk(a)) return;
-    if (!(typed && launch_mv_typed<P>(a, blocks))) launch_mv<1, -1, P>(a, blocks);
 }
 
 }  // namespace
 
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols,
-                  bool xq_ready, const MvRopeStore* rope, bool in_norm, const MvNormIn* pro) {
+                  bool xq_ready, const MvRopeStore* rope, bool in_norm) {
     if (njobs < 1 || njobs > MV_MAX_JOBS) throw std::invalid_argument("matvec_multi: 1..4 jobs");
     if (ncols < 1 || (ncols > 1 && (njobs != 1 || jobs[0].resid || jobs[0].W2)))
         throw std::invalid_argument("matvec_multi: several columns take one plain job");
     if (in_norm && (!xq_ready || !scratch || in_dim % 32 || in_dim > kNormCopyMaxRow))
         throw std::invalid_argument("matvec_multi: a norm's deferred copy is made before, rows of <= 4096");
-    if (pro) {
-        bool quant = !in_norm && ncols == 1 && in_dim % 32 == 0 && in_dim <= kNormCopyMaxRow && pro->x;
-        for (int i = 0; i < njobs; ++i)
-            quant = quant && quantized_type(jobs[i].type) && (!jobs[i].W2 || quantized_type(jobs[i].type2));
-        if (!quant) throw std::invalid_argument("matvec_multi: a norm prologue takes one column of quantized rows <= 4096");
-        xq_ready = true;  // the blocks make it
-    }
     const int nb = (int)(in_dim / 32);
     MvArgs a;
     a.xscale = in_norm ? norm_copy_scale(scratch, in_dim, ncols) : nullptr;
-    a.nx = pro ? pro->x : nullptr;
-    a.nw = pro ? pro->w : nullptr;
-    a.neps = pro ? pro->eps : 0.0f;
     a.x = x;
     a.in_dim = (int)in_dim;
     a.nb = nb;
@@ -1161,7 +1076,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     bool quant = false;
     for (int i = 0; i < njobs; ++i)
         quant |= !(jobs[i].type == T_F32 || jobs[i].type == T_F16) || (jobs[i].W2 && !(jobs[i].type2 == T_F32 || jobs[i].type2 == T_F16));
-    if (quant && !scratch && !pro) throw std::invalid_argument("matvec_multi: quantized weights need the activation scratch");
+    if (quant && !scratch) throw std::invalid_argument("matvec_multi: quantized weights need the activation scratch");
     if (quant && !xq_ready) {
         const int n = nb * ncols;
         launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int8_t*)a.xq, (float2*)a.xds);
@@ -1237,8 +1152,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             case 4: launch_mv<4>(ac, (unsigned)b); break;
             case 2: launch_mv<2>(ac, (unsigned)b); break;
             default:
-                if (pro) launch_mv_one<true>(ac, (unsigned)b, typed);
-                else launch_mv_one<false>(ac, (unsigned)b, typed);
+                if (launch_bulk(ac)) break;
+                if (!(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv<1>(ac, (unsigned)b);
                 break;
         }
         c0 += nc;

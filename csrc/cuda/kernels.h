@@ -35,6 +35,15 @@ struct MvJob {
     int8_t* q_out = nullptr;
     float2* ds_out = nullptr;
     int* tickets = nullptr;
+    // With q_ss: the copy is the deferred copy of y's RMSNorm (weight q_w, or none, eps
+    // q_eps) as rms_norm_copy makes it, scale included (the norm's own launch goes): the
+    // groups' sums of squares go to q_ss, and the warp finishing the last group (ticket
+    // q_tk, zero before and after) writes the scale from them.
+    const float* q_w = nullptr;
+    double* q_ss = nullptr;
+    float* q_scale = nullptr;
+    int* q_tk = nullptr;
+    float q_eps = 0.0f;
 };
 constexpr int MV_MAX_JOBS = 4;
 // FusedQKV's tail (one token): the q, k and v jobs of one launch also rope q and k into
@@ -64,31 +73,25 @@ struct MvRopeStore {
 // weights are read once for all of them: a speculative block costs little more than a
 // single step).
 // in_norm: x is an RMSNorm's output and the scratch holds that norm's deferred copy
-// (rms_norm_copy): a quantized job's row sums are multiplied by the norm's scale. Any
-// launch of a matvec reading such a norm does this, so its bits do not depend on which
-// launch made the copy.
-// pro: x is RMSNorm(pro->x) * pro->w (one row of in_dim <= kNormCopyMaxRow, every job
-// quantized, one column) and each block makes that norm's deferred copy itself (x and the
-// scratch are not read): the same bits as rms_norm_copy + in_norm, without its launch.
-struct MvNormIn {
-    const float* x = nullptr;  // the norm's input row
-    const float* w = nullptr;  // its weight, or none
-    float eps = 0.0f;
-};
+// (rms_norm_copy, or a q_ss group tail): a quantized job's row sums are multiplied by
+// the norm's scale. Any launch of a matvec reading such a norm does this, so its bits do
+// not depend on which launch made the copy.
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols = 1,
-                  bool xq_ready = false, const MvRopeStore* rope = nullptr, bool in_norm = false,
-                  const MvNormIn* pro = nullptr);
+                  bool xq_ready = false, const MvRopeStore* rope = nullptr, bool in_norm = false);
 size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols = 1);
 // RMSNorm rows whose readers are decode matvecs (d % 32 == 0, d <= kNormCopyMaxRow, nt
 // rows of at most kRowExactMaxTokens): y bitwise rms_norm's, plus the rows' deferred
 // int8 copy: q8 of x * w per 32-element group (no whole-row reduction in it, so a
-// prologue can make it), and each row's scale, which the matvec applies to
+// matvec's group tails can make it), and each row's scale, which the matvec applies to
 // its row sums. Scratch: the int8 copies and their (d, d * sum) pairs as matvec_multi
-// reads them, then the scales (nt floats).
+// reads them, the groups' sums of squares (nt * d / 32 doubles), the scales (nt floats).
 constexpr int64_t kNormCopyMaxRow = 4096;
 size_t norm_copy_bytes(int64_t d, int64_t nt = 1);
+inline double* norm_copy_ss(void* scratch, int64_t d, int64_t nt) {
+    return (double*)((uint8_t*)scratch + matvec_scratch_bytes(d, nt));
+}
 inline float* norm_copy_scale(void* scratch, int64_t d, int64_t nt) {
-    return (float*)((uint8_t*)scratch + matvec_scratch_bytes(d, nt));
+    return (float*)(norm_copy_ss(scratch, d, nt) + nt * (d / 32));
 }
 void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch);
 
