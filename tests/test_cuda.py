@@ -221,62 +221,6 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
     check_matvec(outs["1"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0, Q.Q4_1, Q.F16],
-                         ids=lambda t: t.name)
-def test_matvec_paired_rows_bitwise(qtype, monkeypatch):
-    """MINFER_CUDA_MV_PAIR=all: one-column launches compute their rows two at a time,
-    loading the activations once for both: bitwise the one-row-per-warp rows, for a lone
-    matvec of an odd row count (the last row alone), gate|up + SwiGLU, a residual add,
-    and a mixed-type launch (the switch kernel; F16 rows one by one), typed or not."""
-    rng = np.random.default_rng(200 + int(qtype))
-    in_dim, rows = 512, 321
-    w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
-    u_raw, _ = make_weight(qtype, rows, in_dim, rng)
-    m_raw, _ = make_weight(Q.Q8_0, rows, in_dim, rng)
-    x = rng.standard_normal((1, in_dim)).astype(np.float32)
-    res = rng.standard_normal(rows).astype(np.float32)
-    outs = {}
-    for pair, typed in (("", "1"), ("all", "1"), ("all", "0"), ("plain,ffn,res,qkv", "1")):
-        monkeypatch.setenv("MINFER_CUDA_MV_PAIR", pair)
-        monkeypatch.setenv("MINFER_CUDA_MV_TYPED", typed)
-        r = Rig()
-        w = r.weight("w", w_raw, qtype, in_dim, rows)
-        u = r.weight("u", u_raw, qtype, in_dim, rows)
-        m = r.weight("m", m_raw, Q.Q8_0, in_dim, rows)
-        xi, ri = r.buf(x), r.buf(res)
-        y, g, h, sw, y2, ym, yr, z = (r.out(rows) for _ in range(8))
-        one = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, -1]),
-                      ("matmul", [g, xi], [in_dim, rows, 1], [], [w, -1]),
-                      ("matmul", [h, xi], [in_dim, rows, 1], [], [u, -1]),
-                      ("swiglu", [sw, g, h], [rows], [], []),
-                      ("matmul", [yr, xi], [in_dim, rows, 1], [], [u, -1]),
-                      ("add", [z, yr, ri], [rows], [], [])])
-        one.flags = 2 | 4
-        mixed = r.plan([("matmul", [y2, xi], [in_dim, rows, 1], [], [w, -1]),
-                        ("matmul", [ym, xi], [in_dim, rows, 1], [], [m, -1])])
-        mixed.flags = 1
-        for p in (one, mixed):
-            _core.cuda_validate(p, r.pool, r.weights)
-            for _ in range(3):  # direct, captured, replayed
-                r.run(p)
-        assert _core.testing.cuda_plan_info(one)["launches"] == 3
-        assert _core.testing.cuda_plan_info(mixed)["launches"] == 1
-        outs[pair, typed] = [r.read(b, rows).tobytes() for b in (y, sw, z, y2, ym)]
-    for k, v in outs.items():
-        assert v == outs["", "1"], k
-    check_matvec(np.frombuffer(outs["all", "1"][0], np.float32).reshape(1, -1).astype(np.float64), x, w_deq, qtype)
-
-
-def test_paired_rows_decode_bitwise(synth, monkeypatch):
-    """Whole decode runs with every one-column matvec launch on paired rows (q|k|v with its
-    RoPE + KV store tail too, whose head tickets count blocks of 8 rows): the same logits."""
-    _, path, ref = synth
-    seq = _sequences(ref.n_vocab, 4)[1]
-    base = _decode_run(path, seq, 5)
-    monkeypatch.setenv("MINFER_CUDA_MV_PAIR", "all")
-    assert _decode_run(path, seq, 5).tobytes() == base.tobytes()
-
-
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
 def test_matvec_staged_bitwise(qtype, monkeypatch):
     """The staged matvec (MINFER_CUDA_MV_BULK=1: runs of rows streamed into shared memory

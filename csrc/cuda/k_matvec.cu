@@ -3,7 +3,6 @@
 // (cuda/layout.h).
 #include <cstdlib>
 #include <stdexcept>
-#include <string>
 
 #include "cuda/context.h"
 #include "cuda/kernels.h"
@@ -430,35 +429,6 @@ __device__ __forceinline__ void row_dot_any(int type, const uint8_t* __restrict_
     else mv_dispatch(type, [&] <int T>() { row_dot<T, NC>(row, a, lane, acc); });
 }
 
-// RW rows of one weight type at once (one column): each trip a lane loads unit u of
-// every row and the activation side of u once, for all of them. Each row's sum is
-// row_dot's (units lane, lane + 32, ... in order): the same bits, half the activation
-// loads per weight byte, and half the warps for the same rows.
-template <int T, int RW>
-__device__ __forceinline__ void row_dot_rw(const uint8_t* const* rows, const MvArgs& a, int lane, float* acc) {
-    if constexpr (T == T_F32 || T == T_F16) {
-#pragma unroll
-        for (int r = 0; r < RW; ++r) row_dot<T, 1>(rows[r], a, lane, acc + r);
-    } else {
-        const int nu = Unit<T>::count(a.nb);
-        for (int u = lane; u < nu; u += 32) {
-            Unit<T> w[RW];
-#pragma unroll
-            for (int r = 0; r < RW; ++r) w[r].load(rows[r], u, a.nb);
-            const auto x = Unit<T>::X::load(a, 0, u);
-#pragma unroll
-            for (int r = 0; r < RW; ++r) acc[r] = fadd(acc[r], w[r].dot(x, u));
-        }
-    }
-}
-
-template <int TT, int RW>
-__device__ __forceinline__ void row_dot_rw_any(int type, const uint8_t* const* rows, const MvArgs& a, int lane,
-                                               float* acc) {
-    if constexpr (TT >= 0) row_dot_rw<TT, RW>(rows, a, lane, acc);
-    else mv_dispatch(type, [&] <int T>() { row_dot_rw<T, RW>(rows, a, lane, acc); });
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -504,33 +474,6 @@ __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row
     if (lane == 0) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) mv_store(jb, row, c, acc[c], acc2[c]);
-    }
-}
-
-// Rows row, row + 1 of one job, one column, together (row_dot_rw): each row's bits are
-// mv_row's.
-template <int TT>
-__device__ __forceinline__ void mv_row2(const MvArgs& a, const MvJob& jb, int row, int lane) {
-    float acc[2] = {0.0f, 0.0f}, acc2[2] = {0.0f, 0.0f};
-    const float rs = a.xscale ? __ldg(a.xscale) : 1.0f;
-    const uint8_t* ra[2] = {jb.W + (size_t)row * jb.row_bytes, jb.W + (size_t)(row + 1) * jb.row_bytes};
-    row_dot_rw_any<TT, 2>(jb.type, ra, a, lane, acc);
-    if (jb.W2) {
-        const uint8_t* rb[2] = {jb.W2 + (size_t)row * jb.row_bytes2, jb.W2 + (size_t)(row + 1) * jb.row_bytes2};
-        row_dot_rw_any<TT, 2>(jb.type2, rb, a, lane, acc2);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        acc[r] = warp_sum(acc[r]);
-        if (jb.W2) acc2[r] = warp_sum(acc2[r]);
-        if (a.xscale) {
-            if (quantized(jb.type)) acc[r] = fmul(acc[r], rs);
-            if (jb.W2 && quantized(jb.type2)) acc2[r] = fmul(acc2[r], rs);
-        }
-    }
-    if (lane == 0) {
-        mv_store(jb, row, 0, acc[0], acc2[0]);
-        mv_store(jb, row + 1, 0, acc[1], acc2[1]);
     }
 }
 
@@ -586,7 +529,7 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
     __syncthreads();
     if (threadIdx.x == 0) s_ticket = atomicAdd(r.tickets + a.rope_tk0[j] + head, 1);
     __syncthreads();
-    if (s_ticket != r.hd / (MV_WARPS * a.rpw) - 1) return;
+    if (s_ticket != r.hd / MV_WARPS - 1) return;
     __threadfence();
     const float* xr = jb.y + (int64_t)head * r.hd;
     const int64_t kv_dim = (int64_t)jb.rows;  // k and v jobs: nhk * hd rows
@@ -625,17 +568,12 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
 
 // Resident blocks per SM the one-type K-quant kernels are held to: left alone, ptxas gave
 // the Q6_K kernel 96 registers (5 blocks) once the deferred norm scale was added (72
-// before); held to 7 blocks it takes 72 and spills nothing. Paired rows (RW = 2) need
-// half the warps for the same rows: held to 4 blocks (up to 128 registers), they spill
-// nothing (at 7, up to 60 bytes).
-template <int NC, int TT, int RW>
-constexpr int mv_min_blocks() {
-    return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? (RW == 2 ? 4 : 7) : 0;
-}
+// before); held to 7 blocks it takes 72 and spills nothing.
+template <int NC, int TT>
+constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? 7 : 0; }
 
-// RW = 2 (one column): a warp computes its rows two at a time (mv_row2).
-template <int NC, int TT = -1, int RW = 1>
-__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT, RW>()) k_matvec(MvArgs a) {
+template <int NC, int TT = -1>
+__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matvec(MvArgs a) {
     pdl_trigger();
     int j = 0;
     while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
@@ -661,18 +599,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT, RW>()) k_
         }
     }
     pdl_wait();
-    if constexpr (RW == 2) {
-        for (int row = row0; row < row1; row += 2) {
-            if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-            if (a.prefetch && row + 3 < row1) prefetch_job_row(jb, row + 3, lane);
-            if (row + 1 < row1) mv_row2<TT>(a, jb, row, lane);
-            else mv_row<1, TT>(a, jb, row, lane);
-        }
-    } else {
-        for (int row = row0; row < row1; ++row) {
-            if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-            mv_row<NC, TT>(a, jb, row, lane);
-        }
+    for (int row = row0; row < row1; ++row) {
+        if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
+        mv_row<NC, TT>(a, jb, row, lane);
     }
     if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
     if (NC == 1 && jb.q_out) {
@@ -1014,9 +943,9 @@ int env_int(const char* name, int dflt) {
     return e && *e ? std::atoi(e) : dflt;
 }
 
-template <int NC, int TT = -1, int RW = 1>
+template <int NC>
 void launch_mv(const MvArgs& a, unsigned blocks) {
-    launch(k_matvec<NC, TT, RW>, blocks, MV_WARPS * 32, a);
+    launch(k_matvec<NC>, blocks, MV_WARPS * 32, a);
 }
 
 // The staged matvec for a one-job, one-column, one-type launch of rows whose slots fit.
@@ -1112,39 +1041,19 @@ bool launch_bulk(const MvArgs& a) {
 
 // The one-type instantiations of one-column launches (decode), for the types the Qwen
 // Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
-template <int RW>
 bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
     int t = a.job[0].type;
     for (int i = 0; i < a.njobs; ++i)
         if (a.job[i].type != t || (a.job[i].W2 && a.job[i].type2 != t)) return false;
     switch (t) {
-        case T_Q4_K: launch_mv<1, T_Q4_K, RW>(a, blocks); return true;
-        case T_Q5_K: launch_mv<1, T_Q5_K, RW>(a, blocks); return true;
-        case T_Q6_K: launch_mv<1, T_Q6_K, RW>(a, blocks); return true;
-        case T_Q8_0: launch_mv<1, T_Q8_0, RW>(a, blocks); return true;
-        case T_Q5_0: launch_mv<1, T_Q5_0, RW>(a, blocks); return true;
-        case T_Q4_0: launch_mv<1, T_Q4_0, RW>(a, blocks); return true;
+        case T_Q4_K: launch(k_matvec<1, T_Q4_K>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q5_K: launch(k_matvec<1, T_Q5_K>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q6_K: launch(k_matvec<1, T_Q6_K>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q8_0: launch(k_matvec<1, T_Q8_0>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q5_0: launch(k_matvec<1, T_Q5_0>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q4_0: launch(k_matvec<1, T_Q4_0>, blocks, MV_WARPS * 32, a); return true;
         default: return false;
     }
-}
-
-template <int RW>
-void launch_mv_one(const MvArgs& a, unsigned blocks, bool typed) {
-    if (launch_bulk(a)) return;
-    if (!(typed && launch_mv_typed<RW>(a, blocks))) launch_mv<1, -1, RW>(a, blocks);
-}
-
-// Whether a one-column launch computes its rows two at a time (k_matvec RW = 2):
-// MINFER_CUDA_MV_PAIR lists the launches that do, by kind: qkv (several jobs, with or
-// without the rope tail), ffn (gate|up + SwiGLU), res (a residual epilogue), plain
-// (any other), or all; unset: none. Read per launch (host side only).
-bool pair_rows(const MvJob* jobs, int njobs, const MvRopeStore* rope) {
-    const char* e = std::getenv("MINFER_CUDA_MV_PAIR");
-    if (!e || !*e) return false;
-    const std::string v = std::string(",") + e + ",";
-    if (v == ",all,") return true;
-    const char* kind = rope || njobs > 1 ? ",qkv," : jobs[0].W2 ? ",ffn," : jobs[0].resid ? ",res," : ",plain,";
-    return v.find(kind) != std::string::npos;
 }
 
 }  // namespace
@@ -1197,23 +1106,19 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         a.prefetch = wbytes <= (size_t)env_int("MINFER_CUDA_MV_PREFETCH_MAX", 16 << 20);
     }
     a.rpw = 1;
-    const bool pair = ncols == 1 && rpw_env == 1 && pair_rows(jobs, njobs, rope) &&
-                      (!rope || rope->hd % (MV_WARPS * 2) == 0);
-    if (pair) {
-        a.rpw = 2;
-    } else if (rpw_env > 0) {
+    if (rpw_env > 0) {
         while (a.rpw < 8 && a.rpw < rpw_env) a.rpw *= 2;
     } else {
         while (a.rpw < 8 && total > resident * a.rpw) a.rpw *= 2;
     }
     a.rope = MvRopeStore{};
     if (rope) {
-        // A head's rows in whole blocks (rpw rows per warp); one token.
+        // A head's rows in whole blocks of one row per warp; one token.
         if (ncols != 1 || rope->hd % MV_WARPS) throw std::invalid_argument("matvec_multi: rope tail needs one column");
         a.rope = *rope;
         // MINFER_CUDA_ROPE_EARLY=0: the tail's last block works the angles out itself.
         a.rope.early = env_int("MINFER_CUDA_ROPE_EARLY", 1) != 0;
-        a.rpw = pair ? 2 : 1;
+        a.rpw = 1;
         int tk = 0;
         for (int i = 0; i < njobs; ++i) {
             a.rope_tk0[i] = tk;
@@ -1247,8 +1152,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             case 4: launch_mv<4>(ac, (unsigned)b); break;
             case 2: launch_mv<2>(ac, (unsigned)b); break;
             default:
-                if (pair) launch_mv_one<2>(ac, (unsigned)b, typed);
-                else launch_mv_one<1>(ac, (unsigned)b, typed);
+                if (launch_bulk(ac)) break;
+                if (!(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv<1>(ac, (unsigned)b);
                 break;
         }
         c0 += nc;
