@@ -44,7 +44,7 @@ fi
 
 models=$OUT/models
 mkdir -p "$models"
-if [ -n "${AB:-}" ] || [ "${STAMP:-0}" = 1 ]; then
+if [ -n "${AB:-}" ] || [ "${STAMP:-0}" = 1 ] || [ -n "${NCU:-}" ]; then
   # The benchmark-shaped models, written once (cuda_bench.py names them the same way).
   python3 - "$models" >>"$S" 2>&1 <<'EOF'
 import sys
@@ -100,5 +100,24 @@ if [ "$BENCH" != none ]; then
   python3 bench/cuda_bench.py --out "$models" --reps "${REPS:-3}" "${only[@]}" >"$OUT/bench.log" 2>&1
   phase "bench rc $? in $((SECONDS - t0)) s"
   tail -30 "$OUT/bench.log" >>"$S"
+fi
+# NCU="SHAPE:SKIP:COUNT ..." (e.g. "7b:464:12"): Nsight Compute on COUNT matvec launches
+# of direct (ungraphed) decode, after SKIP of them (bench/cuda_profile.py's 4-token
+# prompt and 3 warm-up steps come first: 113 matvec launches a step on the 7B, 97 on the
+# 0.5B, 4 a layer), into ncu-SHAPE.txt.
+if [ -n "${NCU:-}" ]; then
+  ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  if [ -z "$ncu_bin" ]; then
+    phase "ncu: not found"
+  else
+    for spec in $NCU; do
+      IFS=: read -r shape skip count <<<"$spec"
+      MINFER_NO_CUDA_GRAPH=1 timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --kernel-name regex:k_matvec \
+        --launch-skip "$skip" --launch-count "$count" --section SpeedOfLight --section WarpStateStats \
+        --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+        python3 bench/cuda_profile.py "$models/qwen2-$shape-q4km-shape.gguf" 1 >"$OUT/ncu-$shape.txt" 2>&1
+      phase "ncu $shape rc $?"
+    done
+  fi
 fi
 phase "done"
