@@ -637,6 +637,57 @@ def _tensor_core_attention(nt, hd):
 TC_ATTN_ATOL = 2e-3
 
 
+@pytest.mark.parametrize("hd,n_rot", [(64, 64), (128, 128), (128, 64), (64, 40)])
+def test_qkv_rope_store_tail_bitwise(hd, n_rot, monkeypatch):
+    """q|k|v in one matvec launch that also ropes q and k and stores k and v into the f16
+    KV cache (FUSE_QKV | FUSE_ROPE) gives the bits of the three matvecs, the two ropes and
+    the KV store launched apart: with each block roping whole pairs of its own rows
+    (MINFER_CUDA_ROPE_LOCAL, the default) or the last block of each head found by a
+    ticket (=0), the angles worked out before the wait or not; partial rotary dims pass
+    through. Runs direct, captured and replayed."""
+    rng = np.random.default_rng(hd + n_rot)
+    d, nh, nkv, n_ctx, cell, pos = 256, 4, 2, 16, 5, 37
+    qd, kd = nh * hd, nkv * hd
+    raws = [make_weight(t, n, d, rng)[0] for t, n in ((Q.Q4_K, qd), (Q.Q5_0, kd), (Q.Q8_0, kd))]
+    biases = [rng.standard_normal(n).astype(np.float32) for n in (qd, kd, kd)]
+    x = rng.standard_normal(d).astype(np.float32)
+    outs = {}
+    variants = [(0, {}), (1, {}), (1 | 32, {}), (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0"}),
+                (1 | 32, {"MINFER_CUDA_ROPE_EARLY": "0"}),
+                (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0", "MINFER_CUDA_ROPE_EARLY": "0"})]
+    for flags, env in variants:
+        for k in ("MINFER_CUDA_ROPE_LOCAL", "MINFER_CUDA_ROPE_EARLY"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        r = Rig()
+        ws = [r.weight(n, raw, t, d, rows) for n, raw, t, rows in
+              zip("qkv", raws, (Q.Q4_K, Q.Q5_0, Q.Q8_0), (qd, kd, kd))]
+        bs = [r.weight("b" + n, b, Q.F32, b.size, 1) for n, b in zip("qkv", biases)]
+        xi, pi, ci = r.buf(x), r.buf(np.array([pos], np.int32)), r.buf(np.array([cell], np.int32))
+        yq, yk, yv, rq, rk = r.out(qd), r.out(kd), r.out(kd), r.out(qd), r.out(kd)
+        kc, vc = r.out(n_ctx * kd, 2), r.out(n_ctx * kd, 2)
+        plan = r.plan([("matmul", [yq, xi], [d, qd, 1], [], [ws[0], bs[0]]),
+                       ("matmul", [yk, xi], [d, kd, 1], [], [ws[1], bs[1]]),
+                       ("matmul", [yv, xi], [d, kd, 1], [], [ws[2], bs[2]]),
+                       ("rope", [rq, yq, pi], [1, nh, hd, n_rot], [1e6], []),
+                       ("rope", [rk, yk, pi], [1, nkv, hd, n_rot], [1e6], []),
+                       ("kv_store", [kc, rk, yv, ci, vc], [1, kd, n_ctx, F16_KV], [], [])])
+        plan.flags = flags
+        _core.cuda_validate(plan, r.pool, r.weights)
+        assert _core.testing.cuda_plan_info(plan)["launches"] == {0: 6, 1: 2, 33: 1}[flags]
+        for _ in range(3):
+            r.run(plan)
+            got = [r.read(rq, qd).tobytes(), r.read(rk, kd).tobytes(),
+                   r.read(kc, n_ctx * kd, "float16").tobytes(), r.read(vc, n_ctx * kd, "float16").tobytes()]
+            assert outs.setdefault((flags, tuple(env.items())), got) == got
+    base = outs[0, ()]
+    for key, got in outs.items():
+        assert got == base, key
+    k16 = np.frombuffer(base[2], np.float16).reshape(n_ctx, kd)
+    assert np.array_equal(k16[cell], np.frombuffer(base[1], np.float32).astype(np.float16))
+
+
 @pytest.mark.parametrize("nt,start,nh,nkv,hd,n_ctx", [
     (1, 0, 14, 2, 64, 640), (1, 600, 14, 2, 64, 640), (1, 1500, 28, 4, 128, 2048),
     (37, 0, 8, 2, 64, 64), (33, 100, 4, 1, 32, 256), (3, 9, 4, 2, 256, 300),

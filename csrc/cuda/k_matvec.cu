@@ -437,7 +437,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 // One row of one job: the dot products, the warp reduction, the epilogue (lane 0).
 // A row's result from its reduced sums: bias, residual, SwiGLU, as every launch shape
 // computes it.
-__device__ __forceinline__ void mv_store(const MvJob& jb, int row, int c, float acc, float acc2) {
+__device__ __forceinline__ float mv_store(const MvJob& jb, int row, int c, float acc, float acc2) {
     float r = acc;
     if (jb.bias) r = fadd(r, jb.bias[row]);
     if (jb.resid) r = fadd(r, jb.resid[(size_t)c * jb.rows + row]);
@@ -447,12 +447,14 @@ __device__ __forceinline__ void mv_store(const MvJob& jb, int row, int c, float 
         r = silu_f(r) * u;
     }
     jb.y[(size_t)c * jb.rows + row] = r;
+    return r;
 }
 
 __device__ __forceinline__ bool quantized(int type) { return type != T_F32 && type != T_F16; }
 
+// Returns column 0's stored value (in lane 0).
 template <int NC, int TT>
-__device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
+__device__ __forceinline__ float mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
     float acc[NC], acc2[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
@@ -471,10 +473,15 @@ __device__ __forceinline__ void mv_row(const MvArgs& a, const MvJob& jb, int row
             if (jb.W2 && quantized(jb.type2)) acc2[c] = fmul(acc2[c], r);
         }
     }
+    float v0 = 0.0f;
     if (lane == 0) {
 #pragma unroll
-        for (int c = 0; c < NC; ++c) mv_store(jb, row, c, acc[c], acc2[c]);
+        for (int c = 0; c < NC; ++c) {
+            const float v = mv_store(jb, row, c, acc[c], acc2[c]);
+            if (c == 0) v0 = v;
+        }
     }
+    return v0;
 }
 
 __device__ __forceinline__ void prefetch_job_row(const MvJob& jb, int row, int lane) {
@@ -566,6 +573,73 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
     if (threadIdx.x == 0) r.tickets[a.rope_tk0[j] + head] = 0;
 }
 
+// FusedQKV's tail without tickets (rope.local): a q or k head's rows are dealt to its
+// blocks so that each block holds whole rotated pairs, rows k, k + 1 and k + n_rot/2,
+// k + n_rot/2 + 1 (k even), or four pass-through rows; the block exchanges its four row
+// values in shared memory and ropes and stores them itself. A v row is stored into the
+// KV cache by its own warp. The same operations on the same values as rope_store_tail.
+__device__ __forceinline__ int rope_local_row(const MvRopeStore& r, int b, int w) {
+    const int per_head = r.hd / MV_WARPS, head = b / per_head, i = b % per_head, half = r.n_rot / 2;
+    if (i < half / 2) return head * r.hd + 2 * i + (w < 2 ? w : half + w - 2);
+    return head * r.hd + r.n_rot + (i - half / 2) * MV_WARPS + w;
+}
+// Rotated pair p (0, 1) of a block's first rotated row k0 = 2 (b % per_head), or null.
+__device__ __forceinline__ bool rope_local_pairs(const MvRopeStore& r, int b) {
+    return b % (r.hd / MV_WARPS) < r.n_rot / 4;
+}
+
+__device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb, int j, int b, float v, int lane,
+                                                const float2* cs) {
+    const MvRopeStore& r = a.rope;
+    const int role = r.role[j];
+    if (!role) return;
+    const int w = threadIdx.x >> 5;
+    const int64_t kv_dim = (int64_t)jb.rows;  // k and v jobs: nhk * hd rows
+    const int32_t c = r.cells ? r.cells[0] : 0;
+    const bool cell_ok = c >= 0 && c < r.n_ctx;
+    if (role == 3) {
+        if (lane == 0) {
+            if (!cell_ok) *r.err = 3;
+            else ((__half*)r.vc)[(int64_t)c * kv_dim + b * MV_WARPS + w] = __float2half_rn(v);
+        }
+        return;
+    }
+    __shared__ float vals[MV_WARPS];
+    if (lane == 0) vals[w] = v;
+    __syncthreads();
+    const int per_head = r.hd / MV_WARPS, head = b / per_head, i = b % per_head, half = r.n_rot / 2;
+    float* yr = (role == 1 ? r.yq : r.yk) + (int64_t)head * r.hd;
+    __half* kr = (__half*)r.kc + (int64_t)c * kv_dim + (int64_t)head * r.hd;
+    const int t = threadIdx.x;
+    if (rope_local_pairs(r, b)) {
+        if (t < 2) {
+            const int k = 2 * i + t;
+            float cc, sn;
+            if (cs) cc = cs[t].x, sn = cs[t].y;
+            else rope_cs(k, r.n_rot, r.pos[0], r.freq_base, cc, sn);
+            float y0, y1;
+            rope_rot(vals[t], vals[2 + t], cc, sn, y0, y1);
+            yr[k] = y0;
+            yr[k + half] = y1;
+            if (role == 2) {
+                if (!cell_ok) {
+                    *r.err = 3;
+                } else {
+                    kr[k] = __float2half_rn(y0);
+                    kr[k + half] = __float2half_rn(y1);
+                }
+            }
+        }
+    } else if (t < MV_WARPS) {
+        const int i0 = r.n_rot + (i - half / 2) * MV_WARPS + t;
+        yr[i0] = vals[t];
+        if (role == 2) {
+            if (!cell_ok) *r.err = 3;
+            else kr[i0] = __float2half_rn(vals[t]);
+        }
+    }
+}
+
 // Resident blocks per SM the one-type K-quant kernels are held to: left alone, ptxas gave
 // the Q6_K kernel 96 registers (5 blocks) once the deferred norm scale was added (72
 // before); held to 7 blocks it takes 72 and spills nothing.
@@ -579,7 +653,10 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
     const MvJob& jb = a.job[j];
     const int lane = threadIdx.x & 31;
-    const int row0 = ((blockIdx.x - a.block0[j]) * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
+    const int b = blockIdx.x - a.block0[j];  // the block's index within its job
+    const bool rope_local = NC == 1 && a.rope.tickets && a.rope.local;
+    const bool roped = rope_local && (a.rope.role[j] == 1 || a.rope.role[j] == 2);
+    const int row0 = roped ? rope_local_row(a.rope, b, threadIdx.x >> 5) : (b * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
     const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
     if (a.prefetch && row0 < row1) prefetch_job_row(jb, row0, lane);
     if (a.prefetch && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
@@ -588,8 +665,18 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     __shared__ float2 cs_smem[ROPE_CS_MAX];
     const float2* cs = nullptr;
     if constexpr (NC == 1) {
-        if (a.rope.tickets && a.rope.early && (a.rope.role[j] == 1 || a.rope.role[j] == 2) &&
-            a.rope.n_rot / 2 <= ROPE_CS_MAX) {
+        if (roped) {
+            if (a.rope.early && rope_local_pairs(a.rope, b)) {  // the block's two pairs
+                if (threadIdx.x < 2) {
+                    float c, sn;
+                    rope_cs(2 * (b % (a.rope.hd / MV_WARPS)) + threadIdx.x, a.rope.n_rot, a.rope.pos[0],
+                            a.rope.freq_base, c, sn);
+                    cs_smem[threadIdx.x] = make_float2(c, sn);
+                }
+                cs = cs_smem;  // read in the tail, after its __syncthreads()
+            }
+        } else if (a.rope.tickets && a.rope.early && (a.rope.role[j] == 1 || a.rope.role[j] == 2) &&
+                   a.rope.n_rot / 2 <= ROPE_CS_MAX) {
             for (int k = threadIdx.x; k < a.rope.n_rot / 2; k += blockDim.x) {
                 float c, sn;
                 rope_cs(k, a.rope.n_rot, a.rope.pos[0], a.rope.freq_base, c, sn);
@@ -599,11 +686,13 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
         }
     }
     pdl_wait();
+    float v = 0.0f;  // the last row's value (lane 0): rope launches have one row a warp
     for (int row = row0; row < row1; ++row) {
         if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-        mv_row<NC, TT>(a, jb, row, lane);
+        v = mv_row<NC, TT>(a, jb, row, lane);
     }
-    if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
+    if (rope_local) rope_local_tail(a, jb, j, b, v, lane, cs);
+    else if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
     if (NC == 1 && jb.q_out) {
         // rows % 32 == 0 and a block's rows (MV_WARPS * rpw, a power of two <= 32) lie in
         // one 32-row group, all warps reach the barriers. Publish y, then draw the group's
@@ -1118,6 +1207,10 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         a.rope = *rope;
         // MINFER_CUDA_ROPE_EARLY=0: the tail's last block works the angles out itself.
         a.rope.early = env_int("MINFER_CUDA_ROPE_EARLY", 1) != 0;
+        // Whole rotated pairs in each block, no tickets (MINFER_CUDA_ROPE_LOCAL=0: the last
+        // block of each head, found by a ticket, ropes and stores the head).
+        a.rope.local = env_int("MINFER_CUDA_ROPE_LOCAL", 1) != 0 && rope->n_rot % 4 == 0 &&
+                       (rope->hd - rope->n_rot) % MV_WARPS == 0;
         a.rpw = 1;
         int tk = 0;
         for (int i = 0; i < njobs; ++i) {

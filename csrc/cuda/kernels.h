@@ -64,6 +64,7 @@ struct MvRopeStore {
     int* tickets = nullptr;  // one per head of the q, k and v jobs, in job order
     int* err = nullptr;
     int early = 1;  // blocks work out the rotation angles before the wait (set by matvec_multi)
+    int local = 0;  // each block ropes and stores its own rows, no tickets (set by matvec_multi)
 };
 // scratch: matvec_scratch_bytes(in_dim, ncols) device bytes for the activations' int8
 // copy. xq_ready: the copy is already there (written by the launch before), skip the
