@@ -120,11 +120,9 @@ template <int HD>
 __device__ __forceinline__ void quant_head(const AttnDev& a, int64_t off, int lane) {
     if (!a.q_out) return;
     __syncwarp();
-    const int64_t row = a.nh * HD, e0 = off % row;  // the token's row, the head's place in it
 #pragma unroll
     for (int b = 0; b < HD / 32; ++b)
-        quant_block_q8(a.out[off + 32 * b + lane], lane, a.q_out + (off - e0), (int)e0 + 32 * b, (int)row,
-                       a.ds_out + off / 32 + b);
+        quant_block_q8(a.out[off + 32 * b + lane], lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
 }
 
 // One group of up to 32 cells [base, min(base + 32, c1)) into a warp's online softmax

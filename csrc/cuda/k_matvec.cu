@@ -72,11 +72,7 @@ __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4
 __device__ __forceinline__ uint32_t W_(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 __device__ __forceinline__ uint4 xq16(const MvArgs& a, int col, int o) {
-    return ldg4(a.xq + (size_t)col * a.in_dim + xq_off(o, a.in_dim));
-}
-// ... and in a row of whole superblocks (K-quant units).
-__device__ __forceinline__ uint4 xq16_k(const MvArgs& a, int col, int o) {
-    return ldg4(a.xq + (size_t)col * a.in_dim + xq_off_k(o, a.in_dim));
+    return ldg4(a.xq + (size_t)col * a.in_dim + o);
 }
 __device__ __forceinline__ float2 xds_at(const MvArgs& a, int col, int blk) {
     return __ldg(a.xds + (size_t)col * a.nb + blk);
@@ -122,7 +118,7 @@ struct X32Lazy {  // one 32-element block: its two 16-byte halves, its (d, d * s
 struct XK45Lazy {  // Q4_K / Q5_K unit u: sub-blocks 2p, 2p + 1 of superblock u / 4 (p = u % 4)
     const MvArgs& a;
     int col, u;
-    __device__ __forceinline__ uint4 q(int i) const { return xq16_k(a, col, 256 * (u >> 2) + 64 * (u & 3) + 16 * i); }
+    __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 256 * (u >> 2) + 64 * (u & 3) + 16 * i); }
     __device__ __forceinline__ float4 ds() const {
         return __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)col * a.nb + 8 * (u >> 2) + 2 * (u & 3)));
     }
@@ -135,8 +131,8 @@ struct XQ6 {  // Q6_K unit u: chunks ja and jb = ja + 2 of superblock u / 4 (ja 
         const MvArgs& a;
         int col, u;
         __device__ __forceinline__ int ja() const { return 4 * ((u >> 1) & 1) + (u & 1); }
-        __device__ __forceinline__ uint4 qa(int i) const { return xq16_k(a, col, 256 * (u >> 2) + 32 * ja() + 16 * i); }
-        __device__ __forceinline__ uint4 qb(int i) const { return xq16_k(a, col, 256 * (u >> 2) + 32 * (ja() + 2) + 16 * i); }
+        __device__ __forceinline__ uint4 qa(int i) const { return xq16(a, col, 256 * (u >> 2) + 32 * ja() + 16 * i); }
+        __device__ __forceinline__ uint4 qb(int i) const { return xq16(a, col, 256 * (u >> 2) + 32 * (ja() + 2) + 16 * i); }
         __device__ __forceinline__ float da() const { return xds_at(a, col, 8 * (u >> 2) + ja()).x; }
         __device__ __forceinline__ float db() const { return xds_at(a, col, 8 * (u >> 2) + ja() + 2).x; }
     };
@@ -503,7 +499,7 @@ __device__ __forceinline__ void group_copy(const MvJob& jb, int g, int lane) {
         if (lane == 0) jb.q_ss[g] = s;
         if (jb.q_w) v = fmul(v, jb.q_w[32 * g + lane]);
     }
-    quant_block_q8(v, lane, jb.q_out, 32 * g, jb.rows, jb.ds_out + g);
+    quant_block_q8(v, lane, jb.q_out + 32 * g, jb.ds_out + g);
     if (!jb.q_ss) return;
     // The warp finishing the last group: the norm's scale from every group's sum.
     const int ng = jb.rows / 32;
@@ -871,15 +867,13 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
 }
 
 // The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
-__global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int in_dim, int8_t* __restrict__ q,
-                           float2* __restrict__ ds) {
+__global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
     pdl_wait();
     pdl_trigger();
     const int blk = (int)((blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32);
     const int lane = threadIdx.x % 32;
     if (blk >= n_blocks) return;
-    const int nb = in_dim / 32, col = blk / nb;
-    quant_block_q8(x[blk * 32 + lane], lane, q + (int64_t)col * in_dim, 32 * (blk % nb), in_dim, ds + blk);
+    quant_block_q8(x[blk * 32 + lane], lane, q + blk * 32, ds + blk);
 }
 
 // RMSNorm rows (one block each, blockDim.x = rms_threads(d), d % 32 == 0, d <=
@@ -910,7 +904,7 @@ __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __rest
         if (i >= d) break;  // whole warps leave together: d and T are multiples of 32
         const double s = group_ss(xv[k]);
         if (lane == 0) red[g] = s;
-        quant_block_q8(w ? __fmul_rn(xv[k], wv[k]) : xv[k], lane, q + r * d, 32 * g, d, ds + r * nb + g);
+        quant_block_q8(w ? __fmul_rn(xv[k], wv[k]) : xv[k], lane, q + r * d + 32 * g, ds + r * nb + g);
     }
     __syncthreads();
     if (t < 32) {
@@ -1174,7 +1168,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     if (quant && !scratch) throw std::invalid_argument("matvec_multi: quantized weights need the activation scratch");
     if (quant && !xq_ready) {
         const int n = nb * ncols;
-        launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int)in_dim, (int8_t*)a.xq, (float2*)a.xds);
+        launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int8_t*)a.xq, (float2*)a.xds);
     }
     a.njobs = njobs;
     int64_t total = 0;

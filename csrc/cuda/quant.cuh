@@ -194,49 +194,16 @@ __device__ __forceinline__ void deq32<T_Q6_K>(const uint8_t* __restrict__ row, i
 // ---- the decode matvec's int8 activations -----------------------------------------
 // Whoever writes a matvec input's int8 copy (the quantize kernel, RMSNorm, attention,
 // gate|up + SwiGLU) quantizes each 32-element block with this one function.
-// The copy's byte order within a column of in_dim elements: the 16-byte chunk c of the
-// row lies at chunk (c % 4) * (in_dim / 64) + c / 4 when in_dim % 64 == 0 (always so
-// under K-quant rows), else at (c % 2) * (in_dim / 32) + c / 2. A matvec warp's lanes
-// read chunk i of 32 consecutive units at once (a K-quant unit is four chunks, a
-// 32-element block two): in row order that is one chunk every 64 (or 32) bytes, 16 L1
-// wavefronts a load; permuted it is one or two runs. The values, and so every sum, are
-// the same in either order (CMake MINFER_CUDA_XQ_PERM=OFF builds row order, for A/Bs).
-#ifndef MINFER_XQ_PERM
-#define MINFER_XQ_PERM 1
-#endif
-__device__ __forceinline__ int xq_off(int e, int in_dim) {
-#if MINFER_XQ_PERM
-    const int c = e >> 4;
-    const int p = in_dim % 64 == 0 ? (c & 3) * (in_dim >> 6) + (c >> 2) : (c & 1) * (in_dim >> 5) + (c >> 1);
-    return (p << 4) | (e & 15);
-#else
-    (void)in_dim;
-    return e;
-#endif
-}
-// The same for a row of whole 256-element superblocks (the K-quant readers).
-__device__ __forceinline__ int xq_off_k(int e, int in_dim) {
-#if MINFER_XQ_PERM
-    const int c = e >> 4;
-    return (((c & 3) * (in_dim >> 6) + (c >> 2)) << 4) | (e & 15);
-#else
-    (void)in_dim;
-    return e;
-#endif
-}
-
 // One warp quantizes 32 consecutive values (v from lane) to int8: d = amax / 127 (0 for
-// an all-zero block), q = rint(v / d); ds = (d, d * sum(q)). col: the column's copy, the
-// block's elements e0 .. e0 + 31 of its in_dim (placed by xq_off).
-__device__ __forceinline__ void quant_block_q8(float v, int lane, int8_t* __restrict__ col, int e0, int in_dim,
-                                               float2* __restrict__ ds) {
+// an all-zero block), q = rint(v / d); ds = (d, d * sum(q)).
+__device__ __forceinline__ void quant_block_q8(float v, int lane, int8_t* __restrict__ q, float2* __restrict__ ds) {
     float amax = fabsf(v);
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float d = amax / 127.0f;
     const int qi = d > 0.0f ? __float2int_rn(v / d) : 0;
     int sum = qi;
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    col[xq_off(e0 + lane, in_dim)] = (int8_t)qi;
+    q[lane] = (int8_t)qi;
     if (lane == 0) *ds = make_float2(d, d * (float)sum);
 }
 
