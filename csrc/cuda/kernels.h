@@ -48,8 +48,10 @@ struct MvJob {
 constexpr int MV_MAX_JOBS = 4;
 // FusedQKV's tail (one token): the q, k and v jobs of one launch also rope q and k into
 // yq / yk and store roped k and v into the f16 KV cache row cells[0], bitwise as
-// rope2_store does it. The last block to finish a head's rows (an integer ticket per
-// head, zero before and after every launch) does that head.
+// rope2_store does it. When n_rot and hd - n_rot are multiples of 4 (local), a head's
+// rows are dealt to its blocks in whole rotated pairs and each block does its own rows;
+// else the last block to finish a head's rows (an integer ticket per head, zero before
+// and after every launch) does that head.
 struct MvRopeStore {
     int role[MV_MAX_JOBS] = {0, 0, 0, 0};  // 0 none, 1 q, 2 k, 3 v
     float* yq = nullptr;
@@ -61,7 +63,7 @@ struct MvRopeStore {
     int hd = 0, n_rot = 0;
     int64_t n_ctx = 0;
     float freq_base = 0.0f;
-    int* tickets = nullptr;  // one per head of the q, k and v jobs, in job order
+    int* tickets = nullptr;  // one per head of the q, k and v jobs, in job order (set: the tail is on)
     int* err = nullptr;
     int early = 1;  // blocks work out the rotation angles before the wait (set by matvec_multi)
     int local = 0;  // each block ropes and stores its own rows, no tickets (set by matvec_multi)
