@@ -44,7 +44,7 @@ enum PlanFlags : int32_t {
     FUSE_NORM = 16,     // a one-row RMSNorm of a matvec + residual add's output: its deferred int8
                         // copy made by that launch's 32-row group tails, no launch of its own;
                         // needs FUSE_RESIDUAL
-    FUSE_ROPE = 32,     // a one-token q|k|v matvec also ropes q, k and stores k, v (its last block per head)
+    FUSE_ROPE = 32,     // a one-token q|k|v matvec also ropes q, k and stores k, v (kernels.h MvRopeStore)
 };
 
 struct ProfileEntry {

@@ -583,7 +583,8 @@ __device__ __forceinline__ int rope_local_row(const MvRopeStore& r, int b, int w
     if (i < half / 2) return head * r.hd + 2 * i + (w < 2 ? w : half + w - 2);
     return head * r.hd + r.n_rot + (i - half / 2) * MV_WARPS + w;
 }
-// Rotated pair p (0, 1) of a block's first rotated row k0 = 2 (b % per_head), or null.
+// Whether block b of a q or k job holds two rotated pairs (rope_local_row's first case)
+// rather than four pass-through rows.
 __device__ __forceinline__ bool rope_local_pairs(const MvRopeStore& r, int b) {
     return b % (r.hd / MV_WARPS) < r.n_rot / 4;
 }
