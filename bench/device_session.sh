@@ -11,7 +11,7 @@
 # BENCH=none|0.5b|7b|all (default all) and REPS (default 3) for bench/cuda_bench.py;
 # AB="NAME=VAL[ NAME=VAL];..." runs `minfer bench -p 0 -n 128` on the 0.5B and 7B shapes
 # once per variant (empty = defaults), ROUNDS rounds (2) alternating, side by side in one run;
-# STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
+# PROBE=1 runs bench/stream_probe.cu first; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
 # once per variant of STAMP_AB (as AB; unset: the defaults).
 # Phases that fail are reported in summary.txt; the later ones still run.
 set -u
@@ -25,6 +25,15 @@ phase "start at $(git log --oneline -1 2>/dev/null || echo 'no git')"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader >>"$S" 2>&1
 if compgen -G ".whl/gguf-*.whl" >/dev/null; then
   python3 -m pip install -q --no-deps .whl/gguf-*.whl >>"$S" 2>&1
+fi
+
+# PROBE=1: bench/stream_probe.cu (read-bandwidth ceilings of the matvec's access
+# patterns, standalone) into probe.txt before the build.
+if [ "${PROBE:-0}" = 1 ]; then
+  t0=$SECONDS
+  nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/stream_probe bench/stream_probe.cu >"$OUT/probe.txt" 2>&1 &&
+    /tmp/stream_probe >>"$OUT/probe.txt" 2>&1
+  phase "probe rc $? in $((SECONDS - t0)) s -> probe.txt"
 fi
 
 t0=$SECONDS

@@ -643,19 +643,24 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
 
 // Resident blocks per SM the one-type K-quant kernels are held to: left alone, ptxas gave
 // the Q6_K kernel 96 registers (5 blocks) once the deferred norm scale was added (72
-// before); held to 7 blocks it takes 72 and spills nothing.
-template <int NC, int TT>
-constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? 7 : 0; }
+// before); held to 7 blocks it takes 72.
+template <int NC, int TT, bool RT>
+constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? (RT ? 7 : 8) : 0; }
 
-template <int NC, int TT = -1>
-__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matvec(MvArgs a) {
+// RT: the instantiation carries FusedQKV's RoPE + KV-store tail (one column only). The
+// launches without it take RT = false, whose registers the tail's code does not inflate:
+// with it compiled in, the one-type Q4_K / Q6_K kernels spilled (24 / 44 bytes a thread)
+// at the 72 registers they are held to, in the o and down projections too.
+template <int NC, int TT = -1, bool RT = false>
+__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT, RT>()) k_matvec(MvArgs a) {
+    static_assert(!RT || NC == 1, "the rope tail takes one column");
     pdl_trigger();
     int j = 0;
     while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
     const MvJob& jb = a.job[j];
     const int lane = threadIdx.x & 31;
     const int b = blockIdx.x - a.block0[j];  // the block's index within its job
-    const bool rope_local = NC == 1 && a.rope.tickets && a.rope.local;
+    const bool rope_local = RT && a.rope.tickets && a.rope.local;
     const bool roped = rope_local && (a.rope.role[j] == 1 || a.rope.role[j] == 2);
     const int row0 = roped ? rope_local_row(a.rope, b, threadIdx.x >> 5) : (b * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
     const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
@@ -663,9 +668,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     if (a.prefetch && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
     // FusedQKV's tail: the rotation angles (double-precision pow, cos, sin) off the
     // critical path, before the wait.
-    __shared__ float2 cs_smem[ROPE_CS_MAX];
     const float2* cs = nullptr;
-    if constexpr (NC == 1) {
+    if constexpr (RT) {
+        __shared__ float2 cs_smem[ROPE_CS_MAX];
         if (roped) {
             if (a.rope.early && rope_local_pairs(a.rope, b)) {  // the block's two pairs
                 if (threadIdx.x < 2) {
@@ -692,8 +697,10 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
         if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
         v = mv_row<NC, TT>(a, jb, row, lane);
     }
-    if (rope_local) rope_local_tail(a, jb, j, b, v, lane, cs);
-    else if (NC == 1 && a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
+    if constexpr (RT) {
+        if (rope_local) rope_local_tail(a, jb, j, b, v, lane, cs);
+        else if (a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
+    }
     if (NC == 1 && jb.q_out) {
         // rows % 32 == 0 and a block's rows (MV_WARPS * rpw, a power of two <= 32) lie in
         // one 32-row group, all warps reach the barriers. Publish y, then draw the group's
@@ -1038,6 +1045,17 @@ void launch_mv(const MvArgs& a, unsigned blocks) {
     launch(k_matvec<NC>, blocks, MV_WARPS * 32, a);
 }
 
+// Whether a one-column launch takes the instantiations with the RoPE tail: those with a
+// tail always, the others only under MINFER_CUDA_MV_RT=1 (as before the split: same bits,
+// the tail's registers).
+bool want_rt(const MvArgs& a) { return a.rope.tickets || env_int("MINFER_CUDA_MV_RT", 0) != 0; }
+
+template <int TT>
+void launch_mv1(const MvArgs& a, unsigned blocks) {
+    if (want_rt(a)) launch(k_matvec<1, TT, true>, blocks, MV_WARPS * 32, a);
+    else launch(k_matvec<1, TT, false>, blocks, MV_WARPS * 32, a);
+}
+
 // The staged matvec for a one-job, one-column, one-type launch of rows whose slots fit.
 // ns slots per warp: MINFER_CUDA_MV_BULK_STAGES, or by default the most (up to 4) that
 // leave room for six blocks per SM: the warps also need company to hide the latency of
@@ -1136,12 +1154,12 @@ bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
     for (int i = 0; i < a.njobs; ++i)
         if (a.job[i].type != t || (a.job[i].W2 && a.job[i].type2 != t)) return false;
     switch (t) {
-        case T_Q4_K: launch(k_matvec<1, T_Q4_K>, blocks, MV_WARPS * 32, a); return true;
-        case T_Q5_K: launch(k_matvec<1, T_Q5_K>, blocks, MV_WARPS * 32, a); return true;
-        case T_Q6_K: launch(k_matvec<1, T_Q6_K>, blocks, MV_WARPS * 32, a); return true;
-        case T_Q8_0: launch(k_matvec<1, T_Q8_0>, blocks, MV_WARPS * 32, a); return true;
-        case T_Q5_0: launch(k_matvec<1, T_Q5_0>, blocks, MV_WARPS * 32, a); return true;
-        case T_Q4_0: launch(k_matvec<1, T_Q4_0>, blocks, MV_WARPS * 32, a); return true;
+        case T_Q4_K: launch_mv1<T_Q4_K>(a, blocks); return true;
+        case T_Q5_K: launch_mv1<T_Q5_K>(a, blocks); return true;
+        case T_Q6_K: launch_mv1<T_Q6_K>(a, blocks); return true;
+        case T_Q8_0: launch_mv1<T_Q8_0>(a, blocks); return true;
+        case T_Q5_0: launch_mv1<T_Q5_0>(a, blocks); return true;
+        case T_Q4_0: launch_mv1<T_Q4_0>(a, blocks); return true;
         default: return false;
     }
 }
@@ -1247,7 +1265,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             case 2: launch_mv<2>(ac, (unsigned)b); break;
             default:
                 if (launch_bulk(ac)) break;
-                if (!(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv<1>(ac, (unsigned)b);
+                if (!(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv1<-1>(ac, (unsigned)b);
                 break;
         }
         c0 += nc;
