@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(128) k_bulk(const uint8_t* __restrict__ W, con
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int gw = blockIdx.x * 4 + wib;
     const int r0 = (int)((int64_t)rows * gw / n_warps), r1 = (int)((int64_t)rows * (gw + 1) / n_warps);
-    const uint32_t slot = 2u * rb;
+    const uint32_t slot = (IL || W2 ? 2u : 1u) * rb;  // no W2: rows of one matrix
     uint64_t* bars = reinterpret_cast<uint64_t*>(sm) + wib * NS;
     uint8_t* ring = sm + 4 * NS * sizeof(uint64_t) + (size_t)wib * NS * slot;
     auto request = [&](int row, int k) {
@@ -83,6 +83,12 @@ __global__ void __launch_bounds__(128) k_bulk(const uint8_t* __restrict__ W, con
                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
                     smem_u32(d)),
                 "l"(W + (size_t)row * slot), "r"(slot), "r"(smem_u32(bars + k))
+                : "memory");
+        } else if (!W2) {
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                    smem_u32(d)),
+                "l"(W + (size_t)row * rb), "r"(rb), "r"(smem_u32(bars + k))
                 : "memory");
         } else {
             asm volatile(
@@ -179,12 +185,15 @@ int main() {
 
     // The 7B shapes (Q4_K rows of 3584 and 18944 elements: 144 bytes per 256).
     const int rb_in = 3584 / 256 * 144, rows_ffn = 18944;       // gate, up rows: 2,016 bytes
-    const int rb_down4 = 18944 / 256 * 144, rb_down6 = 18944 / 256 * 210, rows_d = 3584;
+    // Q6_K rows are padded to 16 bytes at upload (cuda/layout.h).
+    const int rb_down4 = 18944 / 256 * 144, rb_down6 = (18944 / 256 * 210 + 15) / 16 * 16, rows_d = 3584;
+    const int rb_out = (3584 / 256 * 210 + 15) / 16 * 16, rows_out = 152064;
     const size_t gu = (size_t)2 * rows_ffn * rb_in;
-    const size_t out = (size_t)152064 * (3584 / 256 * 210);
+    const size_t out = (size_t)rows_out * rb_out;
 
-    for (size_t bytes : {gu, (size_t)rows_d * rb_down4, out, (size_t)1 << 30}) {
-        for (int bps : {2, 4, 8}) {
+    for (size_t bytes : {(size_t)7225344, (size_t)9732096, gu, (size_t)rows_d * rb_down4, (size_t)rows_d * rb_down6,
+                         out, (size_t)1 << 30}) {
+        for (int bps : {4, 8}) {
             const unsigned blocks = (unsigned)(n_sm * bps);
             char name[96];
             std::snprintf(name, sizeof name, "flat U=8, %d blocks of 256 per SM", bps);
@@ -213,6 +222,7 @@ int main() {
     // gate|up staged: 2 KB rows of two matrices (or interleaved pairs), NS slots a warp.
     auto bulk_case = [&](auto kern, int ns, bool il, int per_sm) {
         const size_t smem = 4 * (ns * sizeof(uint64_t) + (size_t)ns * 2 * rb_in);
+        if (smem * per_sm > (size_t)smem_sm) return;
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int occ = 0;
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, 128, smem));
@@ -230,6 +240,29 @@ int main() {
         bulk_case(k_bulk<2, true>, 2, true, per_sm);
         bulk_case(k_bulk<3, false>, 3, false, per_sm);
         bulk_case(k_bulk<4, false>, 4, false, per_sm);
+    }
+    // The output matvec (Q6_K rows of 2,944 bytes, 447 MB): staged, one matrix.
+    auto out_case = [&](auto kern, int ns, int per_sm) {
+        const size_t smem = 4 * (ns * sizeof(uint64_t) + (size_t)ns * rb_out);
+        if (smem * per_sm > (size_t)smem_sm) return;
+        CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        const unsigned blocks = (unsigned)(n_sm * per_sm);
+        char name[96];
+        std::snprintf(name, sizeof name, "output staged NS=%d, %d blocks/SM", ns, per_sm);
+        report(name, out, time_us(pool, out, [&](uint8_t* p) {
+                   kern<<<blocks, 128, smem>>>(p, nullptr, rows_out, rb_out, (int)blocks * 4);
+               }, 15));
+    };
+    for (int per_sm : {4, 6, 8, 12, 16}) {
+        out_case(k_bulk<2, false>, 2, per_sm);
+        out_case(k_bulk<3, false>, 3, per_sm);
+        out_case(k_bulk<4, false>, 4, per_sm);
+    }
+    {
+        const unsigned blocks = (unsigned)((rows_out + 3) / 4);
+        report("output rows 2944 B: warp/row, 6 chunks in flight", out, time_us(pool, out, [&](uint8_t* p) {
+                   k_rows<6, 1><<<blocks, 128>>>(p, rows_out, rb_out);
+               }, 15));
     }
     // gate|up as plain warps (one warp per row pair, all of a lane's chunks in flight).
     {

@@ -641,11 +641,14 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
     }
 }
 
+#ifndef MINFER_MV_KQ_BLOCKS
+#define MINFER_MV_KQ_BLOCKS 7
+#endif
 // Resident blocks per SM the one-type K-quant kernels are held to: left alone, ptxas gave
 // the Q6_K kernel 96 registers (5 blocks) once the deferred norm scale was added (72
 // before); held to 7 blocks it takes 72.
 template <int NC, int TT, bool RT>
-constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? (RT ? 7 : 8) : 0; }
+constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? MINFER_MV_KQ_BLOCKS : 0; }
 
 // RT: the instantiation carries FusedQKV's RoPE + KV-store tail (one column only). The
 // launches without it take RT = false, whose registers the tail's code does not inflate:
