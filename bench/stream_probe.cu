@@ -64,13 +64,17 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)_
 // The staged matvec's pattern: each warp owns a contiguous run of rows of two matrices
 // (gate, up: one bulk copy each per slot, or one copy of the interleaved pair when IL)
 // and streams them through a ring of NS slots; the lanes read every staged byte once.
-template <int NS, bool IL>
+// RR: the warps take rows round-robin (warp w: rows w, w + n_warps, ...) instead of each
+// a contiguous run, so the rows in flight at any time form one band.
+template <int NS, bool IL, bool RR = false>
 __global__ void __launch_bounds__(128) k_bulk(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2,
                                               int rows, int rb, int n_warps) {
     extern __shared__ __align__(16) uint8_t sm[];
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int gw = blockIdx.x * 4 + wib;
-    const int r0 = (int)((int64_t)rows * gw / n_warps), r1 = (int)((int64_t)rows * (gw + 1) / n_warps);
+    int r0 = (int)((int64_t)rows * gw / n_warps), r1 = (int)((int64_t)rows * (gw + 1) / n_warps);
+    if (RR) r0 = 0, r1 = gw < rows ? (rows - gw + n_warps - 1) / n_warps : 0;  // slots, not rows
+    auto row_of = [&](int st) { return RR ? st * n_warps + gw : r0 + st; };
     const uint32_t slot = (IL || W2 ? 2u : 1u) * rb;  // no W2: rows of one matrix
     uint64_t* bars = reinterpret_cast<uint64_t*>(sm) + wib * NS;
     uint8_t* ring = sm + 4 * NS * sizeof(uint64_t) + (size_t)wib * NS * slot;
@@ -108,7 +112,7 @@ __global__ void __launch_bounds__(128) k_bulk(const uint8_t* __restrict__ W, con
         for (int k = 0; k < NS; ++k)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + k)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int k = 0; k < NS && k < n; ++k) request(r0 + k, k);
+        for (int k = 0; k < NS && k < n; ++k) request(row_of(k), k);
     }
     __syncwarp();
     uint32_t acc = 0;
@@ -130,7 +134,7 @@ __global__ void __launch_bounds__(128) k_bulk(const uint8_t* __restrict__ W, con
         __syncwarp();
         if (lane == 0 && st + NS < n) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            request(r0 + st + NS, k);
+            request(row_of(st + NS), k);
         }
     }
     if (acc == 0x12345678u) g_sink = acc;
@@ -235,11 +239,14 @@ int main() {
                    kern<<<blocks, 128, smem>>>(p, p + gu / 2, rows_ffn, rb_in, (int)blocks * 4);
                }));
     };
-    for (int per_sm : {4, 6, 8, 12}) {
+    for (int per_sm : {4, 6}) {
         bulk_case(k_bulk<2, false>, 2, false, per_sm);
         bulk_case(k_bulk<2, true>, 2, true, per_sm);
         bulk_case(k_bulk<3, false>, 3, false, per_sm);
-        bulk_case(k_bulk<4, false>, 4, false, per_sm);
+        std::printf("round-robin rows:\n");
+        bulk_case(k_bulk<2, false, true>, 2, false, per_sm);
+        bulk_case(k_bulk<3, false, true>, 3, false, per_sm);
+        bulk_case(k_bulk<2, true, true>, 2, true, per_sm);
     }
     // The output matvec (Q6_K rows of 2,944 bytes, 447 MB): staged, one matrix.
     auto out_case = [&](auto kern, int ns, int per_sm) {
@@ -253,10 +260,16 @@ int main() {
                    kern<<<blocks, 128, smem>>>(p, nullptr, rows_out, rb_out, (int)blocks * 4);
                }, 15));
     };
-    for (int per_sm : {4, 6, 8, 12, 16}) {
+    for (int per_sm : {4, 6, 8}) {
         out_case(k_bulk<2, false>, 2, per_sm);
         out_case(k_bulk<3, false>, 3, per_sm);
         out_case(k_bulk<4, false>, 4, per_sm);
+    }
+    std::printf("round-robin rows:\n");
+    for (int per_sm : {4, 6, 8}) {
+        out_case(k_bulk<2, false, true>, 2, per_sm);
+        out_case(k_bulk<3, false, true>, 3, per_sm);
+        out_case(k_bulk<4, false, true>, 4, per_sm);
     }
     {
         const unsigned blocks = (unsigned)((rows_out + 3) / 4);

@@ -223,8 +223,8 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
 def test_matvec_staged_bitwise(qtype, monkeypatch):
-    """The staged matvec (MINFER_CUDA_MV_BULK=1: runs of rows streamed into shared memory
-    by bulk copies, several rows a slot) gives the plain kernel's bits: a lone matvec with bias, one with a residual
+    """The staged matvec (MINFER_CUDA_MV_BULK=1: rows streamed into shared memory by bulk
+    copies, several rows a slot, slots dealt to the warps round-robin or in runs) gives the plain kernel's bits: a lone matvec with bias, one with a residual
     add, gate|up + SwiGLU writing down's int8 input through the 32-row group tickets
     (warps' row runs straddle the groups), and down itself; row counts below and above
     one row per warp, and a run direct, captured and replayed (tickets left at zero)."""
@@ -238,11 +238,14 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         x = rng.standard_normal((1, in_dim)).astype(np.float32)
         bias = rng.standard_normal(rows).astype(np.float32)
         res = rng.standard_normal(in_dim).astype(np.float32)
-        for bulk in ("1", "1/7", "0"):
-            # "1/7": seven blocks, so each warp's run is many slots of several rows, the
-            # ring wraps and slots end short.
-            monkeypatch.setenv("MINFER_CUDA_MV_BULK", bulk[0])
-            monkeypatch.setenv("MINFER_CUDA_MV_BULK_BLOCKS", bulk[2:] or "0")
+        for bulk in ("1", "1/7", "1/7/runs", "0"):
+            # "1/7": seven blocks, so each warp takes many slots of several rows, the ring
+            # wraps and slots end short; "runs": each warp a contiguous run of rows
+            # (MINFER_CUDA_MV_BULK_RR=0) instead of slots dealt round-robin.
+            mode, blocks, order = (bulk.split("/") + ["0", "rr"])[:3]
+            monkeypatch.setenv("MINFER_CUDA_MV_BULK", mode)
+            monkeypatch.setenv("MINFER_CUDA_MV_BULK_BLOCKS", blocks)
+            monkeypatch.setenv("MINFER_CUDA_MV_BULK_RR", "0" if order == "runs" else "1")
             r = Rig()
             w = r.weight("w", w_raw, qtype, in_dim, rows)
             b = r.weight("b", bias, Q.F32, rows, 1)
@@ -270,8 +273,9 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
             outs[rows, bulk] = runs[0]
         assert outs[rows, "1"] == outs[rows, "0"], f"rows {rows}: staged vs plain bits"
         assert outs[rows, "1/7"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks) vs plain bits"
+        assert outs[rows, "1/7/runs"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks, runs) vs plain bits"
         # The staged kernel took the quantized launches: matvec + bias, gate|up, down + add.
-        assert staged[rows, "1"] >= 2 * 3 and staged[rows, "1/7"] >= 2 * 3 and staged[rows, "0"] == 0, staged
+        assert all(staged[rows, k] >= 2 * 3 for k in ("1", "1/7", "1/7/runs")) and staged[rows, "0"] == 0, staged
         got = np.frombuffer(outs[rows, "1"][0], np.float32)
         check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
 

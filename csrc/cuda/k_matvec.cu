@@ -796,27 +796,37 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
 // 38.3 us with one row a slot, 41.4 with two, 67.2 with four (the smem they take leaves
 // fewer warps to hide the arithmetic's latency), so by default rows of 2 KB or more take
 // a slot each.
+// rr: the warps take the launch's slots of R rows round-robin (warp w: slots w, w +
+// n_warps, ...), so the rows in flight at any time form one band of the matrix, rather
+// than each warp a contiguous run (a stream of its own: thousands of streams spread over
+// the matrix). A pure-streaming probe of the 7B's output shape (bench/stream_probe.cu)
+// read it at 3.2 TB/s in runs against 4.3 in one band.
 template <int T, bool XR>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R) {
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R, int rr) {
     pdl_trigger();
     extern __shared__ __align__(16) uint8_t bulk_smem[];
     const MvJob& jb = a.job[0];
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int gw = blockIdx.x * MV_WARPS + wib;
-    const int r0 = (int)((int64_t)jb.rows * gw / n_warps), r1 = (int)((int64_t)jb.rows * (gw + 1) / n_warps);
+    const int n_slots = (jb.rows + R - 1) / R;
+    // Runs: rows r0 .. r1 - 1 in slots of R. Round-robin: the whole matrix, slot st of the
+    // warp being the launch's slot st * n_warps + gw.
+    const int r0 = rr ? 0 : (int)((int64_t)jb.rows * gw / n_warps);
+    const int r1 = rr ? jb.rows : (int)((int64_t)jb.rows * (gw + 1) / n_warps);
+    const int n_st = rr ? (gw < n_slots ? (n_slots - gw + n_warps - 1) / n_warps : 0) : (r1 - r0 + R - 1) / R;
+    auto slot_row = [&](int st) { return rr ? (st * n_warps + gw) * R : r0 + R * st; };
     const uint32_t rb = (uint32_t)jb.row_bytes, rb2 = jb.W2 ? (uint32_t)jb.row_bytes2 : 0u;
     const uint32_t slot = (uint32_t)R * (rb + rb2);
     uint64_t* bars = reinterpret_cast<uint64_t*>(bulk_smem) + wib * BULK_STAGES;
     uint8_t* ring = bulk_smem + MV_WARPS * BULK_STAGES * sizeof(uint64_t) + (size_t)wib * ns * slot;
-    const int n = r1 - r0, n_st = (n + R - 1) / R;
-    // Slot k <- rows r0 + R st .. (at most R, within the run).
+    // Slot k <- the R rows of the warp's slot st (fewer at the end).
     auto request = [&](int st, int k) {
-        const int rs = r0 + R * st, cnt = min(R, r1 - rs);
+        const int rs = slot_row(st), cnt = min(R, r1 - rs);
         uint8_t* d = ring + (size_t)k * slot;
         bulk_row(bars + k, d, jb.W + (size_t)rs * rb, (uint32_t)cnt * rb, d + (size_t)R * rb,
                  jb.W2 ? jb.W2 + (size_t)rs * rb2 : nullptr, (uint32_t)cnt * rb2);
     };
-    if (lane == 0 && n > 0) {
+    if (lane == 0 && n_st > 0) {
         for (int k = 0; k < ns; ++k)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + k)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -837,7 +847,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
         const int k = st % ns;
         bulk_wait(bars + k, (uint32_t)(st / ns) & 1u);
         const uint8_t* sw = ring + (size_t)k * slot;
-        const int rs = r0 + R * st, cnt = min(R, r1 - rs);
+        const int rs = slot_row(st), cnt = min(R, r1 - rs);
         for (int q = 0; q < cnt; ++q) {
             float acc = row_dot_smem<T, XR>(sw + (size_t)q * rb, a, lane, xr), acc2 = 0.0f;
             if (rb2) acc2 = row_dot_smem<T, XR>(sw + (size_t)R * rb + (size_t)q * rb2, a, lane, xr);
@@ -851,7 +861,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
             if (lane == 0) mv_store(jb, row, 0, acc, acc2);
             if (jb.q_out) {
                 ++g_done;
-                if ((row + 1) % 32 == 0 || row == r1 - 1) {
+                // The warp's next row is not row + 1: the end of its run, or (round-robin)
+                // of each slot.
+                if ((row + 1) % 32 == 0 || (q == cnt - 1 && (rr || st == n_st - 1))) {
                     // Publish this warp's rows of the group, then count them in; the warp
                     // completing the group's 32 quantizes it (reading y through L2).
                     const int g = row / 32;
@@ -1100,7 +1112,9 @@ void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
     if (blocks > need) blocks = need;
     const int cap = env_int("MINFER_CUDA_MV_BULK_BLOCKS", 0);  // tests: long runs per warp
     if (cap > 0 && blocks > cap) blocks = cap;
-    launch_smem(k_matvec_bulk<T, XR>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R);
+    // MINFER_CUDA_MV_BULK_RR=0: each warp a contiguous run of rows (as before).
+    const int rr = env_int("MINFER_CUDA_MV_BULK_RR", 1) != 0;
+    launch_smem(k_matvec_bulk<T, XR>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R, rr);
     ++ctx().c.staged;
 }
 
