@@ -124,7 +124,7 @@ fi
 # NCU="SHAPE:SKIP:COUNT ..." (e.g. "7b:464:12"): Nsight Compute on COUNT matvec launches
 # of direct (ungraphed) decode, after SKIP of them (bench/cuda_profile.py's 4-token
 # prompt and 3 warm-up steps come first: 113 matvec launches a step on the 7B, 97 on the
-# 0.5B, 4 a layer), into ncu-SHAPE.txt.
+# 0.5B, 4 a layer; the step's output matvec last), into ncu-SHAPE-SKIP.txt.
 if [ -n "${NCU:-}" ]; then
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -z "$ncu_bin" ]; then
@@ -135,8 +135,9 @@ if [ -n "${NCU:-}" ]; then
       MINFER_NO_CUDA_GRAPH=1 timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --kernel-name regex:k_matvec \
         --launch-skip "$skip" --launch-count "$count" --section SpeedOfLight --section WarpStateStats \
         --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-        python3 bench/cuda_profile.py "$models/qwen2-$shape-q4km-shape.gguf" 1 >"$OUT/ncu-$shape.txt" 2>&1
-      phase "ncu $shape rc $?"
+        --section InstructionStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+        python3 bench/cuda_profile.py "$models/qwen2-$shape-q4km-shape.gguf" 1 >"$OUT/ncu-$shape-$skip.txt" 2>&1
+      phase "ncu $shape $skip rc $?"
     done
   fi
 fi
