@@ -124,7 +124,8 @@ fi
 # NCU="SHAPE:SKIP:COUNT ..." (e.g. "7b:464:12"): Nsight Compute on COUNT matvec launches
 # of direct (ungraphed) decode, after SKIP of them (bench/cuda_profile.py's 4-token
 # prompt and 3 warm-up steps come first: 113 matvec launches a step on the 7B, 97 on the
-# 0.5B, 4 a layer; the step's output matvec last), into ncu-SHAPE-SKIP.txt.
+# 0.5B, 4 a layer; the step's output matvec last), into ncu-SHAPE-SKIP.txt. NCU_KERNEL:
+# the kernel-name regex (k_matvec; k_matvec_bulk: the staged launches only).
 if [ -n "${NCU:-}" ]; then
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -z "$ncu_bin" ]; then
@@ -132,7 +133,7 @@ if [ -n "${NCU:-}" ]; then
   else
     for spec in $NCU; do
       IFS=: read -r shape skip count <<<"$spec"
-      MINFER_NO_CUDA_GRAPH=1 timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --kernel-name regex:k_matvec \
+      MINFER_NO_CUDA_GRAPH=1 timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --kernel-name "regex:${NCU_KERNEL:-k_matvec}" \
         --launch-skip "$skip" --launch-count "$count" --section SpeedOfLight --section WarpStateStats \
         --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
         --section InstructionStats --section SchedulerStats --section ComputeWorkloadAnalysis \

@@ -1077,10 +1077,13 @@ void launch_mv1(const MvArgs& a, unsigned blocks) {
 // their arithmetic, not only bytes in flight.
 size_t bulk_smem_bytes(size_t slot, int ns) { return (size_t)MV_WARPS * (BULK_STAGES * sizeof(uint64_t) + ns * slot); }
 
-int bulk_stages(size_t slot) {
+// one: a launch of one matrix without group tickets (the output matvec), whose blocks per
+// SM MINFER_CUDA_MV_BULK_SM_BLOCKS1 sets apart.
+int bulk_stages(size_t slot, bool one) {
     const int e = env_int("MINFER_CUDA_MV_BULK_STAGES", 0);
     if (e > 0) return e < BULK_STAGES ? e : BULK_STAGES;
-    const int blocks = env_int("MINFER_CUDA_MV_BULK_SM_BLOCKS", 6);
+    const int all = env_int("MINFER_CUDA_MV_BULK_SM_BLOCKS", 6);
+    const int blocks = one ? env_int("MINFER_CUDA_MV_BULK_SM_BLOCKS1", all) : all;
     int ns = BULK_STAGES;
     while (ns > 1 && bulk_smem_bytes(slot, ns) * blocks > (size_t)ctx().smem_per_sm) --ns;
     return ns;
@@ -1155,7 +1158,7 @@ bool launch_bulk(const MvArgs& a) {
         return false;
     if (slot > (size_t)env_int("MINFER_CUDA_MV_BULK_MAX", 8192)) return false;
     const int R = bulk_rows(slot);
-    const int ns = bulk_stages(slot * R);
+    const int ns = bulk_stages(slot * R, !j.W2 && !j.q_out);
     if (bulk_smem_bytes(slot * R, ns) > (size_t)ctx().smem_optin) return false;
     switch (j.type) {
         case T_Q4_K: launch_bulk_t<T_Q4_K>(a, slot, R, ns); return true;
