@@ -798,9 +798,9 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
 // a slot each.
 // rr: the warps take the launch's slots of R rows round-robin (warp w: slots w, w +
 // n_warps, ...), so the rows in flight at any time form one band of the matrix, rather
-// than each warp a contiguous run (a stream of its own: thousands of streams spread over
-// the matrix). A pure-streaming probe of the 7B's output shape (bench/stream_probe.cu)
-// read it at 3.2 TB/s in runs against 4.3 in one band.
+// than each warp a contiguous run. Stamped on the H200, the 0.5B's output matvec took
+// 41.2 us against 45.6 in runs (the 7B's 179 either way; a pure-streaming probe,
+// bench/stream_probe.cu, read both orders at the same rate).
 template <int T, bool XR>
 __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R, int rr) {
     pdl_trigger();
@@ -1077,13 +1077,12 @@ void launch_mv1(const MvArgs& a, unsigned blocks) {
 // their arithmetic, not only bytes in flight.
 size_t bulk_smem_bytes(size_t slot, int ns) { return (size_t)MV_WARPS * (BULK_STAGES * sizeof(uint64_t) + ns * slot); }
 
-// one: a launch of one matrix without group tickets (the output matvec), whose blocks per
-// SM MINFER_CUDA_MV_BULK_SM_BLOCKS1 sets apart.
-int bulk_stages(size_t slot, bool one) {
+// (Four blocks of four slots for the output matvec alone, which a pure-streaming probe
+// read at 4.2 TB/s against 3.2, took 186.8 us against 179.3 on the 7B with its arithmetic.)
+int bulk_stages(size_t slot) {
     const int e = env_int("MINFER_CUDA_MV_BULK_STAGES", 0);
     if (e > 0) return e < BULK_STAGES ? e : BULK_STAGES;
-    const int all = env_int("MINFER_CUDA_MV_BULK_SM_BLOCKS", 6);
-    const int blocks = one ? env_int("MINFER_CUDA_MV_BULK_SM_BLOCKS1", all) : all;
+    const int blocks = env_int("MINFER_CUDA_MV_BULK_SM_BLOCKS", 6);
     int ns = BULK_STAGES;
     while (ns > 1 && bulk_smem_bytes(slot, ns) * blocks > (size_t)ctx().smem_per_sm) --ns;
     return ns;
@@ -1158,7 +1157,7 @@ bool launch_bulk(const MvArgs& a) {
         return false;
     if (slot > (size_t)env_int("MINFER_CUDA_MV_BULK_MAX", 8192)) return false;
     const int R = bulk_rows(slot);
-    const int ns = bulk_stages(slot * R, !j.W2 && !j.q_out);
+    const int ns = bulk_stages(slot * R);
     if (bulk_smem_bytes(slot * R, ns) > (size_t)ctx().smem_optin) return false;
     switch (j.type) {
         case T_Q4_K: launch_bulk_t<T_Q4_K>(a, slot, R, ns); return true;
