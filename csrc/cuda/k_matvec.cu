@@ -905,24 +905,20 @@ __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __
 // row's scale (norm.cuh), which rides on the matvec's row sums; so a matvec + residual
 // launch can make the int8 copy group by group (group_copy). A thread's
 // elements are held in registers; its weights are loaded before pdl_wait() (no kernel
-// writes them). early: the next kernel may launch as soon as this one starts, not once
-// its wait is over, so the matvec reading the norm starts pulling its weights while the
-// launch before the norm drains (a matvec touches only weights before its own wait,
-// and that wait, on this kernel, implies the one before it is done too).
+// writes them).
 constexpr int NORM_REG = (int)(kNormCopyMaxRow / 1024);
 __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                 int d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds,
-                                float* __restrict__ scale, int early) {
+                                float* __restrict__ scale) {
     __shared__ double red[kNormCopyMaxRow / 32];
     __shared__ float sc;
     const int T = blockDim.x, t = threadIdx.x, lane = t % 32, nb = d / 32;
     const int64_t r = blockIdx.x;
-    if (early) pdl_trigger();
     float wv[NORM_REG], xv[NORM_REG];
 #pragma unroll
     for (int k = 0; k < NORM_REG; ++k) wv[k] = w && t + k * T < d ? w[t + k * T] : 0.0f;
     pdl_wait();
-    if (!early) pdl_trigger();
+    pdl_trigger();
 #pragma unroll
     for (int k = 0; k < NORM_REG; ++k) xv[k] = t + k * T < d ? __ldcg(x + r * d + t + k * T) : 0.0f;
 #pragma unroll
@@ -1301,10 +1297,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
 
 void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch) {
     if (d % 32 || d > kNormCopyMaxRow || nt < 1) throw std::invalid_argument("rms_norm_copy: d % 32 == 0, d <= 4096");
-    // MINFER_CUDA_NORM_EARLY=0: the next kernel launches once this one's wait is over.
-    const int early = env_int("MINFER_CUDA_NORM_EARLY", 1) != 0;
     launch(k_rms_norm_copy, (unsigned)nt, rms_threads(d), x, w, y, (int)d, eps, (int8_t*)scratch,
-           (float2*)((uint8_t*)scratch + nt * d), norm_copy_scale(scratch, d, nt), early);
+           (float2*)((uint8_t*)scratch + nt * d), norm_copy_scale(scratch, d, nt));
 }
 
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out,
