@@ -122,10 +122,12 @@ if [ "$BENCH" != none ]; then
   tail -30 "$OUT/bench.log" >>"$S"
 fi
 # NCU="SHAPE:SKIP:COUNT ..." (e.g. "7b:464:12"): Nsight Compute on COUNT matvec launches
-# of direct (ungraphed) decode, after SKIP of them (bench/cuda_profile.py's 4-token
-# prompt and 3 warm-up steps come first: 113 matvec launches a step on the 7B, 97 on the
-# 0.5B, 4 a layer; the step's output matvec last), into ncu-SHAPE-SKIP.txt. NCU_KERNEL:
-# the kernel-name regex (k_matvec; k_matvec_bulk: the staged launches only).
+# of direct (ungraphed) decode (bench/cuda_profile.py: a 4-token prompt and warm-up steps
+# first), after SKIP of them, into ncu-SHAPE-SKIP.txt. Which launch a SKIP reaches is not
+# worked out here: read the kernel name and grid size in the output (on the 7B, "7b:466"
+# gave a q|k|v launch and "7b:564" an o projection). NCU_KERNEL: the kernel-name regex
+# (k_matvec; k_matvec_bulk: only the staged launches, on the 7B 28 gate|up and the
+# output matvec a step, so "7b:27:3" gave three gate|up launches).
 if [ -n "${NCU:-}" ]; then
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -z "$ncu_bin" ]; then

@@ -195,8 +195,10 @@ int main() {
     const size_t gu = (size_t)2 * rows_ffn * rb_in;
     const size_t out = (size_t)rows_out * rb_out;
 
-    for (size_t bytes : {(size_t)7225344, (size_t)9732096, gu, (size_t)rows_d * rb_down4, (size_t)rows_d * rb_down6,
-                         out, (size_t)1 << 30}) {
+    // The o projection's 7.2 MB (3,584 rows of 2,016 bytes) and about q|k|v's 9.7 MB.
+    const size_t o_bytes = (size_t)3584 * rb_in, qkv_bytes = 9732096;
+    for (size_t bytes : {o_bytes, qkv_bytes, gu, (size_t)rows_d * rb_down4, (size_t)rows_d * rb_down6, out,
+                         (size_t)1 << 30}) {
         for (int bps : {4, 8}) {
             const unsigned blocks = (unsigned)(n_sm * bps);
             char name[96];
@@ -223,9 +225,12 @@ int main() {
         rows_case(k_rows<3, 4>, 4, "4 warps/row, 3 chunks");
         rows_case(k_rows<6, 4>, 4, "4 warps/row, 6 chunks");
     }
-    // gate|up staged: 2 KB rows of two matrices (or interleaved pairs), NS slots a warp.
-    auto bulk_case = [&](auto kern, int ns, bool il, int per_sm) {
-        const size_t smem = 4 * (ns * sizeof(uint64_t) + (size_t)ns * 2 * rb_in);
+    // Staged (k_bulk): rows of rb bytes, of two matrices (pairs: W2 beside W, or
+    // interleaved) or one, NS slots a warp, per_sm blocks of 4 warps an SM where the
+    // shared memory lets them.
+    auto staged = [&](auto kern, const char* what, int ns, int per_sm, bool pairs, int rows, int rb, int reps) {
+        const size_t bytes = (size_t)(pairs ? 2 : 1) * rows * rb;
+        const size_t smem = 4 * (ns * sizeof(uint64_t) + (size_t)ns * (pairs ? 2 : 1) * rb);
         if (smem * per_sm > (size_t)smem_sm) return;
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int occ = 0;
@@ -233,43 +238,29 @@ int main() {
         const int bps = std::min(occ, per_sm);
         const unsigned blocks = (unsigned)(n_sm * bps);
         char name[96];
-        std::snprintf(name, sizeof name, "gate|up staged %s NS=%d, %d blocks/SM", il ? "interleaved" : "two copies", ns,
-                      bps);
-        report(name, gu, time_us(pool, gu, [&](uint8_t* p) {
-                   kern<<<blocks, 128, smem>>>(p, p + gu / 2, rows_ffn, rb_in, (int)blocks * 4);
-               }));
+        std::snprintf(name, sizeof name, "%s NS=%d, %d blocks/SM", what, ns, bps);
+        report(name, bytes, time_us(pool, bytes, [&](uint8_t* p) {
+                   kern<<<blocks, 128, smem>>>(p, pairs ? p + bytes / 2 : nullptr, rows, rb, (int)blocks * 4);
+               }, reps));
     };
+    // gate|up: 2 KB rows of two matrices (or interleaved pairs).
     for (int per_sm : {4, 6}) {
-        bulk_case(k_bulk<2, false>, 2, false, per_sm);
-        bulk_case(k_bulk<2, true>, 2, true, per_sm);
-        bulk_case(k_bulk<3, false>, 3, false, per_sm);
+        staged(k_bulk<2, false>, "gate|up staged two copies", 2, per_sm, true, rows_ffn, rb_in, 41);
+        staged(k_bulk<2, true>, "gate|up staged interleaved", 2, per_sm, true, rows_ffn, rb_in, 41);
+        staged(k_bulk<3, false>, "gate|up staged two copies", 3, per_sm, true, rows_ffn, rb_in, 41);
         std::printf("round-robin rows:\n");
-        bulk_case(k_bulk<2, false, true>, 2, false, per_sm);
-        bulk_case(k_bulk<3, false, true>, 3, false, per_sm);
-        bulk_case(k_bulk<2, true, true>, 2, true, per_sm);
+        staged(k_bulk<2, false, true>, "gate|up staged two copies", 2, per_sm, true, rows_ffn, rb_in, 41);
+        staged(k_bulk<3, false, true>, "gate|up staged two copies", 3, per_sm, true, rows_ffn, rb_in, 41);
+        staged(k_bulk<2, true, true>, "gate|up staged interleaved", 2, per_sm, true, rows_ffn, rb_in, 41);
     }
-    // The output matvec (Q6_K rows of 2,944 bytes, 447 MB): staged, one matrix.
-    auto out_case = [&](auto kern, int ns, int per_sm) {
-        const size_t smem = 4 * (ns * sizeof(uint64_t) + (size_t)ns * rb_out);
-        if (smem * per_sm > (size_t)smem_sm) return;
-        CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        const unsigned blocks = (unsigned)(n_sm * per_sm);
-        char name[96];
-        std::snprintf(name, sizeof name, "output staged NS=%d, %d blocks/SM", ns, per_sm);
-        report(name, out, time_us(pool, out, [&](uint8_t* p) {
-                   kern<<<blocks, 128, smem>>>(p, nullptr, rows_out, rb_out, (int)blocks * 4);
-               }, 15));
-    };
-    for (int per_sm : {4, 6, 8}) {
-        out_case(k_bulk<2, false>, 2, per_sm);
-        out_case(k_bulk<3, false>, 3, per_sm);
-        out_case(k_bulk<4, false>, 4, per_sm);
-    }
-    std::printf("round-robin rows:\n");
-    for (int per_sm : {4, 6, 8}) {
-        out_case(k_bulk<2, false, true>, 2, per_sm);
-        out_case(k_bulk<3, false, true>, 3, per_sm);
-        out_case(k_bulk<4, false, true>, 4, per_sm);
+    // The output matvec (Q6_K rows of 2,944 bytes, 447 MB): one matrix.
+    for (bool rr : {false, true}) {
+        if (rr) std::printf("round-robin rows:\n");
+        for (int per_sm : {4, 6, 8}) {
+            staged(rr ? k_bulk<2, false, true> : k_bulk<2, false>, "output staged", 2, per_sm, false, rows_out, rb_out, 15);
+            staged(rr ? k_bulk<3, false, true> : k_bulk<3, false>, "output staged", 3, per_sm, false, rows_out, rb_out, 15);
+            staged(rr ? k_bulk<4, false, true> : k_bulk<4, false>, "output staged", 4, per_sm, false, rows_out, rb_out, 15);
+        }
     }
     {
         const unsigned blocks = (unsigned)((rows_out + 3) / 4);

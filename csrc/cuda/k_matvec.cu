@@ -641,21 +641,20 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
     }
 }
 
-#ifndef MINFER_MV_KQ_BLOCKS
-#define MINFER_MV_KQ_BLOCKS 7
-#endif
 // Resident blocks per SM the one-type K-quant kernels are held to: left alone, ptxas gave
 // the Q6_K kernel 96 registers (5 blocks) once the deferred norm scale was added (72
-// before); held to 7 blocks it takes 72.
-template <int NC, int TT, bool RT>
-constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? MINFER_MV_KQ_BLOCKS : 0; }
+// before); held to 7 blocks it takes 72. (The kernels without the RoPE tail fit 8 blocks
+// at 64 registers without spills, but the 7B's tg128 fell: 383 / 387 / 384 against 400 /
+// 402 / 393.)
+template <int NC, int TT>
+constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? 7 : 0; }
 
 // RT: the instantiation carries FusedQKV's RoPE + KV-store tail (one column only). The
 // launches without it take RT = false, whose registers the tail's code does not inflate:
 // with it compiled in, the one-type Q4_K / Q6_K kernels spilled (24 / 44 bytes a thread)
 // at the 72 registers they are held to, in the o and down projections too.
 template <int NC, int TT = -1, bool RT = false>
-__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT, RT>()) k_matvec(MvArgs a) {
+__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matvec(MvArgs a) {
     static_assert(!RT || NC == 1, "the rope tail takes one column");
     pdl_trigger();
     int j = 0;
@@ -798,9 +797,7 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
 // a slot each.
 // rr: the warps take the launch's slots of R rows round-robin (warp w: slots w, w +
 // n_warps, ...), so the rows in flight at any time form one band of the matrix, rather
-// than each warp a contiguous run. Stamped on the H200, the 0.5B's output matvec took
-// 41.2 us against 45.6 in runs (the 7B's 179 either way; a pure-streaming probe,
-// bench/stream_probe.cu, read both orders at the same rate).
+// than each warp a contiguous run (launch_bulk_xr says when, and what it measured).
 template <int T, bool XR>
 __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R, int rr) {
     pdl_trigger();
@@ -1115,8 +1112,10 @@ void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
     const int cap = env_int("MINFER_CUDA_MV_BULK_BLOCKS", 0);  // tests: long runs per warp
     if (cap > 0 && blocks > cap) blocks = cap;
     // Round-robin slots where no 32-row group tickets are drawn (each slot would draw
-    // one): on the H200 the 0.5B's output matvec took 41.2 us against 45.6 in runs, the
-    // 7B's gate|up + SwiGLU (down's int8 input by group tickets) 37.0 against 30.3.
+    // one): on the H200 the 0.5B's output matvec took 41.2 us against 45.6 in runs (the
+    // 7B's 179 either way; a pure-streaming probe, bench/stream_probe.cu, read both orders
+    // at the same rate), the 7B's gate|up + SwiGLU (down's int8 input by group tickets)
+    // 37.0 against 30.3.
     // MINFER_CUDA_MV_BULK_RR=1 / 0: round-robin / runs for every staged launch.
     const int rr_env = env_int("MINFER_CUDA_MV_BULK_RR", -1);
     const int rr = rr_env >= 0 ? rr_env != 0 : j.q_out == nullptr;
