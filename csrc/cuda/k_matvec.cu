@@ -78,8 +78,7 @@ __device__ __forceinline__ float2 xds_at(const MvArgs& a, int col, int blk) {
     return __ldg(a.xds + (size_t)col * a.nb + blk);
 }
 // sum over i of dot4(w[i], x[i]) for two 16-byte groups, in order.
-__device__ __forceinline__ int dot32(const uint32_t w[8], const uint4& x0, const uint4& x1) {
-    int s = 0;
+__device__ __forceinline__ int dot32(const uint32_t w[8], const uint4& x0, const uint4& x1, int s = 0) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) s = dp4(w[i], W_(x0, i), s);
 #pragma unroll
@@ -148,10 +147,22 @@ struct XQ6 {  // Q6_K unit u: chunks ja and jb = ja + 2 of superblock u / 4 (ja 
     }
 };
 
-// Bits j..j+3 of qh to bit 4 of bytes 0..3 (the fifth bit of four 5-bit quants).
+// Bits j..j+3 of qh to bit 4 of bytes 0..3 (the fifth bit of four 5-bit quants). The
+// multiply places bit i of b at bit 8i + i - i = 8i (b + b << 7 + b << 14 + b << 21: the
+// four copies do not overlap, so nothing carries).
 __device__ __forceinline__ uint32_t spread4(uint32_t qh, int j) {
     const uint32_t b = (qh >> j) & 0xF;
-    return ((b & 1) << 4) | ((b & 2) << 11) | ((b & 4) << 18) | ((b & 8) << 25);
+    return ((b * 0x00204081u) & 0x01010101u) << 4;
+}
+
+// Sum of the 16 int8 values in v. Offset quants (Q4_0, Q5_0, Q6_K) are dotted unsigned
+// and the offset times this sum taken off the integer result: the same integer as
+// offsetting every byte first (__vsubss4 is ~9 instructions a word on sm_90, this is one).
+__device__ __forceinline__ int sum16(const uint4& v, int c = 0) {
+    c = __dp4a((int)v.x, 0x01010101, c);
+    c = __dp4a((int)v.y, 0x01010101, c);
+    c = __dp4a((int)v.z, 0x01010101, c);
+    return __dp4a((int)v.w, 0x01010101, c);
 }
 
 template <int T> struct Unit;
@@ -186,12 +197,13 @@ struct UnitQ45 {
                 lo |= spread4(qh, 4 * i);
                 hi |= spread4(qh, 4 * i + 16);
             }
-            if constexpr (T == T_Q4_0) { lo = __vsubss4(lo, 0x08080808u); hi = __vsubss4(hi, 0x08080808u); }
-            if constexpr (T == T_Q5_0) { lo = __vsubss4(lo, 0x10101010u); hi = __vsubss4(hi, 0x10101010u); }
             w[i] = lo;
             w[4 + i] = hi;
         }
-        const int s = dot32(w, x.q(0), x.q(1));
+        // Q4_0 / Q5_0 quants are offset by 8 / 16 (sum16).
+        constexpr int off = T == T_Q4_0 ? 8 : T == T_Q5_0 ? 16 : 0;
+        const uint4 x0 = x.q(0), x1 = x.q(1);
+        const int s = dot32(w, x0, x1, off ? -off * sum16(x1, sum16(x0)) : 0);
         const float2 ds = x.ds();
         const float d = __half2float(__ushort_as_half((unsigned short)(dm & 0xFFFF)));
         float r = fmul(fmul(d, ds.x), (float)s);
@@ -265,8 +277,7 @@ struct UnitK45 {
         const int s1 = dot32(wh, x.q(2), x.q(3));
         const float4 ds = x.ds();
         int sc0, m0, sc1, m1;
-        k4_scale_min_w(j0, h.y, h.z, h.w, sc0, m0);
-        k4_scale_min_w(j1, h.y, h.z, h.w, sc1, m1);
+        k4_scale_min_pair(p, h.y, h.z, h.w, sc0, m0, sc1, m1);
         const float d = __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFF)));
         const float dmin = __half2float(__ushort_as_half((unsigned short)(h.x >> 16)));
         const float fs = fadd(fmul((float)(sc0 * s0), ds.x), fmul((float)(sc1 * s1), ds.z));
@@ -307,8 +318,9 @@ template <> struct Unit<T_Q6_K> {
         for (int i = 0; i < 8; ++i) {
             const uint32_t l = i < 4 ? W_(l0, i) : W_(l1, i - 4);
             const uint32_t hb = i < 4 ? W_(h0, i) : W_(h1, i - 4);
-            wa[i] = __vsubss4((l & 0x0F0F0F0Fu) | (((hb >> (2 * k1)) & 0x03030303u) << 4), 0x20202020u);
-            wb[i] = __vsubss4(((l >> 4) & 0x0F0F0F0Fu) | (((hb >> (2 * k1 + 4)) & 0x03030303u) << 4), 0x20202020u);
+            // 0..63, offset by 32 below (sum16)
+            wa[i] = (l & 0x0F0F0F0Fu) | (((hb >> (2 * k1)) & 0x03030303u) << 4);
+            wb[i] = ((l >> 4) & 0x0F0F0F0Fu) | (((hb >> (2 * k1 + 4)) & 0x03030303u) << 4);
         }
         const uint4 xa0 = x.qa(0), xa1 = x.qa(1);
         const uint4 xb0 = x.qb(0), xb1 = x.qb(1);
@@ -320,6 +332,10 @@ template <> struct Unit<T_Q6_K> {
             sb0 = dp4(wb[i], W_(xb0, i), sb0);
             sb1 = dp4(wb[4 + i], W_(xb1, i), sb1);
         }
+        sa0 -= 32 * sum16(xa0);
+        sa1 -= 32 * sum16(xa1);
+        sb0 -= 32 * sum16(xb0);
+        sb1 -= 32 * sum16(xb1);
         const int ia = sbyte(sc, 8 * n + 2 * k1) * sa0 + sbyte(sc, 8 * n + 2 * k1 + 1) * sa1;
         const int ib = sbyte(sc, 8 * n + 2 * k1 + 4) * sb0 + sbyte(sc, 8 * n + 2 * k1 + 5) * sb1;
         const float fa = fmul(x.da(), (float)ia);

@@ -35,6 +35,26 @@ __device__ __forceinline__ void k4_scale_min_w(int j, uint32_t w0, uint32_t w1, 
     }
 }
 
+// Sub-blocks 2p and 2p + 1's scales and mins at once, without branches (the matvec's
+// lanes have different p): each pair sits in one 16-bit half of the scale words.
+__device__ __forceinline__ void k4_scale_min_pair(int p, uint32_t w0, uint32_t w1, uint32_t w2, int& d0, int& m0,
+                                                  int& d1, int& m1) {
+    const int sh = 16 * (p & 1);
+    const uint32_t a0 = w0 >> sh, a1 = w1 >> sh, a2 = w2 >> sh;
+    uint32_t d, m;
+    if (p >= 2) {
+        d = (a2 & 0x0F0Fu) | ((a0 >> 2) & 0x3030u);
+        m = ((a2 >> 4) & 0x0F0Fu) | ((a1 >> 2) & 0x3030u);
+    } else {
+        d = a0 & 0x3F3Fu;
+        m = a1 & 0x3F3Fu;
+    }
+    d0 = (int)(d & 0xFF);
+    d1 = (int)((d >> 8) & 0xFF);
+    m0 = (int)(m & 0xFF);
+    m1 = (int)((m >> 8) & 0xFF);
+}
+
 // Decode chunk c (elements 32c .. 32c+31) of a device row of type T (cuda/layout.h:
 // packed for the legacy types and Q6_K; nb = chunks per row) into v.
 template <int T>
