@@ -69,6 +69,12 @@ __device__ __forceinline__ unsigned short ldu16(const uint8_t* p) {
     else return *reinterpret_cast<const unsigned short*>(p);
 }
 __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
+// a's bytes unsigned, b's signed.
+__device__ __forceinline__ int dp4us(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
 __device__ __forceinline__ uint32_t W_(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 __device__ __forceinline__ uint4 xq16(const MvArgs& a, int col, int o) {
@@ -77,12 +83,13 @@ __device__ __forceinline__ uint4 xq16(const MvArgs& a, int col, int o) {
 __device__ __forceinline__ float2 xds_at(const MvArgs& a, int col, int blk) {
     return __ldg(a.xds + (size_t)col * a.nb + blk);
 }
-// sum over i of dot4(w[i], x[i]) for two 16-byte groups, in order.
+// sum over i of dot4(w[i], x[i]) for two 16-byte groups, in order (U: w's bytes unsigned).
+template <bool U = false>
 __device__ __forceinline__ int dot32(const uint32_t w[8], const uint4& x0, const uint4& x1, int s = 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s = dp4(w[i], W_(x0, i), s);
+    for (int i = 0; i < 4; ++i) s = U ? dp4us(w[i], W_(x0, i), s) : dp4(w[i], W_(x0, i), s);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s = dp4(w[4 + i], W_(x1, i), s);
+    for (int i = 0; i < 4; ++i) s = U ? dp4us(w[4 + i], W_(x1, i), s) : dp4(w[4 + i], W_(x1, i), s);
     return s;
 }
 __device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
@@ -266,7 +273,9 @@ struct UnitK45 {
         for (int i = 0; i < 8; ++i) {
             const uint32_t q = i < 4 ? W_(q0, i) : W_(q1, i - 4);
             wl[i] = q & 0x0F0F0F0Fu;
-            wh[i] = (q >> 4) & 0x0F0F0F0Fu;
+            // Q4_K: the high nibbles in place, 16 times their value (unsigned bytes; the
+            // sum is shifted back, exactly: it is a multiple of 16). Saves a shift a word.
+            wh[i] = T == T_Q4_K ? q & 0xF0F0F0F0u : (q >> 4) & 0x0F0F0F0Fu;
             if constexpr (T == T_Q5_K) {
                 const uint32_t hb = i < 4 ? W_(qh0, i) : W_(qh1, i - 4);
                 wl[i] |= ((hb >> j0) & 0x01010101u) << 4;
@@ -274,7 +283,7 @@ struct UnitK45 {
             }
         }
         const int s0 = dot32(wl, x.q(0), x.q(1));
-        const int s1 = dot32(wh, x.q(2), x.q(3));
+        const int s1 = T == T_Q4_K ? dot32<true>(wh, x.q(2), x.q(3)) >> 4 : dot32(wh, x.q(2), x.q(3));
         const float4 ds = x.ds();
         int sc0, m0, sc1, m1;
         k4_scale_min_pair(p, h.y, h.z, h.w, sc0, m0, sc1, m1);
