@@ -155,8 +155,9 @@ struct XQ6 {  // Q6_K unit u: chunks ja and jb = ja + 2 of superblock u / 4 (ja 
 };
 
 // Bits j..j+3 of qh to bit 4 of bytes 0..3 (the fifth bit of four 5-bit quants). The
-// multiply places bit i of b at bit 8i + i - i = 8i (b + b << 7 + b << 14 + b << 21: the
-// four copies do not overlap, so nothing carries).
+// multiply adds b, b << 7, b << 14 and b << 21: bit i of b lands at bit 8i in the copy
+// shifted by 7i, and the copies take disjoint bits (0-3, 7-10, 14-17, 21-24), so nothing
+// carries.
 __device__ __forceinline__ uint32_t spread4(uint32_t qh, int j) {
     const uint32_t b = (qh >> j) & 0xF;
     return ((b * 0x00204081u) & 0x01010101u) << 4;
