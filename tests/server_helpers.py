@@ -22,7 +22,8 @@ path, port, slots, ctx, max_queue = sys.argv[1], int(sys.argv[2]), int(sys.argv[
 chunk, timeout = int(sys.argv[6]), float(sys.argv[7])
 speculate, draft_max = (sys.argv[8] or None), int(sys.argv[9])
 serve(Model.open(path, n_threads=2), ServeConfig(port=port, slots=slots, ctx=ctx, max_queue=max_queue, chunk=chunk,
-      header_timeout=timeout, shutdown_timeout=5, limits=Limits(max_body=64 * 1024, body_timeout=timeout),
+      header_timeout=timeout, keep_alive=max(5, int(timeout)), shutdown_timeout=5,
+      limits=Limits(max_body=64 * 1024, body_timeout=timeout),
       speculate=speculate, draft_max=draft_max))
 """
 
@@ -50,7 +51,9 @@ class ServerProcess:
     @classmethod
     def custom(cls, model: str, slots: int = 4, ctx: int = 256, max_queue: int = 64, chunk: int = 128,
                timeout: float = 2.0, speculate: str | None = None, draft_max: int = 8):
-        """timeout: the header and body deadlines (short, for the timeout tests);
+        """timeout: the header and body deadlines (short, for the timeout tests), and the
+        idle keep-alive bound when longer than uvicorn's 5 s (a connection the server closes
+        as idle just as the client reuses it loses that request);
         speculate: the server's default for requests ("ngram"), None for none."""
         port = free_port()
         return cls([sys.executable, "-c", LAUNCH, model, str(port), str(slots), str(ctx), str(max_queue), str(chunk),

@@ -65,8 +65,21 @@ def test_stats_count_the_plan_and_add_up(model):
         crit = sum(o["crit_s"] for o in ops.values())
         assert crit <= r["wall_s"] * (1 + 1e-6)
         if t == 1:  # one thread never waits, and has nobody to steal from
-            assert all(o["wait_s"] < 1e-3 * max(r["wall_s"], 1e-9) + 1e-6 for o in ops.values())
             assert all(o["stolen"] == 0 for o in ops.values())
+    # One thread's barriers return at once: its wait is the clock reads around them. The
+    # OS can still preempt it inside that window on a busy 2-core machine (a timer tick is
+    # ~1e-3 of this run), so the bound must hold in one of three runs; a thread that
+    # really waited at its barriers would miss it in every run.
+    misses = []
+    for attempt in range(3):
+        r = by_t[1] if attempt == 0 else balance(model, "1", {"MINFER_ALL_BARRIERS": "1"})[0]
+        bound = 1e-3 * max(r["wall_s"], 1e-9) + 1e-6
+        worst = max(o["wait_s"] for o in r["ops"].values())
+        if worst < bound:
+            break
+        misses.append((worst, bound))
+    else:
+        raise AssertionError(f"one thread waited at its barriers in 3 runs: (wait_s, bound) {misses}")
         assert all(o["stolen"] == 0 for k, o in ops.items() if k != "matmul")
 
 

@@ -912,6 +912,69 @@ def test_device_argmax_flags_non_finite(bad):
         assert _core.argmax(r.pool, xi, x.size, 1) == 1234
 
 
+def _top_k_want(row, k):
+    """The CPU's candidates: _core.top_k's ids (best first, ties by lower index)."""
+    ids = _core.top_k(np.ascontiguousarray(row, np.float32), k)
+    return None if ids is None else ids.astype(np.int64)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 3), (2048, 40), (2049, 256), (32000, 1), (151936, 40),
+                                 (151936, 104), (151936, 256), (300001, 64)])
+def test_device_top_k_equals_cpu_top_k(n, k):
+    """Sampling's candidates on the device are the CPU top_k's, in its order, on rows
+    with many exact ties (integers), ties straddling the k-th place, -0 beside +0 and
+    a slice boundary inside the winners; the gathered values are the row's."""
+    r = Rig()
+    rng = np.random.default_rng(n + k)
+    rows = 3
+    x = rng.integers(-60, 60, (rows, n)).astype(np.float32)
+    x[1] = rng.standard_normal(n).astype(np.float32)
+    if n > 4100:
+        x[2, 2040:2060] = 500.0  # winners on both sides of a 2048-value slice boundary
+        x[2, 4090:4100] = -0.0
+        x[2, 4100:4105] = 0.0
+    xi = r.buf(x)
+    g = min(5, n)
+    gather = rng.integers(0, n, (rows, g)).astype(np.int32)
+    gather[0, 0] = -1
+    k = min(k, n)
+    got = _core.top_k_rows(r.pool, xi, n, rows, k, gather)
+    assert len(got) == rows
+    for i in range(rows):
+        ids, vals, gv = got[i]
+        want = _top_k_want(x[i], k)
+        assert np.array_equal(ids, want), (i, ids[:8], want[:8])
+        assert np.array_equal(vals, x[i][want])
+        assert np.array_equal(gv, np.where(gather[i] >= 0, x[i][np.maximum(gather[i], 0)], 0.0).astype(np.float32))
+    one = _core.top_k_rows(r.pool, xi, n, 1, k, gather[:1])
+    assert np.array_equal(one[0][0], _top_k_want(x[0], k))
+    with pytest.raises(ValueError):
+        _core.top_k_rows(r.pool, xi, n, 1, _core.top_k_max + 1, gather[:1])
+    with pytest.raises(ValueError):
+        _core.top_k_rows(r.pool, xi, n, 1, 1, np.array([[n]], np.int32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_device_top_k_flags_non_finite(bad):
+    """A row holding NaN or Inf anywhere answers None (the sampler then reads the row
+    to word the error); the other rows and the next call are unaffected."""
+    r = Rig()
+    n = 151936
+    x = np.random.default_rng(5).standard_normal((2, n)).astype(np.float32)
+    xi = r.buf(x)
+    none = np.zeros((2, 0), np.int32)
+    for at in (0, 70000, n - 1):
+        y = x.copy()
+        y[1, at] = bad
+        r.pool.write(xi, y)
+        got = _core.top_k_rows(r.pool, xi, n, 2, 40, none)
+        assert got[1] is None, f"{bad} at {at}"
+        assert np.array_equal(got[0][0], _top_k_want(x[0], 40))
+        r.pool.write(xi, x)
+        got = _core.top_k_rows(r.pool, xi, n, 2, 40, none)
+        assert np.array_equal(got[1][0], _top_k_want(x[1], 40)), "the flag was left set"
+
+
 # ------------------------------------------------------------------ whole models
 
 from test_e2e_synthetic import IDEAL_TOL, MARGIN, MODELS, _row_err, _sequences  # noqa: E402
@@ -1099,6 +1162,47 @@ def test_greedy_generation_reads_back_four_bytes_per_pick(synth):
     assert eng.generate_ids(p, n) == first
     c = _core.testing.cuda_counters()
     assert c["d2h"] == n and c["d2h_bytes"] == 4 * n, c
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    dict(temperature=1.0, top_k=5, top_p=1.0, min_p=0.0, repeat_penalty=1.3, repeat_last_n=16),
+    dict(temperature=0.0, top_k=40, repeat_penalty=1.5),
+], ids=["default", "penalty", "greedy-penalty"])
+def test_device_sampling_picks_what_the_row_picks(synth, params):
+    """A sampled step on CUDA takes its candidates from the device (DeviceRow): the
+    sampler draws exactly the tokens it draws from the same logits read back (HostRow),
+    seed for seed, penalties included, and the loop reads back the candidates, not rows."""
+    from minfer.sampling import HostRow, Sampler, SamplingParams
+    from minfer.session import DeviceRow
+    _, path, ref = synth
+    eng = _engine(path, ["cuda"])
+    sp = SamplingParams(seed=11, **params)
+    p = [int(t) for t in _sequences(ref.n_vocab, 1)[0]]
+    a, b = Sampler(sp), Sampler(sp)
+    eng.forward(p, n_out=1, copy=None)
+    ctx = eng.context
+    picks = []
+    for _ in range(12):
+        src = ctx.last_row(len(picks))
+        assert isinstance(src, DeviceRow)
+        row = ctx.cache.alloc.copy_to_host(ctx.cache.graph.outputs[0])[-1]
+        t = a.sample(src)
+        assert b.sample(HostRow(row)) == t
+        a.accept(t)
+        b.accept(t)
+        picks.append(t)
+        eng.forward([t], n_out=1, copy=None)
+    assert len(set(picks)) > 1 or params["temperature"] == 0.0
+    # The generation loop on CUDA: candidates only (<= 2 x 256 x 4 bytes + a flag a step).
+    n = 6
+    _core.cuda_sync()
+    _core.testing.cuda_reset_counters()
+    res = eng.generate(p, n, sampling=sp)
+    c = _core.testing.cuda_counters()
+    steps = len(res.ids)
+    assert 1 <= steps <= n
+    assert c["d2h"] <= steps + 1 and c["d2h_bytes"] <= (steps + 1) * (8 * 256 + 4 + 4 * 256), c
 
 
 def _nan_message(fn):

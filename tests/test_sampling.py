@@ -128,6 +128,64 @@ def test_distribution_equals_a_full_sort(n, ties):
             np.testing.assert_allclose(got_p, want_p, rtol=1e-9, atol=1e-15, err_msg=str(kw))
 
 
+class CountingSource:
+    """A row kept 'elsewhere', as a device keeps it: answers through HostRow's methods
+    and counts what the sampler asked for; takes candidates up to `cap` at once."""
+
+    def __init__(self, row, cap):
+        from minfer.sampling import HostRow
+        self.host, self.cap, self.n = HostRow(row), cap, np.asarray(row).size
+        self.calls = {"argmax": 0, "best": 0, "row": 0}
+
+    def argmax(self):
+        self.calls["argmax"] += 1
+        return self.host.argmax()
+
+    def takes(self, k):
+        return k <= self.cap
+
+    def best(self, k, ids):
+        assert k <= self.cap
+        self.calls["best"] += 1
+        return self.host.best(k, ids)
+
+    def row(self):
+        self.calls["row"] += 1
+        return self.host.row()
+
+
+@pytest.mark.parametrize("cap", [256, 8])
+def test_a_source_kept_elsewhere_is_asked_once_and_draws_the_same(cap):
+    """What a device answering for its row (session.DeviceRow) sees of the sampler: one
+    `best` call for a top-k (or penalized greedy) pick within its cap, the whole row
+    otherwise (no top-k, or more candidates than it takes), and the same distribution
+    as from the row itself."""
+    rng = np.random.default_rng(cap)
+    n = 5000
+    for kw in [dict(temperature=0.8), dict(temperature=0.8, repeat_penalty=1.3), dict(temperature=0.0),
+               dict(temperature=0.0, repeat_penalty=1.3), dict(temperature=0.8, top_k=0),
+               dict(temperature=0.6, top_k=3, repeat_penalty=2.0)]:
+        sp = SamplingParams(**kw)
+        x = np.round(rng.standard_normal(n).astype(np.float32) * 3)
+        recent = [int(t) for t in rng.integers(0, n, size=20)] + [int(np.argmax(x))]
+        a, b = Sampler(sp), Sampler(sp)
+        for t in recent:
+            a.accept(t)
+            b.accept(t)
+        src = CountingSource(x, cap)
+        got, want = a.distribution(src), b.distribution(x)
+        assert np.array_equal(got[0], want[0]), kw
+        assert (got[1] is None) == (want[1] is None) and (got[1] is None or np.array_equal(got[1], want[1])), kw
+        k = 0 if sp.top_k == 0 else 1 if sp.temperature <= 0 else sp.top_k
+        penalized = sp.repeat_penalty != 1.0
+        if sp.temperature <= 0 and not penalized:
+            assert src.calls == {"argmax": 1, "best": 0, "row": 0}, kw
+        elif k and k + (len(set(recent)) if penalized else 0) <= cap:
+            assert src.calls == {"argmax": 0, "best": 1, "row": 0}, kw
+        else:
+            assert src.calls == {"argmax": 0, "best": 0, "row": 1}, kw
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_sampling_refuses_non_finite_logits(bad):
     from minfer.errors import NumericsError

@@ -194,6 +194,89 @@ void register_cuda(py::module_& m, py::module_& testing) {
         "Device argmax of each of `rows` consecutive rows of n values (first index on ties), in one "
         "launch and one readback of rows ints; -1 for a row holding NaN or Inf.");
 
+    m.attr("top_k_max") = kTopKMax;
+    m.def("top_k_rows", [](DevPool& pool, int id, int64_t n, int rows, int k,
+                           py::array_t<int32_t, py::array::c_style | py::array::forcecast> gather) {
+            if (rows < 1 || rows > kArgmaxMaxRows)
+                throw py::value_error("top_k_rows: rows must be in 1.." + std::to_string(kArgmaxMaxRows));
+            if (k < 1 || k > kTopKMax || k > n)
+                throw py::value_error("top_k_rows: k must be in 1..min(n, " + std::to_string(kTopKMax) + ")");
+            if (gather.ndim() != 2 || gather.shape(0) != rows || gather.shape(1) > kTopKMax)
+                throw py::value_error("top_k_rows: gather must be rows x g ids, g <= " + std::to_string(kTopKMax));
+            const int g = (int)gather.shape(1);
+            const int32_t* gi = gather.data();
+            for (int64_t i = 0; i < (int64_t)rows * g; ++i)
+                if (gi[i] < -1 || gi[i] >= n) throw py::value_error("top_k_rows: a gather id outside the row");
+            pool.check_range(id, 0, (size_t)n * rows * 4);
+            Context& c = ctx();
+            // Buffers sized for the largest call so far (every call ends with a wait, so a
+            // smaller one is idle when it is replaced); the scratch is zero when allocated.
+            static void* scratch = nullptr;
+            static size_t scratch_bytes = 0;
+            static int32_t *gdev = nullptr, *gpin = nullptr, *odev = nullptr, *opin = nullptr;
+            static size_t gcap_b = 0, ocap_b = 0;
+            const size_t need_s = topk_scratch_bytes(n, rows, k);
+            const size_t need_g = (size_t)rows * std::max(g, 1) * 4;
+            const size_t words = topk_row_words(k, g), need_o = (size_t)rows * words * 4;
+            if (need_s > scratch_bytes) {
+                if (scratch) MC_CHECK(cudaFree(scratch));
+                scratch = dev_alloc(need_s);
+                MC_CHECK(cudaMemset(scratch, 0, need_s));
+                scratch_bytes = need_s;
+            }
+            if (need_g > gcap_b) {
+                if (gdev) MC_CHECK(cudaFree(gdev));
+                if (gpin) MC_CHECK(cudaFreeHost(gpin));
+                gdev = (int32_t*)dev_alloc(need_g);
+                gpin = (int32_t*)host_alloc_pinned(need_g);
+                gcap_b = need_g;
+            }
+            if (need_o > ocap_b) {
+                if (odev) MC_CHECK(cudaFree(odev));
+                if (opin) MC_CHECK(cudaFreeHost(opin));
+                odev = (int32_t*)dev_alloc(need_o);
+                opin = (int32_t*)host_alloc_pinned(need_o);
+                ocap_b = need_o;
+            }
+            {
+                py::gil_scoped_release nogil;
+                if (g > 0) {
+                    std::memcpy(gpin, gi, (size_t)rows * g * 4);
+                    MC_CHECK(cudaMemcpyAsync(gdev, gpin, (size_t)rows * g * 4, cudaMemcpyHostToDevice, c.stream));
+                    ++c.c.h2d;
+                    c.c.h2d_bytes += (size_t)rows * g * 4;
+                }
+                top_k((const float*)pool.data(id), n, rows, k, gdev, g, scratch, odev, k, g, c.err_dev);
+                MC_CHECK(cudaMemcpyAsync(opin, odev, need_o, cudaMemcpyDeviceToHost, c.stream));
+                ++c.c.d2h;
+                c.c.d2h_bytes += need_o;
+                sync_stream();
+            }
+            py::list out;
+            for (int r = 0; r < rows; ++r) {
+                const int32_t* o = opin + (size_t)r * words;
+                if (o[0] < 0) {
+                    raise_device_error();
+                    throw std::runtime_error("CUDA top_k: error code " + std::to_string(o[0]));
+                }
+                if (o[0] > 0) {
+                    out.append(py::none());
+                    continue;
+                }
+                py::array_t<int64_t> ids(k);
+                py::array_t<float> vals(k), gv(g);
+                std::copy(o + 1, o + 1 + k, ids.mutable_data());
+                std::memcpy(vals.mutable_data(), o + 1 + k, (size_t)k * 4);
+                std::memcpy(gv.mutable_data(), o + 1 + 2 * k, (size_t)g * 4);
+                out.append(py::make_tuple(ids, vals, gv));
+            }
+            return out;
+        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"), py::arg("k"), py::arg("gather"),
+        "Sampling's candidates on the device, for each of `rows` consecutive rows of n values: "
+        "(ids, values, gathered) with the k best ids best first (ties: lower index first, as top_k), "
+        "their values and the row's values at the row's gather ids (-1: none, 0.0); None for a row "
+        "holding NaN or Inf. Two launches, one readback, one wait.");
+
     // Boundary copies for every pair that involves a device pool.
     m.def("copy_buffer", [](DevPool& src, int src_id, DevPool& dst, int dst_id, size_t nbytes) {
             src.check_range(src_id, 0, nbytes);

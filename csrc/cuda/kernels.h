@@ -175,6 +175,19 @@ constexpr int32_t kArgmaxNonFinite = -1;
 constexpr int kArgmaxMaxRows = 64;
 void argmax(const float* x, int64_t n, int32_t* out, const int* err, int rows = 1);
 
+// Sampling's candidates (k_topk.cu): for each of `rows` consecutive rows of n values, the
+// k best (value descending, equal values by the lower index: the CPU top_k's order) and
+// the values at g gather ids (gather: rows x g device ints, -1 for none). Row r of `out`
+// is topk_row_words(kcap, gcap) ints: a flag (0; 1 when a value is NaN or Inf; -1 - code
+// when the device error word is set), kcap ids, kcap values (float bits), gcap gathered
+// values. scratch: topk_scratch_bytes(n, rows, k) device bytes, zero at allocation and
+// left so. Two launches.
+constexpr int kTopKMax = 256;
+constexpr size_t topk_row_words(int kcap, int gcap) { return 1 + 2 * (size_t)kcap + gcap; }
+size_t topk_scratch_bytes(int64_t n, int rows, int k);
+void top_k(const float* x, int64_t n, int rows, int k, const int32_t* gather, int g, void* scratch, int32_t* out,
+           int kcap, int gcap, const int* err);
+
 // Profiling only (MINFER_CUDA_STAMP=1): one thread writes the device clock (ns) into *slot
 // once every kernel before it on the stream has finished.
 void stamp(int64_t* slot);

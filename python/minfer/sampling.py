@@ -62,38 +62,40 @@ class Sampler:
             return int(ids)
         return int(ids[self.rng.choice(probs.size, p=probs)])
 
-    def distribution(self, logits: np.ndarray, recent=None):
+    def distribution(self, logits, recent=None):
         """What `sample` draws from: (ids, probs) over the surviving candidates, or
-        (argmax id, None) at temperature 0. `recent` replaces the penalty history (the
-        speculative verifier scores a row as if the drafted tokens before it had been
-        accepted)."""
+        (argmax id, None) at temperature 0. `logits` is a row, or a source that keeps the
+        row where it was computed (a device) and answers for its best candidates (see
+        HostRow). `recent` replaces the penalty history (the speculative verifier scores
+        a row as if the drafted tokens before it had been accepted)."""
         p = self.params
         recent = self.recent if recent is None else recent
         # The logits may be a read-only view of the engine's buffer: never edited in
         # place; the penalized values travel beside them.
-        logits = np.asarray(logits)
-        pen = None
+        src = logits if hasattr(logits, "best") else HostRow(logits)
+        pen_ids = None
         if p.repeat_penalty != 1.0 and recent:
-            ids = np.fromiter(set(recent), dtype=np.int64)
-            vals = logits[ids].astype(np.float64)
-            # llama.cpp's rule: shrink positive logits, grow negative ones. An extreme
-            # penalty can push a value past float64: kept finite so the softmax below
-            # never computes inf - inf.
-            with np.errstate(over="ignore", under="ignore"):
-                vals = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-            pen = (ids, np.clip(vals, -_BIG, _BIG))
-        if p.temperature <= 0.0:
-            if pen is None:
-                return int(np.argmax(logits)), None
-            order, _ = _best(logits, 1, pen)
-            return int(order[0]), None
-
-        n = logits.size
-        if 0 < p.top_k < n:
-            order, vals = _best(logits, p.top_k, pen)
+            pen_ids = np.fromiter(set(recent), dtype=np.int64)
+        if p.temperature <= 0.0 and pen_ids is None:
+            return src.argmax(), None
+        n = src.n
+        k = 1 if p.temperature <= 0.0 else p.top_k if 0 < p.top_k < n else 0
+        extra = 0 if pen_ids is None else pen_ids.size
+        if k and src.takes(min(k + extra, n)):
+            ids, vals, raw = src.best(min(k + extra, n), pen_ids)
+            pen = None if pen_ids is None else (pen_ids, self._penalize(raw))
+            order, vals = _merge(ids, vals, k, pen)
+        else:  # no top-k, or more candidates than the source selects at once
+            row = src.row()
+            pen = None if pen_ids is None else (pen_ids, self._penalize(row[pen_ids].astype(np.float64)))
+            if k:
+                order, vals = _best(row, k, pen)
+            else:
+                order, vals, probs = _nucleus_prefix(row, pen, p.top_p, p.min_p)
+        if k:
+            if p.temperature <= 0.0:
+                return int(order[0]), None
             probs = _softmax(vals)
-        else:
-            order, vals, probs = _nucleus_prefix(logits, pen, p.top_p, p.min_p)
         if p.top_p < 1.0:
             cum = np.cumsum(probs)
             keep = int(np.searchsorted(cum, p.top_p) + 1)
@@ -107,26 +109,64 @@ class Sampler:
             probs = _softmax((vals - vals.max()) / p.temperature)
         return order, probs
 
+    def _penalize(self, vals: np.ndarray) -> np.ndarray:
+        # llama.cpp's rule: shrink positive logits, grow negative ones. An extreme penalty
+        # can push a value past float64: kept finite so the softmax never computes inf - inf.
+        r = self.params.repeat_penalty
+        with np.errstate(over="ignore", under="ignore"):
+            vals = np.where(vals > 0, vals / r, vals * r)
+        return np.clip(vals, -_BIG, _BIG)
+
+
+class HostRow:
+    """A logits row in host memory, as `Sampler.distribution` reads a row. A source that
+    keeps the row elsewhere (a device) has the same methods: `best` answers for the
+    candidates in one call, `row` brings the whole row when a filter needs it."""
+
+    def __init__(self, row):
+        self.data = np.asarray(row).reshape(-1)
+        self.n = self.data.size
+
+    def argmax(self) -> int:
+        return int(np.argmax(self.data))
+
+    def takes(self, k: int) -> bool:
+        return True
+
+    def best(self, k: int, ids: np.ndarray | None):
+        """The k best ids (best first, equal values by id), their values and the values
+        at `ids`, as float64; NumericsError for a row holding NaN or Inf."""
+        row = np.ascontiguousarray(self.data, dtype=np.float32)
+        top = _core.top_k(row, k)
+        if top is None:  # a NaN or Inf in the row: the check words the error
+            check_logits_finite(row, None)
+            raise NumericsError("top_k flagged a row that checks finite")
+        return top, row[top].astype(np.float64), None if ids is None else row[ids].astype(np.float64)
+
+    def row(self) -> np.ndarray:
+        return self.data
+
 
 def _best(logits: np.ndarray, k: int, pen: tuple | None) -> tuple[np.ndarray, np.ndarray]:
     """The k best ids of a row and their values (float64), best first, equal values by
     id; with pen = (ids, values) the penalized values replace the row's at those ids (a
     penalty only lowers a value, so the k best are among the row's k + len(ids) best and
     the penalized ids)."""
-    row = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
     extra = 0 if pen is None else pen[0].size
-    ids = _core.top_k(row, min(k + extra, row.size))
-    if ids is None:  # a NaN or Inf in the row: the check words the error
-        check_logits_finite(row, None)
-        raise NumericsError("top_k flagged a row that checks finite")
-    vals = row[ids].astype(np.float64)
-    if pen is not None:
-        # The penalized entries first, so unique() keeps their values for ids in both.
-        ids, first = np.unique(np.concatenate([pen[0], ids]), return_index=True)
-        vals = np.concatenate([pen[1], vals])[first]
-        best = np.lexsort((ids, -vals))[:k]
-        ids, vals = ids[best], vals[best]
-    return ids, vals
+    ids, vals, _ = HostRow(logits).best(min(k + extra, np.asarray(logits).size), None)
+    return _merge(ids, vals, k, pen)
+
+
+def _merge(ids: np.ndarray, vals: np.ndarray, k: int, pen: tuple | None) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of a row's best candidates (ids, vals) once the penalized values
+    pen = (ids, values) replace the row's at those ids."""
+    if pen is None:
+        return ids[:k], vals[:k]
+    # The penalized entries first, so unique() keeps their values for ids in both.
+    ids, first = np.unique(np.concatenate([pen[0], ids]), return_index=True)
+    vals = np.concatenate([pen[1], vals])[first]
+    best = np.lexsort((ids, -vals))[:k]
+    return ids[best], vals[best]
 
 
 def _nucleus_prefix(logits: np.ndarray, pen: tuple | None, top_p: float, min_p: float):

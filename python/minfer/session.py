@@ -36,7 +36,7 @@ from minfer.graph.params import KV_TYPES, CParams, GraphParams, GraphType
 from minfer.graph.trace import trace_enabled, trace_summary
 from minfer.limits import check_context
 from minfer.logits_check import check_logits_finite
-from minfer.sampling import Sampler, SamplingParams
+from minfer.sampling import HostRow, Sampler, SamplingParams
 
 
 def _cuda_fusions() -> frozenset:
@@ -228,6 +228,18 @@ class Context:
             check_logits_finite(self.cache.alloc.copy_to_host(out)[-1], step)
             raise NumericsError(f"the device flagged non-finite logits (step {step}) that read back finite")
         return t
+
+    def last_row(self, step: int | None = None):
+        """The last logits row of the last forward for `Sampler.distribution`: on a device
+        that selects candidates itself (DeviceRow), nothing is read back but them; else
+        the row read back (HostRow), checked for NaN/Inf first. `step` names the decode
+        step in a NumericsError."""
+        dev, buf, n, rows = self._out
+        if rows == 1 and hasattr(dev, "top_k_rows"):
+            return DeviceRow(self, step)
+        row = self.cache.alloc.host_view(self.cache.graph.outputs[0])[-1]
+        check_logits_finite(row, step)
+        return HostRow(row)
 
     def decode_batch(self, items: list, copy: bool = True) -> np.ndarray:
         """Append each item's tokens to its session's sequence in one forward. An item is
@@ -539,14 +551,20 @@ class Session:
         # logits takes in place (checking them for NaN/Inf as it goes): nothing else is
         # read back, so forwards pass copy=None and pick(None) asks the context.
         greedy = sampling.temperature <= 0.0 and sampling.repeat_penalty == 1.0 and not logprobs
-        copy = None if greedy else False
+        # Sampling on a GPU likewise: the device selects the candidates (last_row), so a
+        # step reads back those, not the 600 KB row.
+        on_device = not greedy and not logprobs and self.context.cparams.gpu
+        copy = None if greedy or on_device else False
 
         step = 0  # 0 = the prompt, then one per decode step
 
         def pick(logits) -> tuple[int, float | None]:
             nonlocal step
             if logits is None:
-                t = self.context.argmax_last(step)  # never the argmax of NaNs
+                if greedy:
+                    t = self.context.argmax_last(step)  # never the argmax of NaNs
+                else:
+                    t = sampler.sample(self.context.last_row(step))  # never from NaNs either
                 step += 1
                 return t, None
             check_logits_finite(logits[-1], step)  # never the argmax of NaNs
@@ -692,6 +710,37 @@ class TextState:
         out = self.text[self.emitted:]
         self.emitted = len(self.text)
         return out, reason
+
+
+class DeviceRow:
+    """The one logits row of a context's last forward, left on the device that wrote it:
+    the sampler's candidates (the best k, the penalized ids' values) come back from the
+    device's selection in one call; a filter that needs the whole row (no top-k) reads it
+    back. Same ids and values as HostRow on that row, so the same picks."""
+
+    def __init__(self, ctx: Context, step: int | None):
+        self.ctx, self.step = ctx, step
+        self.dev, self.buf, self.n, _ = ctx._out
+
+    def argmax(self) -> int:
+        return self.ctx.argmax_last(self.step)
+
+    def takes(self, k: int) -> bool:
+        return k <= getattr(self.dev, "top_k_max", 0)
+
+    def best(self, k: int, ids: np.ndarray | None):
+        gather = np.zeros((1, 0), dtype=np.int32) if ids is None else np.asarray(ids, dtype=np.int32).reshape(1, -1)
+        got = self.dev.top_k_rows(self.buf, self.n, 1, k, gather)[0]
+        if got is None:  # NaN or Inf in the row: the row words the error
+            self.row()
+            raise NumericsError(f"the device flagged non-finite logits (step {self.step}) that read back finite")
+        top, vals, at = got
+        return top, vals.astype(np.float64), None if ids is None else at.astype(np.float64)
+
+    def row(self) -> np.ndarray:
+        row = self.ctx.cache.alloc.host_view(self.ctx.cache.graph.outputs[0])[-1]
+        check_logits_finite(row, self.step)
+        return row
 
 
 def pick_token(row: np.ndarray, sampler: Sampler, logprobs: bool = False) -> tuple[int, float | None]:

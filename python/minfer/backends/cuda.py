@@ -114,6 +114,11 @@ class CudaDevice:
         # argmax_rows(buf, n, rows): greedy picks of a verified speculative block, one
         # launch and one readback of `rows` ints instead of the rows' logits.
         self.argmax_rows = functools.partial(_core.argmax_rows, pool)
+        # top_k_rows(buf, n, rows, k, gather): sampling's candidates selected on the device
+        # (the k best ids and values, the values at the gather ids); None for a row
+        # holding NaN or Inf. A sampled step reads back those instead of its row.
+        self.top_k_rows = functools.partial(_core.top_k_rows, pool)
+        self.top_k_max = _core.top_k_max
 
     def new_plan(self, label: str):
         return self.core.Plan(label)
