@@ -2,15 +2,17 @@
 # One call on the GPU machine (the `device` tool's `run`): build with CUDA, the GPU test
 # suite, then the benchmark table, each phase's log and time under $OUT, so one call
 # (and one machine start) does what a session needs. The machine has no registry: the
-# `gguf` wheel travels with the tree (carry it), e.g.
+# `gguf` wheel and the server's (uvicorn h11 click starlette anyio sniffio idna) travel
+# with the tree (carry the folder), e.g.
 #
-#   pip download --no-deps gguf==0.19.0 -d .whl/
-#   run(command="bash bench/device_session.sh", carry=[".whl/gguf-0.19.0-py3-none-any.whl"])
+#   pip download --no-deps gguf==0.19.0 uvicorn h11 click starlette anyio sniffio idna -d .whl/
+#   run(command="bash bench/device_session.sh", carry=[".whl"])
 #
 # Knobs (environment): TESTS=0 skips the GPU suite, TESTS_K=expr narrows it (pytest -k);
 # BENCH=none|0.5b|7b|all (default all) and REPS (default 3) for bench/cuda_bench.py;
 # AB="NAME=VAL[ NAME=VAL];..." runs `minfer bench -p 0 -n 128` on the 0.5B and 7B shapes
-# once per variant (empty = defaults), ROUNDS rounds (2) alternating, side by side in one run;
+# once per variant (empty = defaults; put it first: bash drops a trailing empty field),
+# ROUNDS rounds (2) alternating, side by side in one run;
 # PROBE=1 runs bench/stream_probe.cu first; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
 # once per variant of STAMP_AB (as AB; unset: the defaults).
 # Phases that fail are reported in summary.txt; the later ones still run.
@@ -23,8 +25,9 @@ phase() { printf '%s %s\n' "$(date +%T)" "$*" | tee -a "$S"; }
 
 phase "start at $(git log --oneline -1 2>/dev/null || echo 'no git')"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader >>"$S" 2>&1
-if compgen -G ".whl/gguf-*.whl" >/dev/null; then
-  python3 -m pip install -q --no-deps .whl/gguf-*.whl >>"$S" 2>&1
+# Wheels carried in .whl/ (gguf; the server's stack for tests/test_cuda_server.py).
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-deps .whl/*.whl >>"$S" 2>&1
 fi
 
 # PROBE=1: bench/stream_probe.cu (read-bandwidth ceilings of the matvec's access
@@ -57,7 +60,7 @@ fi
 
 if [ "${TESTS:-1}" = 1 ]; then
   t0=$SECONDS
-  python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider --durations=10 ${TESTS_K:+-k "$TESTS_K"} \
+  python3 -m pytest tests/test_cuda*.py -m cuda -q -p no:cacheprovider --durations=10 ${TESTS_K:+-k "$TESTS_K"} \
     >"$OUT/tests.log" 2>&1
   phase "tests rc $? in $((SECONDS - t0)) s: $(tail -1 "$OUT/tests.log")"
 fi

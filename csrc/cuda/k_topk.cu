@@ -205,17 +205,21 @@ __global__ void __launch_bounds__(TK2_THREADS) k_topk_merge(const float* __restr
 
 int topk_slices(int64_t n) { return (int)((n + TK1_SLICE - 1) / TK1_SLICE); }
 
+// The rows' non-finite flags first, at a place no call's candidates cover (each call
+// leaves them zero), then the candidates.
+constexpr size_t TK_FLAGS_BYTES = kArgmaxMaxRows * sizeof(int);
+
 size_t topk_scratch_bytes(int64_t n, int rows, int k) {
-    return (size_t)rows * topk_slices(n) * k * sizeof(uint64_t) + (size_t)rows * sizeof(int);
+    return TK_FLAGS_BYTES + (size_t)rows * topk_slices(n) * k * sizeof(uint64_t);
 }
 
 void top_k(const float* x, int64_t n, int rows, int k, const int32_t* gather, int g, void* scratch, int32_t* out,
            int kcap, int gcap, const int* err) {
-    if (rows < 1 || k < 1 || k > kTopKMax || k > n || k > kcap || g < 0 || g > gcap)
+    if (rows < 1 || rows > kArgmaxMaxRows || k < 1 || k > kTopKMax || k > n || k > kcap || g < 0 || g > gcap)
         throw std::invalid_argument("top_k: bad shape");
     const int ns = topk_slices(n);
-    auto* cand = (uint64_t*)scratch;
-    int* bad = (int*)(cand + (size_t)rows * ns * k);
+    int* bad = (int*)scratch;
+    auto* cand = (uint64_t*)((uint8_t*)scratch + TK_FLAGS_BYTES);
     launch(k_topk_slices, dim3((unsigned)ns, (unsigned)rows), TK1_THREADS, x, n, k, cand, bad);
     launch(k_topk_merge, (unsigned)rows, TK2_THREADS, x, n, k, ns, (const uint64_t*)cand, bad, gather, g, out, kcap,
            gcap, err);

@@ -180,8 +180,8 @@ void argmax(const float* x, int64_t n, int32_t* out, const int* err, int rows = 
 // the values at g gather ids (gather: rows x g device ints, -1 for none). Row r of `out`
 // is topk_row_words(kcap, gcap) ints: a flag (0; 1 when a value is NaN or Inf; -1 - code
 // when the device error word is set), kcap ids, kcap values (float bits), gcap gathered
-// values. scratch: topk_scratch_bytes(n, rows, k) device bytes, zero at allocation and
-// left so. Two launches.
+// values. scratch: topk_scratch_bytes(n, rows, k) device bytes, zero at allocation (its
+// flags are left zero by every call). rows <= kArgmaxMaxRows. Two launches.
 constexpr int kTopKMax = 256;
 constexpr size_t topk_row_words(int kcap, int gcap) { return 1 + 2 * (size_t)kcap + gcap; }
 size_t topk_scratch_bytes(int64_t n, int rows, int k);

@@ -69,17 +69,14 @@ class Sampler:
         HostRow). `recent` replaces the penalty history (the speculative verifier scores
         a row as if the drafted tokens before it had been accepted)."""
         p = self.params
-        recent = self.recent if recent is None else recent
         # The logits may be a read-only view of the engine's buffer: never edited in
         # place; the penalized values travel beside them.
         src = logits if hasattr(logits, "best") else HostRow(logits)
-        pen_ids = None
-        if p.repeat_penalty != 1.0 and recent:
-            pen_ids = np.fromiter(set(recent), dtype=np.int64)
-        if p.temperature <= 0.0 and pen_ids is None:
-            return src.argmax(), None
         n = src.n
-        k = 1 if p.temperature <= 0.0 else p.top_k if 0 < p.top_k < n else 0
+        k, pen_ids = self.needs(n, recent)
+        if k == 0:
+            return src.argmax(), None
+        k = max(k, 0)
         extra = 0 if pen_ids is None else pen_ids.size
         if k and src.takes(min(k + extra, n)):
             ids, vals, raw = src.best(min(k + extra, n), pen_ids)
@@ -108,6 +105,20 @@ class Sampler:
         with np.errstate(over="ignore", divide="ignore"):
             probs = _softmax((vals - vals.max()) / p.temperature)
         return order, probs
+
+    def needs(self, n: int, recent=None) -> tuple[int, np.ndarray | None]:
+        """What `distribution` reads of a row of n: (k, pen_ids). k = 0: the argmax alone;
+        k > 0: the row's k + len(pen_ids) best candidates and its values at pen_ids (the
+        penalized ids, or None); k = -1: the whole row (no top-k). A device selecting
+        candidates for several rows at once plans with it (session.DeviceRows)."""
+        p = self.params
+        recent = self.recent if recent is None else recent
+        pen_ids = None
+        if p.repeat_penalty != 1.0 and recent:
+            pen_ids = np.fromiter(set(recent), dtype=np.int64)
+        if p.temperature <= 0.0:
+            return (0 if pen_ids is None else 1), pen_ids
+        return (p.top_k if 0 < p.top_k < n else -1), pen_ids
 
     def _penalize(self, vals: np.ndarray) -> np.ndarray:
         # llama.cpp's rule: shrink positive logits, grow negative ones. An extreme penalty

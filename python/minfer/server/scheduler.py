@@ -18,6 +18,10 @@ time, exactly as single steps would hand them out, and the slot's KV forgets the
 rejected cells (bookkeeping only: they are overwritten later). Rows are independent in
 the forward, so what a slot generates does not depend on what the others contribute.
 
+On a device that picks in place (CUDA: argmax_rows, top_k_rows), a step without drafts
+leaves its logits there and reads back only what the picks need (session.DeviceRows),
+not a row of n_vocab floats per slot; the picks are the same.
+
 The HTTP side never touches the Context: it submits Jobs and receives Events through
 the job's `emit` callback (called on this thread; the app hops them onto its loop).
 """
@@ -37,7 +41,7 @@ import numpy as np
 from minfer.errors import MinferError, NumericsError
 from minfer.logits_check import check_logits_finite
 from minfer.sampling import Sampler, SamplingParams
-from minfer.session import Context, TextState, pick_token
+from minfer.session import BatchedRow, Context, DeviceRows, TextState, pick_token
 from minfer.speculate import NgramDrafter, Policy, check_same_vocab, verify
 
 log = logging.getLogger("minfer.server")
@@ -407,20 +411,45 @@ class Scheduler:
         if not items:
             return
         t0 = time.perf_counter()
+        on_device = self._picks_on_device(items)
         try:
-            rows = self.ctx.decode_batch([(s.session, toks, k) for s, toks, k in items], copy=False)
-            results, off = [], 0
-            for s, toks, k in items:
-                results.append((s, toks, rows[off:off + k]))
-                off += k
+            rows = self.ctx.decode_batch([(s.session, toks, k) for s, toks, k in items],
+                                         copy=None if on_device else False)
         except Exception as e:  # noqa: BLE001 - isolate the request whose forward fails
             results = self._isolate(items, e)
+        else:  # past the forward: nothing here may send the items through _isolate again
+            if on_device:
+                results = self._device_picks(items)
+            else:
+                results, off = [], 0
+                for s, toks, k in items:
+                    results.append((s, toks, rows[off:off + k]))
+                    off += k
         self.steps += 1
         n_tokens = sum(len(t) for _, t, _ in items)
         for s, toks, block in results:
             self._advance(s, toks, block)
         if self.metrics:
             self.metrics.on_step(len(items), n_tokens, time.perf_counter() - t0)
+
+    def _picks_on_device(self, items) -> bool:
+        """Whether this step leaves its logits on the device and picks there (DeviceRows):
+        every row read back costs n_vocab * 4 bytes, where a pick needs an int or a few
+        hundred candidates. Not with drafts: verifying a block scores whole rows."""
+        if any(s.draft for s, _, _ in items):
+            return False
+        return DeviceRows.usable(self.ctx, sum(k for _, _, k in items))
+
+    def _device_picks(self, items) -> list:
+        """(slot, tokens, row source) per item, the rows left on the device. The sampled
+        picks' candidates are planned first: one device call then selects them all."""
+        rows = DeviceRows(self.ctx)
+        out = []
+        for r, (s, toks, _) in enumerate(items):  # no drafts: one row per item
+            if len(s.pending) <= len(toks):       # a pick (not a prompt chunk with more to go)
+                rows.plan(r, s.sampler)
+            out.append((s, toks, rows.source(r, s.picks)))
+        return out
 
     def _isolate(self, items, err: Exception):
         """A batched forward failed: run each item alone, so only the request whose own
@@ -447,7 +476,7 @@ class Scheduler:
             self.metrics.on_error()
         _send(job, Event("error", status=500, message=f"inference failed: {err}"))
 
-    def _advance(self, s: Slot, toks: list[int], block: np.ndarray) -> None:
+    def _advance(self, s: Slot, toks: list[int], block: np.ndarray | BatchedRow) -> None:
         """Hand out the picks of this step's rows: one, or a verified block's."""
         if s.job is None:
             return
@@ -455,6 +484,16 @@ class Scheduler:
             s.pending = s.pending[len(toks):]
             if s.pending:
                 return              # more prompt to go: this row is not a pick
+        if isinstance(block, BatchedRow):
+            # Still on the device, which flags NaN/Inf in whatever it answers from; the
+            # row is then read back to word the same error as below.
+            try:
+                tok = block.pick(s.sampler)
+            except NumericsError as e:
+                self._fail(s, e)
+                return
+            self._hand_out(s, tok)
+            return
         try:
             # Never a pick from broken logits (the argmax of NaNs is a plausible token):
             # the job ends with the error naming its step; the other slots carry on.
