@@ -128,6 +128,20 @@ def test_distribution_equals_a_full_sort(n, ties):
             np.testing.assert_allclose(got_p, want_p, rtol=1e-9, atol=1e-15, err_msg=str(kw))
 
 
+def test_draw_is_generator_choice():
+    """The sampler's draw is Generator.choice(n, p=probs): the same index from the same
+    state, over many shapes of distribution (peaked, flat, one entry, tiny tails)."""
+    from minfer.sampling import draw
+    shapes = np.random.default_rng(1)
+    for seed in range(300):
+        n = int(shapes.integers(1, 80))
+        p = shapes.random(n) ** float(shapes.choice([1.0, 3.0, 12.0]))
+        p /= p.sum()
+        a, b = np.random.default_rng(seed), np.random.default_rng(seed)
+        for _ in range(20):
+            assert draw(a, p) == int(b.choice(n, p=p))
+
+
 class CountingSource:
     """A row kept 'elsewhere', as a device keeps it: answers through HostRow's methods
     and counts what the sampler asked for; takes candidates up to `cap` at once."""

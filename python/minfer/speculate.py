@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minfer.errors import MinferError
+from minfer.sampling import draw
 
 MODES = ("ngram", "draft")
 
@@ -381,7 +382,7 @@ def verify(rows: np.ndarray, draft: list[int], sampler, logprobs: bool = False,
         if probs is None:                      # temperature 0 with a penalty
             t = int(ids)
         elif x is None:                        # every draft kept: one more from p
-            t = int(ids[rng.choice(probs.size, p=probs)])
+            t = int(ids[draw(rng, probs)])
         else:
             hit = np.flatnonzero(ids == x)
             px = float(probs[hit[0]]) if hit.size else 0.0
@@ -391,7 +392,7 @@ def verify(rows: np.ndarray, draft: list[int], sampler, logprobs: bool = False,
                 res = probs.copy()
                 if hit.size:
                     res[hit[0]] = 0.0
-                t = int(ids[rng.choice(res.size, p=res / res.sum())])
+                t = int(ids[draw(rng, res / res.sum())])
         out.append(Pick(t, _logprob(rows[j], t) if logprobs else None))
         if t != x:
             return out, j
