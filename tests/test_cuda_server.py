@@ -21,6 +21,7 @@ from minfer.sampling import SamplingParams
 from minfer.server.scheduler import Job, Scheduler
 from minfer.session import Session
 from minfer.testing.synth import write_model
+from scheduler_helpers import pick_mix, poison_token_row, prompts
 
 pytestmark = pytest.mark.cuda
 
@@ -36,9 +37,6 @@ def model_path(tmp_path_factory):
     return path
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(3, 250, size=int(rng.integers(5, 40)))] for _ in range(n)]
 
 
 def scheduler(path, device_picks: bool) -> Scheduler:
@@ -80,17 +78,7 @@ def run(sched: Scheduler, specs) -> tuple[list[list], dict, int]:
     return out, dict(_core.testing.cuda_counters()), sched.steps - steps
 
 
-P = prompts(6, seed=31)
-MIX = [
-    (P[0], 12, SamplingParams(temperature=0.0)),
-    (P[0], 12, SamplingParams(temperature=1.5, top_k=40, top_p=1.0, min_p=0.0, seed=3)),
-    (P[1], 10, SamplingParams(temperature=0.8, seed=5)),
-    (P[2], 10, SamplingParams(temperature=1.0, top_k=5, top_p=1.0, min_p=0.0, repeat_penalty=1.3,
-                              repeat_last_n=16, seed=7)),
-    (P[3], 9, SamplingParams(temperature=0.0, repeat_penalty=1.5)),
-    (P[4], 11, SamplingParams(temperature=1.2, top_k=30, top_p=0.9, min_p=0.02, repeat_penalty=0.7, seed=9)),
-    (P[5], 7, SamplingParams(temperature=0.0)),
-]
+MIX = pick_mix(prompts(8, seed=31))
 
 
 def test_device_picks_equal_the_host_path_reading_back_far_less_than_a_row(model_path):
@@ -117,22 +105,12 @@ def test_a_broken_row_fails_only_its_job_with_the_host_paths_error(model_path, t
     (argmax_rows flags it), a sampled a + [g0] at the prompt (top_k_rows flags it), each
     with the host path's error; b, batched beside it, finishes as on the host path. (Not
     compared with b alone: on CUDA a prompt in chunks may round apart from one forward.)"""
-    from minfer.io.gguf_file import GGUFFile
-
     a, b = prompts(2, seed=9)
     ok = Model.open(model_path, backends=["cuda"])
     g0 = Session(ok, n_ctx=CTX).generate(a, 1, SamplingParams(temperature=0.0), stop_at_eog=False).ids[0]
     want_b = Session(ok, n_ctx=CTX).generate(b, 6, SamplingParams(temperature=0.0), stop_at_eog=False).ids
     assert g0 not in want_b and g0 not in b, "pick other prompts"
-    poisoned = tmp_path / "row.gguf"
-    poisoned.write_bytes(model_path.read_bytes())
-    with GGUFFile.open(poisoned) as g:
-        t = g.tensors["token_embd.weight"]
-        assert t.type_name == "F32"
-        off = t.offset + g0 * SMALL["n_embd"] * 4
-    with open(poisoned, "r+b") as f:
-        f.seek(off)
-        f.write(np.full(SMALL["n_embd"], np.nan, np.float32).tobytes())
+    poisoned = poison_token_row(model_path, tmp_path / "row.gguf", g0, SMALL["n_embd"])
     cases = [
         ([(a, 6, SamplingParams(temperature=0.0)), (b, 6, SamplingParams(temperature=0.0))], "at step 1"),
         ([(a + [g0], 6, SamplingParams(temperature=0.8, seed=1)), (b, 6, SamplingParams(temperature=0.8, seed=2))],

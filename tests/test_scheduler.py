@@ -16,8 +16,8 @@ from minfer.sampling import SamplingParams
 from minfer.server.scheduler import Job, Scheduler, default_max_batch
 from minfer.session import Session
 from minfer.testing import write_model
+from scheduler_helpers import collect_events, poison_token_row, prompts
 
-from scheduler_helpers import collect_events
 
 CTX = 96
 
@@ -29,9 +29,6 @@ def model(tmp_path_factory) -> Model:
     return Model.open(path, n_threads=2)
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(3, 250, size=int(rng.integers(5, 40)))] for _ in range(n)]
 
 
 def run_jobs(sched: Scheduler, specs: list[tuple[list[int], int]]) -> list[dict]:
@@ -203,8 +200,6 @@ def test_broken_logits_end_only_their_job_naming_the_step(tmp_path):
     """A pick is never taken from NaN/Inf logits (their argmax is a plausible token): the
     job whose row is broken ends with a 500 naming its step, after the tokens before it;
     a job batched beside it finishes as it would alone."""
-    from minfer.io.gguf_file import GGUFFile
-
     small = dict(n_embd=128, n_head=4, n_head_kv=2, n_ff=256)
     path = write_model(tmp_path / "ok.gguf", **small).path
     ok = Model.open(path, n_threads=2)
@@ -213,13 +208,7 @@ def test_broken_logits_end_only_their_job_naming_the_step(tmp_path):
     want_b = alone(ok, b, 6)
     assert g0 not in want_b.ids and g0 not in b, "pick other prompts"
     # NaN in the embedding row of a's first pick: a's step 1 is broken, b never reads it.
-    poisoned = tmp_path / "row.gguf"
-    poisoned.write_bytes(path.read_bytes())
-    with GGUFFile.open(poisoned) as g:
-        off = g.tensors["token_embd.weight"].offset + g0 * small["n_embd"] * 4
-    with open(poisoned, "r+b") as f:
-        f.seek(off)
-        f.write(np.full(small["n_embd"], np.nan, np.float32).tobytes())
+    poisoned = poison_token_row(path, tmp_path / "row.gguf", g0, small["n_embd"])
     sched = Scheduler(Model.open(poisoned, n_threads=2), n_slots=3, n_ctx=CTX, chunk=16)
     sched.start()
     try:

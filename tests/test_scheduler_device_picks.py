@@ -19,6 +19,7 @@ from minfer.sampling import HostRow, Sampler, SamplingParams
 from minfer.server.scheduler import Job, Scheduler
 from minfer.session import DeviceRows, Session
 from minfer.testing import write_model
+from scheduler_helpers import pick_mix, poison_token_row, prompts
 
 CTX = 96
 SMALL = dict(n_embd=128, n_head=4, n_head_kv=2, n_ff=256)
@@ -103,9 +104,6 @@ def model(tmp_path_factory) -> Model:
     return Model.open(path, n_threads=2)
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(3, 250, size=int(rng.integers(5, 40)))] for _ in range(n)]
 
 
 def run(sched: Scheduler, specs: list[tuple[list[int], int, SamplingParams]], usage: list | None = None,
@@ -156,17 +154,7 @@ class Both:
 
 
 P = prompts(8, seed=21)
-MIX = [
-    (P[0], 12, SamplingParams(temperature=0.0)),
-    (P[0], 12, SamplingParams(temperature=1.5, top_k=40, top_p=1.0, min_p=0.0, seed=3)),
-    (P[1], 10, SamplingParams(temperature=0.8, seed=5)),
-    (P[2], 10, SamplingParams(temperature=1.0, top_k=5, top_p=1.0, min_p=0.0, repeat_penalty=1.3,
-                              repeat_last_n=16, seed=7)),
-    (P[3], 9, SamplingParams(temperature=0.0, repeat_penalty=1.5)),            # greedy through the sampler
-    (P[4], 8, SamplingParams(temperature=0.0, repeat_penalty=1.5, repeat_last_n=0)),  # no history: its argmax
-    (P[5], 11, SamplingParams(temperature=1.2, top_k=30, top_p=0.9, min_p=0.02, repeat_penalty=0.7, seed=9)),
-    (P[6], 7, SamplingParams(temperature=0.0)),
-]
+MIX = pick_mix(P)
 
 
 def test_device_picks_equal_the_host_path_and_read_no_row(model, monkeypatch):
@@ -265,21 +253,13 @@ def test_a_broken_row_fails_only_its_job_with_the_host_paths_error(tmp_path):
     """NaN logits in one slot's row (the embedding of its first greedy pick, or the last
     prompt token of a sampled job): that job ends with the same error as on the host
     path, naming its step; the job batched beside it finishes as it does there."""
-    from minfer.io.gguf_file import GGUFFile
-
     path = write_model(tmp_path / "ok.gguf", **SMALL).path
     ok = Model.open(path, n_threads=2)
     a, b = prompts(2, seed=9)
     g0 = Session(ok, n_ctx=CTX).generate(a, 1, SamplingParams(temperature=0.0), stop_at_eog=False).ids[0]
     want_b = Session(ok, n_ctx=CTX).generate(b, 6, SamplingParams(temperature=0.0), stop_at_eog=False).ids
     assert g0 not in want_b and g0 not in b, "pick other prompts"
-    poisoned = tmp_path / "row.gguf"
-    poisoned.write_bytes(path.read_bytes())
-    with GGUFFile.open(poisoned) as g:
-        off = g.tensors["token_embd.weight"].offset + g0 * SMALL["n_embd"] * 4
-    with open(poisoned, "r+b") as f:
-        f.seek(off)
-        f.write(np.full(SMALL["n_embd"], np.nan, np.float32).tobytes())
+    poisoned = poison_token_row(path, tmp_path / "row.gguf", g0, SMALL["n_embd"])
     bad = Model.open(poisoned, n_threads=2)
     cases = [
         ([(a, 6, SamplingParams(temperature=0.0)), (b, 6, SamplingParams(temperature=0.0))],

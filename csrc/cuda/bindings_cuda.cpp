@@ -224,20 +224,17 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 MC_CHECK(cudaMemset(scratch, 0, need_s));
                 scratch_bytes = need_s;
             }
-            if (need_g > gcap_b) {
-                if (gdev) MC_CHECK(cudaFree(gdev));
-                if (gpin) MC_CHECK(cudaFreeHost(gpin));
-                gdev = (int32_t*)dev_alloc(need_g);
-                gpin = (int32_t*)host_alloc_pinned(need_g);
-                gcap_b = need_g;
-            }
-            if (need_o > ocap_b) {
-                if (odev) MC_CHECK(cudaFree(odev));
-                if (opin) MC_CHECK(cudaFreeHost(opin));
-                odev = (int32_t*)dev_alloc(need_o);
-                opin = (int32_t*)host_alloc_pinned(need_o);
-                ocap_b = need_o;
-            }
+            // A device buffer and its pinned host twin, grown together.
+            auto grow_pair = [](int32_t*& dev, int32_t*& pin, size_t& cap, size_t need) {
+                if (need <= cap) return;
+                if (dev) MC_CHECK(cudaFree(dev));
+                if (pin) MC_CHECK(cudaFreeHost(pin));
+                dev = (int32_t*)dev_alloc(need);
+                pin = (int32_t*)host_alloc_pinned(need);
+                cap = need;
+            };
+            grow_pair(gdev, gpin, gcap_b, need_g);
+            grow_pair(odev, opin, ocap_b, need_o);
             {
                 py::gil_scoped_release nogil;
                 if (g > 0) {
