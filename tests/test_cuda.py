@@ -954,6 +954,34 @@ def test_device_top_k_equals_cpu_top_k(n, k):
         _core.top_k_rows(r.pool, xi, n, 1, 1, np.array([[n]], np.int32))
 
 
+def test_device_top_k_from_two_threads():
+    """Two threads selecting candidates at once (two contexts of one process), with
+    different k and gathers so the shared readback buffers also grow meanwhile: each
+    thread gets its own row's answer every time."""
+    import threading
+    rigs = [Rig(), Rig()]
+    n = 151936
+    rng = np.random.default_rng(12)
+    rows = [rng.standard_normal(n).astype(np.float32) for _ in rigs]
+    bufs = [rig.buf(row) for rig, row in zip(rigs, rows)]
+    bad = []
+
+    def work(i):
+        for j in range(60):
+            k = 40 + 37 * i + j
+            gather = np.array([[i, 7 + j]], np.int32)
+            ids, vals, gv = _core.top_k_rows(rigs[i].pool, bufs[i], n, 1, k, gather)[0]
+            if not (np.array_equal(ids, _top_k_want(rows[i], k)) and np.array_equal(gv, rows[i][gather[0]])):
+                bad.append((i, j))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, bad[:5]
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_device_top_k_flags_non_finite(bad):
     """A row holding NaN or Inf anywhere answers None (the sampler then reads the row

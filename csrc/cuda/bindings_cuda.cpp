@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <mutex>
 
 #include "cpu/pool.h"
 #include "common/plan.h"
@@ -33,6 +34,13 @@ void check_host_range(const cpu::Pool& pool, int id, size_t nbytes) {
     if (nbytes > pool.size(id))
         throw std::out_of_range("pool " + pool.name() + ": buffer " + std::to_string(id) + " holds " +
                                 std::to_string(pool.size(id)) + " bytes; access of " + std::to_string(nbytes));
+}
+
+// The readbacks whose staging buffers are process-wide (argmax_rows, top_k_rows): held
+// with the GIL released, so two threads' calls cannot mix their buffers.
+std::mutex& readback_mutex() {
+    static std::mutex m;
+    return m;
 }
 
 double copy_bandwidth(size_t nbytes, int reps) {
@@ -177,6 +185,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             std::vector<int32_t> r(rows);
             {
                 py::gil_scoped_release nogil;
+                std::lock_guard<std::mutex> lock(readback_mutex());
                 argmax((const float*)pool.data(id), n, dev, c.err_dev, rows);
                 MC_CHECK(cudaMemcpyAsync(host, dev, rows * sizeof(int32_t), cudaMemcpyDeviceToHost, c.stream));
                 ++c.c.d2h;
@@ -209,34 +218,36 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 if (gi[i] < -1 || gi[i] >= n) throw py::value_error("top_k_rows: a gather id outside the row");
             pool.check_range(id, 0, (size_t)n * rows * 4);
             Context& c = ctx();
-            // Buffers sized for the largest call so far (every call ends with a wait, so a
-            // smaller one is idle when it is replaced); the scratch is zero when allocated.
-            static void* scratch = nullptr;
-            static size_t scratch_bytes = 0;
-            static int32_t *gdev = nullptr, *gpin = nullptr, *odev = nullptr, *opin = nullptr;
-            static size_t gcap_b = 0, ocap_b = 0;
-            const size_t need_s = topk_scratch_bytes(n, rows, k);
-            const size_t need_g = (size_t)rows * std::max(g, 1) * 4;
-            const size_t words = topk_row_words(k, g), need_o = (size_t)rows * words * 4;
-            if (need_s > scratch_bytes) {
-                if (scratch) MC_CHECK(cudaFree(scratch));
-                scratch = dev_alloc(need_s);
-                MC_CHECK(cudaMemset(scratch, 0, need_s));
-                scratch_bytes = need_s;
-            }
-            // A device buffer and its pinned host twin, grown together.
-            auto grow_pair = [](int32_t*& dev, int32_t*& pin, size_t& cap, size_t need) {
-                if (need <= cap) return;
-                if (dev) MC_CHECK(cudaFree(dev));
-                if (pin) MC_CHECK(cudaFreeHost(pin));
-                dev = (int32_t*)dev_alloc(need);
-                pin = (int32_t*)host_alloc_pinned(need);
-                cap = need;
-            };
-            grow_pair(gdev, gpin, gcap_b, need_g);
-            grow_pair(odev, opin, ocap_b, need_o);
+            const size_t words = topk_row_words(k, g);
+            std::vector<int32_t> res((size_t)rows * words);
             {
                 py::gil_scoped_release nogil;
+                std::lock_guard<std::mutex> lock(readback_mutex());
+                // Buffers sized for the largest call so far (every call ends with a wait, so
+                // a smaller one is idle when it is replaced); the scratch is zero when allocated.
+                static void* scratch = nullptr;
+                static size_t scratch_bytes = 0;
+                static int32_t *gdev = nullptr, *gpin = nullptr, *odev = nullptr, *opin = nullptr;
+                static size_t gcap_b = 0, ocap_b = 0;
+                const size_t need_s = topk_scratch_bytes(n, rows, k);
+                const size_t need_g = (size_t)rows * std::max(g, 1) * 4, need_o = res.size() * 4;
+                if (need_s > scratch_bytes) {
+                    if (scratch) MC_CHECK(cudaFree(scratch));
+                    scratch = dev_alloc(need_s);
+                    MC_CHECK(cudaMemset(scratch, 0, need_s));
+                    scratch_bytes = need_s;
+                }
+                // A device buffer and its pinned host twin, grown together.
+                auto grow_pair = [](int32_t*& dev, int32_t*& pin, size_t& cap, size_t need) {
+                    if (need <= cap) return;
+                    if (dev) MC_CHECK(cudaFree(dev));
+                    if (pin) MC_CHECK(cudaFreeHost(pin));
+                    dev = (int32_t*)dev_alloc(need);
+                    pin = (int32_t*)host_alloc_pinned(need);
+                    cap = need;
+                };
+                grow_pair(gdev, gpin, gcap_b, need_g);
+                grow_pair(odev, opin, ocap_b, need_o);
                 if (g > 0) {
                     std::memcpy(gpin, gi, (size_t)rows * g * 4);
                     MC_CHECK(cudaMemcpyAsync(gdev, gpin, (size_t)rows * g * 4, cudaMemcpyHostToDevice, c.stream));
@@ -248,10 +259,11 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 ++c.c.d2h;
                 c.c.d2h_bytes += need_o;
                 sync_stream();
+                std::copy(opin, opin + res.size(), res.begin());
             }
             py::list out;
             for (int r = 0; r < rows; ++r) {
-                const int32_t* o = opin + (size_t)r * words;
+                const int32_t* o = res.data() + (size_t)r * words;
                 if (o[0] < 0) {
                     raise_device_error();
                     throw std::runtime_error("CUDA top_k: error code " + std::to_string(o[0]));
