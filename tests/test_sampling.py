@@ -209,3 +209,40 @@ def test_sampling_refuses_non_finite_logits(bad):
     for kw in (dict(temperature=0.8), dict(temperature=0.8, top_k=0)):
         with pytest.raises(NumericsError, match="non-finite logits at the last forward: [01] NaN and [01] Inf"):
             Sampler(SamplingParams(**kw)).sample(x)
+
+
+def test_sample_rows_draws_what_each_row_draws_alone():
+    """sample_rows (a batched step's picks, the filters as one padded matrix) against
+    each sampler's own sample(): the same ids from the same generators, round after
+    round, over rows of mixed settings side by side (top-k of several sizes, top-p and
+    min-p apart and together, tiny and large temperatures, penalties, no top-k, greedy)
+    and tied logits; a row with NaN gets its NumericsError, the others their picks."""
+    from minfer.errors import NumericsError
+    from minfer.sampling import sample_rows
+
+    settings = [dict(temperature=0.8), dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.5),
+                dict(temperature=1.0, top_p=1.0, min_p=0.3), dict(temperature=0.7, top_p=0.9, min_p=0.2),
+                dict(temperature=1e-300, top_p=1.0, min_p=0.0), dict(temperature=5e-324, top_k=7),
+                dict(temperature=40.0, top_k=60, top_p=1.0, min_p=0.0), dict(temperature=0.8, repeat_penalty=1.3),
+                dict(temperature=0.9, top_k=0), dict(temperature=0.0), dict(temperature=0.0, repeat_penalty=1.5),
+                dict(temperature=0.6, top_k=1)]
+    rng = np.random.default_rng(5)
+    n = 3000
+    for ties in (False, True):
+        a = [Sampler(SamplingParams(seed=i, **kw)) for i, kw in enumerate(settings)]
+        b = [Sampler(SamplingParams(seed=i, **kw)) for i, kw in enumerate(settings)]
+        for _ in range(12):
+            rows = rng.standard_normal((len(settings), n)).astype(np.float32) * 3
+            if ties:
+                rows = np.round(rows)
+            got = sample_rows(a, list(rows))
+            want = [s.sample(r) for s, r in zip(b, rows)]
+            assert got == want
+            for s, t in zip(a + b, got + got):
+                s.accept(t)
+        # one row broken: its own error, the rest drawn as alone
+        rows = rng.standard_normal((len(settings), n)).astype(np.float32)
+        rows[3, 17] = np.nan
+        got = sample_rows(a, list(rows))
+        assert isinstance(got[3], NumericsError)
+        assert [t for i, t in enumerate(got) if i != 3] == [s.sample(r) for i, (s, r) in enumerate(zip(b, rows)) if i != 3]

@@ -15,7 +15,7 @@ import pytest
 
 from minfer import _core
 from minfer.model import Model
-from minfer.sampling import HostRow, Sampler, SamplingParams
+from minfer.sampling import HostRow, Sampler, SamplingParams, sample_rows
 from minfer.server.scheduler import Job, Scheduler
 from minfer.session import DeviceRows, Session
 from minfer.testing import write_model
@@ -240,13 +240,15 @@ def test_a_batched_row_answers_as_the_host_row(model):
         for a, b in zip(src.best(k, ids), HostRow(host[2]).best(k, ids)):
             assert (a is None and b is None) or np.array_equal(a, b)
     assert fake.calls["view"] == 1 and fake.calls["top_k_rows"] == 1
-    # Each sampler draws the same token from the batched row as from the host row.
+    # Each sampler draws the same tokens from the batched rows, all four at once
+    # (sample_rows), as from the host rows one at a time.
+    a, b = ([Sampler(s.params) for s in samplers] for _ in range(2))
     for r in range(4):
-        a, b = Sampler(samplers[r].params), Sampler(samplers[r].params)
         for t in samplers[r].recent:
-            a.accept(t)
-            b.accept(t)
-        assert [rows.source(r, 7).pick(a) for _ in range(5)] == [b.sample(host[r]) for _ in range(5)]
+            a[r].accept(t)
+            b[r].accept(t)
+    for _ in range(5):
+        assert sample_rows(a, [rows.source(r, 7) for r in range(4)]) == [b[r].sample(host[r]) for r in range(4)]
 
 
 def test_a_broken_row_fails_only_its_job_with_the_host_paths_error(tmp_path):

@@ -57,10 +57,7 @@ class Sampler:
             self.recent.append(int(token))
 
     def sample(self, logits: np.ndarray) -> int:
-        ids, probs = self.distribution(logits)
-        if probs is None:
-            return int(ids)
-        return int(ids[draw(self.rng, probs)])
+        return _pick(self, self.candidates(logits))
 
     def distribution(self, logits, recent=None):
         """What `sample` draws from: (ids, probs) over the surviving candidates, or
@@ -68,6 +65,17 @@ class Sampler:
         row where it was computed (a device) and answers for its best candidates (see
         HostRow). `recent` replaces the penalty history (the speculative verifier scores
         a row as if the drafted tokens before it had been accepted)."""
+        got = self.candidates(logits, recent)
+        if isinstance(got, int):
+            return got, None
+        order, w = _weights(*got, self.params)
+        return order, w / w.sum()
+
+    def candidates(self, logits, recent=None):
+        """The first half of `distribution`: the argmax id (temperature 0), or (ids,
+        values, total) best first before top-p, min-p and temperature, total None for a
+        top-k's candidates (their softmax is their own), without top-k the whole row's sum
+        of exp(value - max) over a prefix of it."""
         p = self.params
         # The logits may be a read-only view of the engine's buffer: never edited in
         # place; the penalized values travel beside them.
@@ -75,47 +83,33 @@ class Sampler:
         n = src.n
         k, pen_ids = self.needs(n, recent)
         if k == 0:
-            return src.argmax(), None
-        k = max(k, 0)
+            return src.argmax()
         extra = 0 if pen_ids is None else pen_ids.size
-        if k and src.takes(min(k + extra, n)):
+        if k > 0 and src.takes(min(k + extra, n)):
             ids, vals, raw = src.best(min(k + extra, n), pen_ids)
             pen = None if pen_ids is None else (pen_ids, self._penalize(raw))
             order, vals = _merge(ids, vals, k, pen)
         else:  # no top-k, or more candidates than the source selects at once
             row = src.row()
             pen = None if pen_ids is None else (pen_ids, self._penalize(row[pen_ids].astype(np.float64)))
-            if k:
+            if k > 0:
                 order, vals = _best(row, k, pen)
             else:
-                order, vals, probs = _nucleus_prefix(row, pen, p.top_p, p.min_p)
-        if k:
-            if p.temperature <= 0.0:
-                return int(order[0]), None
-            probs = _softmax(vals)
-        if p.top_p < 1.0:
-            cum = np.cumsum(probs)
-            keep = int(np.searchsorted(cum, p.top_p) + 1)
-            order, vals, probs = order[:keep], vals[:keep], probs[:keep]
-        if p.min_p > 0.0:
-            keep = probs >= p.min_p * probs[0]
-            order, vals = order[keep], vals[keep]
-        # Shift before scaling: with a tiny temperature vals / T overflows, (vals - max) / T
-        # only underflows (to -inf, whose exp is 0; the top token stays at exp(0) = 1).
-        with np.errstate(over="ignore", divide="ignore"):
-            probs = _softmax((vals - vals.max()) / p.temperature)
-        return order, probs
+                return _nucleus_prefix(row, pen, p.top_p, p.min_p)
+        if p.temperature <= 0.0:
+            return int(order[0])
+        return order, vals, None
 
     def needs(self, n: int, recent=None) -> tuple[int, np.ndarray | None]:
         """What `distribution` reads of a row of n: (k, pen_ids). k = 0: the argmax alone;
         k > 0: the row's k + len(pen_ids) best candidates and its values at pen_ids (the
-        penalized ids, or None); k = -1: the whole row (no top-k). A device selecting
-        candidates for several rows at once plans with it (session.DeviceRows)."""
+        penalized ids, ascending, or None); k = -1: the whole row (no top-k). A device
+        selecting candidates for several rows at once plans with it (session.DeviceRows)."""
         p = self.params
         recent = self.recent if recent is None else recent
         pen_ids = None
         if p.repeat_penalty != 1.0 and recent:
-            pen_ids = np.fromiter(set(recent), dtype=np.int64)
+            pen_ids = np.array(sorted(set(recent)), dtype=np.int64)
         if p.temperature <= 0.0:
             return (0 if pen_ids is None else 1), pen_ids
         return (p.top_k if 0 < p.top_k < n else -1), pen_ids
@@ -126,7 +120,7 @@ class Sampler:
         r = self.params.repeat_penalty
         with np.errstate(over="ignore", under="ignore"):
             vals = np.where(vals > 0, vals / r, vals * r)
-        return np.clip(vals, -_BIG, _BIG)
+        return np.minimum(np.maximum(vals, -_BIG), _BIG)
 
 
 class HostRow:
@@ -170,21 +164,23 @@ def _best(logits: np.ndarray, k: int, pen: tuple | None) -> tuple[np.ndarray, np
 
 def _merge(ids: np.ndarray, vals: np.ndarray, k: int, pen: tuple | None) -> tuple[np.ndarray, np.ndarray]:
     """The k best of a row's best candidates (ids, vals) once the penalized values
-    pen = (ids, values) replace the row's at those ids."""
+    pen = (ids ascending, values) replace the row's at those ids."""
     if pen is None:
         return ids[:k], vals[:k]
-    # The penalized entries first, so unique() keeps their values for ids in both.
-    ids, first = np.unique(np.concatenate([pen[0], ids]), return_index=True)
-    vals = np.concatenate([pen[1], vals])[first]
+    pid, pval = pen
+    at = np.minimum(np.searchsorted(pid, ids), pid.size - 1)
+    other = pid[at] != ids     # the candidates not penalized
+    ids = np.concatenate([ids[other], pid])
+    vals = np.concatenate([vals[other], pval])
     best = np.lexsort((ids, -vals))[:k]
     return ids[best], vals[best]
 
 
 def _nucleus_prefix(logits: np.ndarray, pen: tuple | None, top_p: float, min_p: float):
     """Without top-k the softmax spans the whole row, yet top-p and min-p keep only a
-    prefix of its sorted order: the best ids, their values and probabilities, enough of
-    them to hold that prefix (grown 8x at a time; the whole row when neither filter
-    bites, as a plain temperature draw needs)."""
+    prefix of its sorted order: the best ids, their values and the whole row's sum of
+    exp(value - max) (for _weights), enough of them to hold that prefix (grown 8x at a
+    time; the whole row when neither filter bites, as a plain temperature draw needs)."""
     row = np.asarray(logits, dtype=np.float64).reshape(-1)
     if pen is not None:
         row = row.copy()
@@ -197,25 +193,116 @@ def _nucleus_prefix(logits: np.ndarray, pen: tuple | None, top_p: float, min_p: 
     k = 64 if top_p < 1.0 or min_p > 0.0 else n
     while True:
         order, vals = _best(logits, min(k, n), pen)
-        probs = np.exp(vals - top) / total
-        if (k >= n or (top_p < 1.0 and probs.sum() >= top_p)
-                or (min_p > 0.0 and probs[-1] < min_p * probs[0])):
-            return order, vals, probs
+        e = np.exp(vals - top)  # _weights' terms: the prefix ends where its filters end
+        if (k >= n or (top_p < 1.0 and np.cumsum(e)[-1] >= top_p * total)
+                or (min_p > 0.0 and e[-1] < min_p)):
+            return order, vals, total
         k *= 8
+
+
+def _weights(order: np.ndarray, vals: np.ndarray, total: float | None, p: SamplingParams):
+    """top-p, min-p, then temperature over candidates best first: (ids, weights), the
+    weights unnormalized. top-p and min-p judge exp(value - max) against top_p times
+    `total` (None: the candidates' own sum) and min_p (the best's term is exp(0) = 1).
+    Sums are sequential (cumsum): `_sample_batch`, which pads rows with zeros, gets the
+    same bits."""
+    if p.top_p < 1.0 or p.min_p > 0.0:
+        e = np.exp(vals - vals[0])
+        if p.top_p < 1.0:
+            c = np.cumsum(e)
+            n = int(np.searchsorted(c, p.top_p * (c[-1] if total is None else total))) + 1
+            order, vals, e = order[:n], vals[:n], e[:n]
+        if p.min_p > 0.0:
+            keep = e >= p.min_p
+            order, vals = order[keep], vals[keep]
+    # Shifted before scaling, so the best weighs exp(0) = 1 at any temperature; the
+    # shifted values over a tiny one overflow (to -inf, whose exp is 0) only when their
+    # spread over it passes the float range: then without the warning.
+    t = p.temperature
+    if vals[0] - vals[-1] < t * 1e300:
+        z = (vals - vals[0]) / t
+    else:
+        with np.errstate(over="ignore"):
+            z = (vals - vals[0]) / t
+    return order, np.exp(z)
+
+
+def sample_rows(samplers: list[Sampler], rows: list) -> list:
+    """The next id of each row, or the exception its row raised (a NumericsError for
+    NaN/Inf), each as samplers[i].sample(rows[i]) gives it: the same bits, the same draw
+    from that sampler's generator. A batched step's rows pay the filters' NumPy calls
+    once, not once a row: the rows whose candidates are a top-k go through top-p,
+    min-p, temperature and the draw as one padded matrix (bench/sampling.py). A row
+    source's `best` may answer for every row at once (session.DeviceRows)."""
+    out: list = [None] * len(rows)
+    batch = []
+    for i, (s, row) in enumerate(zip(samplers, rows)):
+        try:
+            got = s.candidates(row)
+        except NumericsError as e:  # the row's own error: the others go on
+            out[i] = e
+            continue
+        if isinstance(got, int) or got[2] is not None or len(rows) == 1:
+            out[i] = _pick(s, got)
+        else:
+            batch.append((i, s, got[0], got[1]))
+    if batch:
+        for (i, _, _, _), t in zip(batch, _sample_batch(batch)):
+            out[i] = t
+    return out
+
+
+def _pick(s: Sampler, got) -> int:
+    """The draw from what s.candidates gave (an id is the pick itself)."""
+    if isinstance(got, int):
+        return got
+    order, w = _weights(*got, s.params)
+    return int(order[draw(s.rng, w)])
+
+
+def _sample_batch(batch) -> list[int]:
+    """_weights and draw for rows of top-k candidates (row i: (_, sampler, ids,
+    values)), one row of a matrix each, padded at the end with -inf. Padding and dropped
+    candidates weigh 0 and every sum is a cumsum, whose +0 terms change no bits: each
+    row gets _weights' weights and draw's index, bit for bit."""
+    m, k = len(batch), max(v.size for _, _, _, v in batch)
+    vals = np.full((m, k), -np.inf)
+    ids = np.zeros((m, k), dtype=np.int64)
+    params = []
+    for r, (_, s, o, v) in enumerate(batch):
+        vals[r, :v.size], ids[r, :o.size] = v, o
+        params.append(s.params)
+    d = vals - vals[:, :1]
+    keep = None
+    if any(p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        e = np.exp(d)
+        c = np.add.accumulate(e, axis=1)
+        # searchsorted(c, thr) + 1 candidates: the first, and each whose predecessor's
+        # cumulative sum is below the threshold (c never decreases).
+        thr = np.array([p.top_p if p.top_p < 1.0 else np.inf for p in params]) * c[:, -1]
+        keep = e >= np.array([[p.min_p] for p in params])
+        keep[:, 1:] &= c[:, :-1] < thr[:, None]
+    with np.errstate(over="ignore"):
+        w = np.exp(d / np.array([[p.temperature] for p in params]))
+    if keep is not None:
+        w *= keep
+    # draw(): the normalized cumulative sum searched for one uniform from each row's own
+    # generator; a dropped candidate repeats its predecessor's cdf, so it is never found.
+    cdf = np.add.accumulate(w, axis=1)
+    cdf /= cdf[:, -1:]
+    u = np.array([[s.rng.random()] for _, s, _, _ in batch])
+    at = np.argmax(cdf > u, axis=1)
+    return ids[np.arange(m), at].tolist()
 
 
 def draw(rng: np.random.Generator, probs: np.ndarray) -> int:
     """rng.choice(probs.size, p=probs), the same index from the same generator state (its
     normalized cumulative sum searched for one uniform draw), without choice's argument
-    checks, which cost more than a GPU decode step's share of sampling (~20 us)."""
+    checks, which cost more than a GPU decode step's share of sampling (~20 us). probs
+    may be weights that do not sum to 1: the cumulative sum is normalized anyway."""
     cdf = np.cumsum(probs)
     cdf /= cdf[-1]
     return int(np.searchsorted(cdf, rng.random(), side="right"))
 
 
 _BIG = np.finfo(np.float64).max / 4
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max())
-    return e / e.sum()

@@ -873,13 +873,6 @@ class BatchedRow:
     def row(self) -> np.ndarray:
         return self.rows.host_row(self.r, self.step)
 
-    def pick(self, sampler: Sampler) -> int:
-        """The next id, as pick_token takes it from the row; never one from NaN/Inf."""
-        sp = sampler.params
-        if sp.temperature <= 0.0 and sp.repeat_penalty == 1.0:
-            return self.argmax()
-        return sampler.sample(self)
-
 
 def pick_token(row: np.ndarray, sampler: Sampler, logprobs: bool = False) -> tuple[int, float | None]:
     """The next id from one logits row (argmax when greedy without penalties)."""

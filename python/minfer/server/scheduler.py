@@ -40,8 +40,8 @@ import numpy as np
 
 from minfer.errors import MinferError, NumericsError
 from minfer.logits_check import check_logits_finite
-from minfer.sampling import Sampler, SamplingParams
-from minfer.session import BatchedRow, Context, DeviceRows, TextState, pick_token
+from minfer.sampling import Sampler, SamplingParams, sample_rows
+from minfer.session import BatchedRow, Context, DeviceRows, TextState
 from minfer.speculate import NgramDrafter, Policy, check_same_vocab, verify
 
 log = logging.getLogger("minfer.server")
@@ -427,8 +427,9 @@ class Scheduler:
                     off += k
         self.steps += 1
         n_tokens = sum(len(t) for _, t, _ in items)
+        picks = self._picks(results)
         for s, toks, block in results:
-            self._advance(s, toks, block)
+            self._advance(s, toks, block, picks.get(s))
         if self.metrics:
             self.metrics.on_step(len(items), n_tokens, time.perf_counter() - t0)
 
@@ -449,6 +450,27 @@ class Scheduler:
             if len(s.pending) <= len(toks):       # a pick (not a prompt chunk with more to go)
                 rows.plan(r, s.sampler)
             out.append((s, toks, rows.source(r, s.picks)))
+        return out
+
+    def _picks(self, results) -> dict:
+        """This step's picks (rows that end a prompt or continue a reply, without drafts)
+        from one sample_rows call: slot -> id, or the NumericsError its row raised."""
+        want, out = [], {}
+        for s, toks, block in results:
+            if s.job is None or s.draft or len(s.pending) > len(toks):
+                continue
+            if not isinstance(block, BatchedRow):
+                # Never a pick from broken logits (the argmax of NaNs is a plausible
+                # token): the job ends with the error naming its step.
+                block = block[-1]
+                try:
+                    check_logits_finite(block, s.picks)
+                except NumericsError as e:
+                    out[s] = e
+                    continue
+            want.append((s, block))
+        for (s, _), got in zip(want, sample_rows([s.sampler for s, _ in want], [row for _, row in want])):
+            out[s] = got
         return out
 
     def _isolate(self, items, err: Exception):
@@ -476,47 +498,38 @@ class Scheduler:
             self.metrics.on_error()
         _send(job, Event("error", status=500, message=f"inference failed: {err}"))
 
-    def _advance(self, s: Slot, toks: list[int], block: np.ndarray | BatchedRow) -> None:
-        """Hand out the picks of this step's rows: one, or a verified block's."""
+    def _advance(self, s: Slot, toks: list[int], block: np.ndarray | BatchedRow, pick) -> None:
+        """Hand out this step's picks: `pick` (from _picks), or a verified block's."""
         if s.job is None:
             return
         if s.pending:
             s.pending = s.pending[len(toks):]
             if s.pending:
                 return              # more prompt to go: this row is not a pick
-        if isinstance(block, BatchedRow):
-            # Still on the device, which flags NaN/Inf in whatever it answers from; the
-            # row is then read back to word the same error as below.
-            try:
-                tok = block.pick(s.sampler)
-            except NumericsError as e:
-                self._fail(s, e)
-                return
-            self._hand_out(s, tok)
+        if isinstance(pick, NumericsError):
+            self._fail(s, pick)     # the other slots carry on
+            return
+        if pick is not None:
+            self._hand_out(s, pick)
             return
         try:
-            # Never a pick from broken logits (the argmax of NaNs is a plausible token):
-            # the job ends with the error naming its step; the other slots carry on.
-            for i, row in enumerate(block if s.draft else block[-1:]):
+            for i, row in enumerate(block):
                 check_logits_finite(row, s.picks + i)
         except NumericsError as e:
             self._fail(s, e)
             return
-        if s.draft:
-            draft, s.draft = s.draft, []
-            picks, j = verify(block, draft, s.sampler)
-            # The KV holds next_tok and every draft: forget the rejected ones.
-            s.session.truncate(s.session.n_past - (len(draft) - j))
-            s.spec.policy.record(s.bucket, len(draft), j)
-            s.spec.drafted += len(draft)
-            s.spec.accepted += j
-            if self.metrics:
-                self.metrics.on_verify(len(draft), j)
-            for p in picks:
-                if not self._hand_out(s, p.id):
-                    return
-            return
-        self._hand_out(s, pick_token(block[-1], s.sampler)[0])
+        draft, s.draft = s.draft, []
+        picks, j = verify(block, draft, s.sampler)
+        # The KV holds next_tok and every draft: forget the rejected ones.
+        s.session.truncate(s.session.n_past - (len(draft) - j))
+        s.spec.policy.record(s.bucket, len(draft), j)
+        s.spec.drafted += len(draft)
+        s.spec.accepted += j
+        if self.metrics:
+            self.metrics.on_verify(len(draft), j)
+        for p in picks:
+            if not self._hand_out(s, p.id):
+                return
 
     def _hand_out(self, s: Slot, tok: int) -> bool:
         """One pick to the client, as a plain step would: False when the job ended."""
