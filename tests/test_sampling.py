@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from minfer.errors import MinferError
 from minfer.sampling import Sampler, SamplingParams
@@ -246,3 +247,35 @@ def test_sample_rows_draws_what_each_row_draws_alone():
         got = sample_rows(a, list(rows))
         assert isinstance(got[3], NumericsError)
         assert [t for i, t in enumerate(got) if i != 3] == [s.sample(r) for i, (s, r) in enumerate(zip(b, rows)) if i != 3]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@given(st.data())
+def test_sample_rows_matches_sample_on_drawn_settings(data):
+    """sample_rows against sample() on rows and settings hypothesis draws: short rows
+    (fewer values than top-k), heavy ties, every filter on or off, penalties, and a
+    batch of up to 6 rows mixing them."""
+    from minfer.sampling import sample_rows
+
+    m = data.draw(st.integers(2, 6))
+    a, b, rows = [], [], []
+    for i in range(m):
+        kw = dict(temperature=data.draw(st.sampled_from([0.0, 1e-300, 0.3, 1.0, 7.0])),
+                  top_k=data.draw(st.integers(0, 50)),
+                  top_p=data.draw(st.sampled_from([1.0, 0.999, 0.9, 0.5, 0.01])),
+                  min_p=data.draw(st.sampled_from([0.0, 0.01, 0.2, 0.9])),
+                  repeat_penalty=data.draw(st.sampled_from([1.0, 1.0, 1.4, 0.6])), seed=i)
+        n = data.draw(st.integers(1, 120))
+        x = np.asarray(data.draw(st.lists(st.integers(-6, 6), min_size=n, max_size=n)), dtype=np.float32)
+        x = x * np.float32(data.draw(st.sampled_from([1.0, 0.37, 1e-3])))
+        a.append(Sampler(SamplingParams(**kw)))
+        b.append(Sampler(SamplingParams(**kw)))
+        for t in data.draw(st.lists(st.integers(0, n - 1), max_size=10)):
+            a[-1].accept(t)
+            b[-1].accept(t)
+        rows.append(x)
+    for _ in range(3):
+        got = sample_rows(a, rows)
+        assert got == [s.sample(r) for s, r in zip(b, rows)]
+        for s, t in zip(a + b, got + got):
+            s.accept(t)
