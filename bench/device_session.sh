@@ -13,7 +13,7 @@
 # AB="NAME=VAL[ NAME=VAL];..." runs `minfer bench -p 0 -n 128` on the 0.5B and 7B shapes
 # once per variant (empty = defaults; put it first: bash drops a trailing empty field),
 # ROUNDS rounds (2) alternating, side by side in one run;
-# PROBE=1 runs bench/stream_probe.cu first; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
+# PROBE=1 runs bench/stream_probe.cu first; HOSTBENCH=1 the CPU-side sampling and event-hop benches; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
 # once per variant of STAMP_AB (as AB; unset: the defaults).
 # Phases that fail are reported in summary.txt; the later ones still run.
 set -u
@@ -113,6 +113,14 @@ if [ "${STAMP:-0}" = 1 ]; then
       phase "stamp $shape [${v:-defaults}] rc $? -> stamp-$shape-$i.txt"
     done
   done
+fi
+
+# HOSTBENCH=1: the host-side benches that need no GPU, on this machine's CPU (the picks'
+# filters, bench/sampling.py; the server's event hop, bench/event_hop.py) into host.txt.
+if [ "${HOSTBENCH:-0}" = 1 ]; then
+  t0=$SECONDS
+  { python3 bench/sampling.py --steps 300 && python3 bench/event_hop.py; } >"$OUT/host.txt" 2>&1
+  phase "host benches rc $? in $((SECONDS - t0)) s -> host.txt"
 fi
 
 BENCH=${BENCH:-all}
