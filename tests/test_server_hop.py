@@ -58,3 +58,27 @@ def test_a_closed_loop_refuses_every_event():
         with pytest.raises(RuntimeError):
             hop.put(q, ev)
         assert hop._pending == []
+
+
+def test_relay_get_takes_what_is_there_and_never_waits_on_a_gone_scheduler():
+    """_Relay.get: events emitted from another thread come in order; with nothing
+    queued and the scheduler gone, the wait ends (after its 1 s bound) in a 503 event
+    instead of hanging the response."""
+    from minfer.server.app import _Relay
+
+    class Sched:
+        alive = True
+
+    async def main():
+        relay = _Relay(asyncio.get_running_loop())
+        th = threading.Thread(target=lambda: [relay.emit(i) for i in range(5)])
+        th.start()
+        th.join()
+        got = [await relay.get(Sched) for _ in range(5)]
+        Sched.alive = False
+        gone = await asyncio.wait_for(relay.get(Sched), timeout=5)
+        return got, gone
+
+    got, gone = asyncio.run(main())
+    assert got == [0, 1, 2, 3, 4]
+    assert gone.kind == "error" and gone.status == 503 and "shutting down" in gone.message
