@@ -155,8 +155,8 @@ class HostRow:
 def _best(logits: np.ndarray, k: int, pen: tuple | None) -> tuple[np.ndarray, np.ndarray]:
     """The k best ids of a row and their values (float64), best first, equal values by
     id; with pen = (ids, values) the penalized values replace the row's at those ids (a
-    penalty only lowers a value, so the k best are among the row's k + len(ids) best and
-    the penalized ids)."""
+    penalty moves only those values, so the k best are among the row's k + len(ids) best
+    and the penalized ids, whichever way a penalty above or below 1 moves them)."""
     extra = 0 if pen is None else pen[0].size
     ids, vals, _ = HostRow(logits).best(min(k + extra, np.asarray(logits).size), None)
     return _merge(ids, vals, k, pen)
