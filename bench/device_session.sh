@@ -48,14 +48,16 @@ phase "build rc $rc in $((SECONDS - t0)) s"
 python3 -c "from minfer import _core; assert _core.HAS_CUDA" >>"$S" 2>&1 || { phase "no CUDA in the build"; exit 1; }
 # BUILD_B="NAME=VAL ..." (CMake definitions): a second build of the same tree into
 # /tmp/minfer-b, for A/Bs of build options (an AB variant "PYTHONPATH=/tmp/minfer-b").
-if [ -n "${BUILD_B:-}" ]; then
+# BUILD_B_SRC=DIR builds that tree instead (e.g. an older commit, `git archive` into an
+# untracked folder that travels with the working tree): code before vs after, side by side.
+if [ -n "${BUILD_B:-}" ] || [ -n "${BUILD_B_SRC:-}" ]; then
   t0=$SECONDS
   bopts=()
-  for d in $BUILD_B; do bopts+=(-C "cmake.define.$d"); done
+  for d in ${BUILD_B:-}; do bopts+=(-C "cmake.define.$d"); done
   rm -rf /tmp/minfer-b
   python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/minfer-b -C cmake.define.MINFER_CUDA=ON \
-    -C build-dir=/tmp/minfer-b-build "${bopts[@]}" . >"$OUT/build-b.log" 2>&1
-  phase "build B ($BUILD_B) rc $? in $((SECONDS - t0)) s"
+    -C build-dir=/tmp/minfer-b-build "${bopts[@]}" "${BUILD_B_SRC:-.}" >"$OUT/build-b.log" 2>&1
+  phase "build B (${BUILD_B_SRC:-.} ${BUILD_B:-}) rc $? in $((SECONDS - t0)) s"
 fi
 
 if [ "${TESTS:-1}" = 1 ]; then
