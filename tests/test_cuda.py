@@ -238,11 +238,14 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         x = rng.standard_normal((1, in_dim)).astype(np.float32)
         bias = rng.standard_normal(rows).astype(np.float32)
         res = rng.standard_normal(in_dim).astype(np.float32)
-        for bulk in ("1", "1/7", "1/7/runs", "0"):
+        for bulk in ("1", "1/7", "1/7/runs", "1/7/runs/tail", "0"):
             # "1/7": seven blocks, so each warp takes many slots of several rows, the ring
             # wraps and slots end short; "runs": each warp a contiguous run of rows
             # (MINFER_CUDA_MV_BULK_RR=0) instead of slots dealt round-robin.
-            mode, blocks, order = (bulk.split("/") + ["0", "rr"])[:3]
+            # "tail": down's int8 input by the staged launch's 32-row group tickets, not
+            # by a quantization launch after it (MINFER_CUDA_MV_BULK_QTAIL=1).
+            mode, blocks, order, tail = (bulk.split("/") + ["0", "rr", ""])[:4]
+            monkeypatch.setenv("MINFER_CUDA_MV_BULK_QTAIL", "1" if tail else "0")
             monkeypatch.setenv("MINFER_CUDA_MV_BULK", mode)
             monkeypatch.setenv("MINFER_CUDA_MV_BULK_BLOCKS", blocks)
             monkeypatch.setenv("MINFER_CUDA_MV_BULK_RR", "0" if order == "runs" else "1")
@@ -274,8 +277,10 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         assert outs[rows, "1"] == outs[rows, "0"], f"rows {rows}: staged vs plain bits"
         assert outs[rows, "1/7"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks) vs plain bits"
         assert outs[rows, "1/7/runs"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks, runs) vs plain bits"
+        assert outs[rows, "1/7/runs/tail"] == outs[rows, "0"], f"rows {rows}: staged with group tickets vs plain"
         # The staged kernel took the quantized launches: matvec + bias, gate|up, down + add.
-        assert all(staged[rows, k] >= 2 * 3 for k in ("1", "1/7", "1/7/runs")) and staged[rows, "0"] == 0, staged
+        modes = ("1", "1/7", "1/7/runs", "1/7/runs/tail")
+        assert all(staged[rows, k] >= 2 * 3 for k in modes) and staged[rows, "0"] == 0, staged
         got = np.frombuffer(outs[rows, "1"][0], np.float32)
         check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
 
@@ -1309,6 +1314,24 @@ def test_fused_equals_unfused_bitwise(synth, monkeypatch):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         got = _decode_run(path, seq, 5)
         assert got.tobytes() == base.tobytes(), f"fusion {fz} changed the logits"
+
+
+def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
+    """Knobs that change how a decode step is launched, not what it computes, give the
+    defaults' logits bitwise: no matvec pulling its rows into L2 ahead of use, the staged
+    matvec wherever it can run with down's int8 input made by a launch of its own (its
+    default) or by 32-row group tickets inside it."""
+    _, path, ref = synth
+    seq = _sequences(ref.n_vocab, 4)[2]
+    base = _decode_run(path, seq, 5)
+    for env in ({"MINFER_CUDA_MV_PREFETCH": "0"}, {"MINFER_CUDA_MV_BULK": "1"},
+                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_QTAIL": "1"}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        got = _decode_run(path, seq, 5)
+        for k in env:
+            monkeypatch.delenv(k)
+        assert got.tobytes() == base.tobytes(), f"{env} changed the logits"
 
 
 def test_fusions_reduce_decode_launches(synth, monkeypatch):
