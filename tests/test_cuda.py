@@ -10,6 +10,7 @@ for the kernels, the float64 reference forward and the CPU backend for whole mod
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -1332,6 +1333,25 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
         for k in env:
             monkeypatch.delenv(k)
         assert got.tobytes() == base.tobytes(), f"{env} changed the logits"
+
+
+def test_diag_skip_is_loud_and_not_the_logits(synth, tmp_path):
+    """MINFER_CUDA_DIAG_SKIP (a timing diagnostic) leaves launches out of whole runs: a
+    subprocess with it set warns on stderr and its greedy logits differ from a normal
+    run's, while a normal run's match the CPU (the test above); the env is read once a
+    process, hence the subprocess."""
+    _, path, _ = synth
+    code = ("import sys, numpy as np; from minfer.session import Session; "
+            "s = Session.open(sys.argv[1], n_ctx=64, backends=['cuda']); s.forward([1, 2, 3]); s.forward([4]); "
+            "sys.stdout.write(s.forward([5]).tobytes().hex())")
+    outs = {}
+    for env in ("", "null:attn,rms_norm_copy"):
+        p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "MINFER_CUDA_DIAG_SKIP": env})
+        assert p.returncode == 0, p.stderr
+        assert ("MINFER_CUDA_DIAG_SKIP" in p.stderr) == bool(env), p.stderr
+        outs[env] = p.stdout
+    assert outs[""] != outs["null:attn,rms_norm_copy"]
 
 
 def test_fusions_reduce_decode_launches(synth, monkeypatch):

@@ -163,6 +163,9 @@ int attn_splits(int64_t nt, int64_t n_ctx);
 size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx);
 size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx);
 void attention(const AttnDev& a, float* scratch, int* tickets, int* err);
+// Diagnostics (executor's MINFER_CUDA_DIAG_SKIP): an empty kernel that only waits for
+// the launch before it and lets the next one launch.
+void null_launch(unsigned blocks, unsigned threads);
 // Blocks of more than kRowExactMaxTokens rows on the tensor cores (f16 Q and P), head
 // dims 32, 64, 128; false (nothing launched) for what it does not take.
 bool attention_prefill(const AttnDev& a, int* err);
