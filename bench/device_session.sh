@@ -55,8 +55,10 @@ if [ -n "${BUILD_B:-}" ] || [ -n "${BUILD_B_SRC:-}" ]; then
   bopts=()
   for d in ${BUILD_B:-}; do bopts+=(-C "cmake.define.$d"); done
   rm -rf /tmp/minfer-b
+  src=${BUILD_B_SRC:-.}
+  case $src in /* | . | ./* | ../*) ;; *) src=./$src ;; esac  # pip takes a bare name for a package
   python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/minfer-b -C cmake.define.MINFER_CUDA=ON \
-    -C build-dir=/tmp/minfer-b-build "${bopts[@]}" "${BUILD_B_SRC:-.}" >"$OUT/build-b.log" 2>&1
+    -C build-dir=/tmp/minfer-b-build "${bopts[@]}" "$src" >"$OUT/build-b.log" 2>&1
   phase "build B (${BUILD_B_SRC:-.} ${BUILD_B:-}) rc $? in $((SECONDS - t0)) s"
 fi
 
