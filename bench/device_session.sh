@@ -14,7 +14,8 @@
 # once per variant (empty = defaults; put it first: bash drops a trailing empty field),
 # ROUNDS rounds (2) alternating, side by side in one run;
 # PROBE=1 runs bench/stream_probe.cu first; HOSTBENCH=1 the CPU-side sampling and event-hop benches; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
-# once per variant of STAMP_AB (as AB; unset: the defaults).
+# once per variant of STAMP_AB (as AB; unset: the defaults); COSTS=1 what each launch kind
+# costs inside the replayed graph (bench/launch_costs.py, ROUNDS rounds; COSTS_KINDS narrows it).
 # Phases that fail are reported in summary.txt; the later ones still run.
 set -u
 cd "$(dirname "$0")/.."
@@ -71,7 +72,7 @@ fi
 
 models=$OUT/models
 mkdir -p "$models"
-if [ -n "${AB:-}" ] || [ "${STAMP:-0}" = 1 ] || [ -n "${NCU:-}" ]; then
+if [ -n "${AB:-}" ] || [ "${STAMP:-0}" = 1 ] || [ -n "${NCU:-}" ] || [ "${COSTS:-0}" = 1 ]; then
   # The benchmark-shaped models, written once (cuda_bench.py names them the same way).
   python3 - "$models" >>"$S" 2>&1 <<'EOF'
 import sys
@@ -117,6 +118,14 @@ if [ "${STAMP:-0}" = 1 ]; then
       phase "stamp $shape [${v:-defaults}] rc $? -> stamp-$shape-$i.txt"
     done
   done
+fi
+
+if [ "${COSTS:-0}" = 1 ]; then
+  t0=$SECONDS
+  python3 bench/launch_costs.py "$models"/qwen2-0.5b-q4km-shape.gguf "$models"/qwen2-7b-q4km-shape.gguf \
+    --rounds "${ROUNDS:-2}" ${COSTS_KINDS:+--kinds "$COSTS_KINDS"} >"$OUT/costs.txt" 2>"$OUT/costs.log"
+  phase "launch costs rc $? in $((SECONDS - t0)) s -> costs.txt"
+  cat "$OUT/costs.txt" >>"$S"
 fi
 
 # HOSTBENCH=1: the host-side benches that need no GPU, on this machine's CPU (the picks'
