@@ -1185,10 +1185,9 @@ bool launch_bulk(const MvArgs& a0) {
     const int ns = bulk_stages(slot * R);
     if (bulk_smem_bytes(slot * R, ns) > (size_t)ctx().smem_optin) return false;
     // The next matvec's int8 input (q_out, without a norm's sums) by a launch of its own
-    // after this one, not by 32-row group tickets inside it: without tickets the warps
-    // take their slots round-robin, so the rows in flight form one band moving through
-    // the matrix, and the rows an earlier launch pulled into L2 ahead of this one (the
-    // first ones: attention's `ahead`) are those every warp reads first.
+    // after this one, not by 32-row group tickets inside it, whose fences and atomics
+    // stalled warps mid-run (7B gate|up + SwiGLU: tg128 467.8 / 470.1 / 464.8 against
+    // 449.0 / 445.6 / 438.6); without tickets the warps take their slots round-robin.
     // MINFER_CUDA_MV_BULK_QTAIL=1 keeps the tickets. The same quant_block_q8 of the same
     // y either way: the same bits.
     MvArgs a = a0;

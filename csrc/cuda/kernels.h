@@ -31,7 +31,9 @@ struct MvJob {
     const float* bias2 = nullptr;
     // Also write y's int8 copy (the next matvec's input, laid out as its scratch) here:
     // the last of the blocks that computed a 32-row group (an integer ticket per group,
-    // zero before and after every launch) quantizes it. Needs ncols == 1, rows % 32 == 0.
+    // zero before and after every launch) quantizes it; a staged launch leaves it to a
+    // quantization launch after it (MINFER_CUDA_MV_BULK_QTAIL=1: tickets there too).
+    // Needs ncols == 1, rows % 32 == 0.
     int8_t* q_out = nullptr;
     float2* ds_out = nullptr;
     int* tickets = nullptr;
