@@ -1335,13 +1335,13 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
         assert got.tobytes() == base.tobytes(), f"{env} changed the logits"
 
 
-def test_diag_skip_is_loud_and_not_the_logits(synth, tmp_path):
+def test_diag_skip_is_loud_and_not_the_logits(synth):
     """MINFER_CUDA_DIAG_SKIP (a timing diagnostic) leaves launches out of whole runs: a
-    subprocess with it set warns on stderr and its greedy logits differ from a normal
-    run's, while a normal run's match the CPU (the test above); the env is read once a
-    process, hence the subprocess."""
+    subprocess with it set warns on stderr and its logits differ from a normal run's
+    (which match the CPU: test_prefill_and_decode_vs_reference_and_cpu); the env is read
+    once a process, hence the subprocess."""
     _, path, _ = synth
-    code = ("import sys, numpy as np; from minfer.session import Session; "
+    code = ("import sys; from minfer.session import Session; "
             "s = Session.open(sys.argv[1], n_ctx=64, backends=['cuda']); s.forward([1, 2, 3]); s.forward([4]); "
             "sys.stdout.write(s.forward([5]).tobytes().hex())")
     outs = {}

@@ -596,16 +596,18 @@ std::map<std::string, ProfileEntry> g_profile;
 // launches named by launch_name (a "null:" prefix launches an empty kernel in their
 // place, which only waits for the launch before, so the difference is the launch's own
 // work). The logits are wrong: it warns once on stderr, and is never for real use.
-bool diag_skip(const std::string& what) {
+// The list as ",a,b,", or empty when unset (then no launch pays for a name lookup).
+const std::string& diag_list() {
     static const std::string s = [] {
         const char* e = std::getenv("MINFER_CUDA_DIAG_SKIP");
-        if (e && *e)
-            std::fprintf(stderr, "minfer: MINFER_CUDA_DIAG_SKIP=%s leaves launches out: the results are wrong "
-                                 "(a timing diagnostic)\n", e);
-        return std::string(",") + (e ? e : "") + ",";
+        if (!(e && *e)) return std::string();
+        std::fprintf(stderr, "minfer: MINFER_CUDA_DIAG_SKIP=%s leaves launches out: the results are wrong "
+                             "(a timing diagnostic)\n", e);
+        return "," + std::string(e) + ",";
     }();
-    return s.size() > 2 && s.find("," + what + ",") != std::string::npos;
+    return s;
 }
+bool diag_listed(const std::string& what) { return diag_list().find("," + what + ",") != std::string::npos; }
 
 bool g_profiling = false;  // inside a profiled direct run
 
@@ -986,12 +988,15 @@ void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, cons
     }
     if (!prof || ctx().capturing) {
         start_pipe(ws, dw, st);
+        const bool diag = !diag_list().empty();
         for (const auto& L : st.program) {
-            const char* name = launch_name(L, plan);
-            if (diag_skip(name)) continue;
-            if (diag_skip(std::string("null:") + name)) {
-                null_launch(ctx().n_sm, 128);
-                continue;
+            if (diag) {
+                const std::string name = launch_name(L, plan);
+                if (diag_listed(name)) continue;
+                if (diag_listed("null:" + name)) {
+                    null_launch(ctx().n_sm, 128);
+                    continue;
+                }
             }
             launch_merged(L, plan, pool, ws, dw, st);
         }
