@@ -226,9 +226,10 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
 def test_matvec_staged_bitwise(qtype, monkeypatch):
     """The staged matvec (MINFER_CUDA_MV_BULK=1: rows streamed into shared memory by bulk
     copies, several rows a slot, slots dealt to the warps round-robin or in runs) gives the plain kernel's bits: a lone matvec with bias, one with a residual
-    add, gate|up + SwiGLU writing down's int8 input through the 32-row group tickets
-    (warps' row runs straddle the groups), and down itself; row counts below and above
-    one row per warp, and a run direct, captured and replayed (tickets left at zero)."""
+    add, gate|up + SwiGLU writing down's int8 input (by a quantization launch after it, or
+    through the 32-row group tickets, whose warps' row runs straddle the groups), and down
+    itself; row counts below and above one row per warp, and a run direct, captured and
+    replayed (tickets left at zero). The plain kernel's bits are taken both ways too."""
     rng = np.random.default_rng(100 + int(qtype))
     in_dim = 512
     outs, staged = {}, {}
@@ -239,14 +240,14 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         x = rng.standard_normal((1, in_dim)).astype(np.float32)
         bias = rng.standard_normal(rows).astype(np.float32)
         res = rng.standard_normal(in_dim).astype(np.float32)
-        for bulk in ("1", "1/7", "1/7/runs", "1/7/runs/tail", "0"):
+        for bulk in ("1", "1/7", "1/7/runs", "1/7/runs/tail", "0", "0/0/rr/tail"):
             # "1/7": seven blocks, so each warp takes many slots of several rows, the ring
             # wraps and slots end short; "runs": each warp a contiguous run of rows
             # (MINFER_CUDA_MV_BULK_RR=0) instead of slots dealt round-robin.
             # "tail": down's int8 input by the staged launch's 32-row group tickets, not
-            # by a quantization launch after it (MINFER_CUDA_MV_BULK_QTAIL=1).
+            # by a quantization launch after it (MINFER_CUDA_MV_QTAIL=1).
             mode, blocks, order, tail = (bulk.split("/") + ["0", "rr", ""])[:4]
-            monkeypatch.setenv("MINFER_CUDA_MV_BULK_QTAIL", "1" if tail else "0")
+            monkeypatch.setenv("MINFER_CUDA_MV_QTAIL", "1" if tail else "0")
             monkeypatch.setenv("MINFER_CUDA_MV_BULK", mode)
             monkeypatch.setenv("MINFER_CUDA_MV_BULK_BLOCKS", blocks)
             monkeypatch.setenv("MINFER_CUDA_MV_BULK_RR", "0" if order == "runs" else "1")
@@ -279,9 +280,10 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         assert outs[rows, "1/7"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks) vs plain bits"
         assert outs[rows, "1/7/runs"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks, runs) vs plain bits"
         assert outs[rows, "1/7/runs/tail"] == outs[rows, "0"], f"rows {rows}: staged with group tickets vs plain"
+        assert outs[rows, "0/0/rr/tail"] == outs[rows, "0"], f"rows {rows}: plain with group tickets vs without"
         # The staged kernel took the quantized launches: matvec + bias, gate|up, down + add.
         modes = ("1", "1/7", "1/7/runs", "1/7/runs/tail")
-        assert all(staged[rows, k] >= 2 * 3 for k in modes) and staged[rows, "0"] == 0, staged
+        assert all(staged[rows, k] >= 2 * 3 for k in modes) and staged[rows, "0"] == staged[rows, "0/0/rr/tail"] == 0, staged
         got = np.frombuffer(outs[rows, "1"][0], np.float32)
         check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
 
@@ -290,8 +292,8 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
 def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which
     depends on the row total); a row's bits must not. The same rows alone, and gate|up +
-    SwiGLU with down's int8 input written through the 32-row group tickets, against the
-    unfused steps."""
+    SwiGLU with down's int8 input made by a quantization launch after it or written
+    through the 32-row group tickets (MINFER_CUDA_MV_QTAIL=1), against the unfused steps."""
     monkeypatch.setenv("MINFER_CUDA_MV_RPW", rpw)
     rng = np.random.default_rng(rows)
     in_dim, few = 64, 96
@@ -313,7 +315,8 @@ def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     u_raw, _ = make_weight(Q.Q4_K if in_dim % 256 == 0 else Q.Q5_0, n_ff, in_dim, rng)
     d_raw, _ = make_weight(Q.Q5_0, in_dim, n_ff, rng)
     outs = {}
-    for flags in (0, 2 | 8):
+    for flags, qtail in ((0, "0"), (2 | 8, "0"), (2 | 8, "1")):
+        monkeypatch.setenv("MINFER_CUDA_MV_QTAIL", qtail)
         r = Rig()
         g = r.weight("g", g_raw, Q.Q8_0, in_dim, n_ff)
         u = r.weight("u", u_raw, Q.Q4_K if in_dim % 256 == 0 else Q.Q5_0, in_dim, n_ff)
@@ -329,10 +332,10 @@ def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
         for _ in range(3):  # direct, captured, replayed: the tickets are left at zero
             r.run(plan)
             y = r.read(yi, in_dim)
-            assert outs.setdefault(flags, y).tobytes() == y.tobytes()
+            assert outs.setdefault((flags, qtail), y).tobytes() == y.tobytes()
         if flags:
             assert _core.testing.cuda_plan_info(plan)["launches"] < 4
-    assert outs[0].tobytes() == outs[2 | 8].tobytes()
+    assert outs[0, "0"].tobytes() == outs[2 | 8, "0"].tobytes() == outs[2 | 8, "1"].tobytes()
 
 
 def test_prefill_gemm_pipeline_bitwise_and_vs_float64(monkeypatch):
@@ -1320,13 +1323,15 @@ def test_fused_equals_unfused_bitwise(synth, monkeypatch):
 def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     """Knobs that change how a decode step is launched, not what it computes, give the
     defaults' logits bitwise: no matvec pulling its rows into L2 ahead of use, the staged
-    matvec wherever it can run with down's int8 input made by a launch of its own (its
-    default) or by 32-row group tickets inside it."""
+    matvec wherever it can run, down's int8 input made by 32-row group tickets inside
+    gate|up's launch (plain or staged) rather than by a launch of its own (the default),
+    and attention issuing every group's loads after q is in shared memory (head dims up
+    to 64 issue a warp's first group's loads with q's by default)."""
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
-    for env in ({"MINFER_CUDA_MV_PREFETCH": "0"}, {"MINFER_CUDA_MV_BULK": "1"},
-                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_QTAIL": "1"}):
+    for env in ({"MINFER_CUDA_MV_PREFETCH": "0"}, {"MINFER_CUDA_MV_BULK": "1"}, {"MINFER_CUDA_MV_QTAIL": "1"},
+                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)

@@ -182,12 +182,79 @@ __device__ __forceinline__ void attend_group(const float* qs, const __half* K, c
     m = m_new;
 }
 
+// A warp's first group with its loads already issued (head dims <= 64, where a group's
+// K row and V slices fit in registers): the loads go out with q's, before q is in shared
+// memory, so the three come back in one round trip instead of three. The arithmetic is
+// attend_group's, in its order: the same bits.
+template <int HD>
+struct LoadedGroup {
+    static constexpr int EPL = HD / 32;
+    uint4 k[HD / 8];
+    VSlice<EPL> v[32];
+    int nvalid;
+    bool valid;
+    __device__ __forceinline__ void load(const __half* K, const __half* V, int64_t kvs, int64_t base, int64_t c1,
+                                         int lane) {
+        const int64_t c = base + lane;
+        valid = c < c1;
+        nvalid = (int)((c1 - base) < 32 ? (c1 - base) : 32);
+        if (valid) {
+            const uint4* kr = reinterpret_cast<const uint4*>(K + c * kvs);
+#pragma unroll
+            for (int i = 0; i < HD / 8; ++i) k[i] = kr[i];
+        }
+#pragma unroll
+        for (int i = 0; i < 32; ++i)
+            if (i < nvalid) v[i].load(V + (base + i) * kvs);
+    }
+    __device__ __forceinline__ void attend(const float* qs, float scale, int lane, float& m, float& l,
+                                           float acc[EPL]) const {
+        float s = -INFINITY;
+        if (valid) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < HD / 8; ++i) {
+                const __half2* hh = reinterpret_cast<const __half2*>(&k[i]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 f = __half22float2(hh[j]);
+                    dot = fmaf(qs[8 * i + 2 * j], f.x, dot);
+                    dot = fmaf(qs[8 * i + 2 * j + 1], f.y, dot);
+                }
+            }
+            s = dot * scale;
+        }
+        const float m_new = fmaxf(m, warp_max(s));
+        const float p = valid ? expf(s - m_new) : 0.0f;
+        const float corr = expf(m - m_new);
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int j = 0; j < EPL; ++j) acc[j] *= corr;
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const float pi = __shfl_sync(0xffffffffu, p, i);
+            if (i < nvalid) {
+#pragma unroll
+                for (int j = 0; j < EPL; ++j) acc[j] = fmaf(pi, v[i].at(j), acc[j]);
+            }
+        }
+        m = m_new;
+    }
+};
+
+// MINFER_CUDA_ATTN_EARLY=0: every group's loads after q is in shared memory (read per
+// launch on the host; a captured graph keeps what it was captured with).
+bool attn_early() {
+    const char* e = std::getenv("MINFER_CUDA_ATTN_EARLY");
+    return !(e && *e == '0');
+}
+
 // One block per (token, head, split): its WARPS warps take the split's 32-cell groups in
 // turn (warp w: groups w, w + WARPS, ...), so a short context is one group per warp, all
 // in flight at once; the warps' states merge in shared memory in warp order.
 template <int HD>
 __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, int chunk, float* __restrict__ part,
-                                                     int* __restrict__ ticket, int* err) {
+                                                     int* __restrict__ ticket, int* err, int early) {
     pdl_trigger();
     constexpr int EPL = HD / 32;  // head dims per lane
     __shared__ float qs[HD];
@@ -239,17 +306,29 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         }
     }
     pdl_wait();
-    const float* q = a.q + t * a.q_stride + h * HD;
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
-    __syncthreads();
-
     const __half* K = reinterpret_cast<const __half*>(a.k) + kvh * HD;
     const __half* V = reinterpret_cast<const __half*>(a.v) + kvh * HD + lane * EPL;
     float m = -INFINITY, l = 0.0f;
     float acc[EPL];
 #pragma unroll
     for (int j = 0; j < EPL; ++j) acc[j] = 0.0f;
-    for (int64_t base = c0 + 32 * w; base < c1; base += 32 * WARPS)
+    int64_t base = c0 + 32 * w;
+    const float* q = a.q + t * a.q_stride + h * HD;
+    if constexpr (HD <= 64) {
+        if (early) {
+            LoadedGroup<HD> g;
+            if (base < c1) g.load(K, V, kvs, base, c1, lane);
+            for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
+            __syncthreads();
+            if (base < c1) g.attend(qs, a.scale, lane, m, l, acc);
+            base += 32 * WARPS;
+        }
+    }
+    if (!(HD <= 64 && early)) {
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
+        __syncthreads();
+    }
+    for (; base < c1; base += 32 * WARPS)
         attend_group<HD>(qs, K, V, kvs, a.scale, base, c1, lane, m, l, acc);
 
     if (lane == 0) {
@@ -280,7 +359,17 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         const float inv = L > 0.0f ? 1.0f / L : 0.0f;
 #pragma unroll
         for (int j = 0; j < EPL; ++j) a.out[off + lane * EPL + j] = o[j] * inv;
-        quant_head<HD>(a, off, lane);
+        if (a.q_out) {
+            // The int8 copy from the values just stored, kept in shared memory (warp 0's
+            // row of wacc, read above by this warp only) rather than read back.
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < EPL; ++j) wacc[0][lane * EPL + j] = o[j] * inv;
+            __syncwarp();
+#pragma unroll
+            for (int b = 0; b < HD / 32; ++b)
+                quant_block_q8(wacc[0][32 * b + lane], lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
+        }
         return;
     }
     float* pp = part + pair * n_splits * (HD + 2);
@@ -351,11 +440,12 @@ void attention(const AttnDev& a, float* scratch, int* tickets, int* err) {
     const int chunk = chunk_of(a.n_ctx, n_splits);
     const int64_t pairs = a.nt * a.nh;
     dim3 grid((unsigned)pairs, (unsigned)n_splits);
+    const int early = attn_early() ? 1 : 0;
     switch (a.hd) {
-        case 32: launch(k_attn<32>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
-        case 64: launch(k_attn<64>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
-        case 128: launch(k_attn<128>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
-        case 256: launch(k_attn<256>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 32: launch(k_attn<32>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early); break;
+        case 64: launch(k_attn<64>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early); break;
+        case 128: launch(k_attn<128>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early); break;
+        case 256: launch(k_attn<256>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early); break;
         default: throw std::invalid_argument("attention: unsupported head dim");
     }
 }

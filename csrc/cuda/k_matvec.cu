@@ -1169,14 +1169,14 @@ void launch_bulk_t(const MvArgs& a, size_t row_slot, int R, int ns) {
 // output of 952-byte rows: 45.2 us staged with them in registers, 51.0 plain; 65 vs 49
 // staged without). Smaller launches ran faster on the plain kernel (0.5B gate|up 9.5 vs
 // 8.6 us, 7B o 14.6 vs 14.2 with the o / down average, at 4 MiB).
-bool launch_bulk(const MvArgs& a0) {
+bool launch_bulk(const MvArgs& a) {
     const int mode = env_int("MINFER_CUDA_MV_BULK", -1);
     if (mode == 0) return false;
-    const MvJob& j = a0.job[0];
-    if (a0.njobs != 1 || a0.rope.tickets || (j.W2 && j.type2 != j.type)) return false;
+    const MvJob& j = a.job[0];
+    if (a.njobs != 1 || a.rope.tickets || (j.W2 && j.type2 != j.type)) return false;
     if (j.row_bytes % 16 || (j.W2 && (j.row_bytes2 % 16 || (uintptr_t)j.W2 % 16)) || (uintptr_t)j.W % 16) return false;
     const size_t slot = j.row_bytes + (j.W2 ? j.row_bytes2 : 0);
-    const size_t min_row = (size_t)env_int("MINFER_CUDA_MV_BULK_MIN_ROW", bulk_xreg(j.type, a0.nb) ? 512 : 2048);
+    const size_t min_row = (size_t)env_int("MINFER_CUDA_MV_BULK_MIN_ROW", bulk_xreg(j.type, a.nb) ? 512 : 2048);
     if (mode < 0 && (slot < min_row ||
                      slot * (size_t)j.rows <= (size_t)env_int("MINFER_CUDA_MV_BULK_MIN", 16 << 20)))
         return false;
@@ -1184,18 +1184,7 @@ bool launch_bulk(const MvArgs& a0) {
     const int R = bulk_rows(slot);
     const int ns = bulk_stages(slot * R);
     if (bulk_smem_bytes(slot * R, ns) > (size_t)ctx().smem_optin) return false;
-    // The next matvec's int8 input (q_out, without a norm's sums) by a launch of its own
-    // after this one, not by 32-row group tickets inside it, whose fences and atomics
-    // stalled warps mid-run (7B gate|up + SwiGLU: tg128 467.8 / 470.1 / 464.8 against
-    // 449.0 / 445.6 / 438.6); without tickets the warps take their slots round-robin.
-    // MINFER_CUDA_MV_BULK_QTAIL=1 keeps the tickets. The same quant_block_q8 of the same
-    // y either way: the same bits.
-    MvArgs a = a0;
-    const bool split_q = j.q_out && !j.q_ss && env_int("MINFER_CUDA_MV_BULK_QTAIL", 0) == 0;
-    if (split_q) {
-        a.job[0].q_out = nullptr;
-        a.job[0].tickets = nullptr;
-    }
+    // A q_out left in the job (MINFER_CUDA_MV_QTAIL=1) is made by 32-row group tickets.
     switch (j.type) {
         case T_Q4_K: launch_bulk_t<T_Q4_K>(a, slot, R, ns); break;
         case T_Q5_K: launch_bulk_t<T_Q5_K>(a, slot, R, ns); break;
@@ -1204,10 +1193,6 @@ bool launch_bulk(const MvArgs& a0) {
         case T_Q5_0: launch_bulk_t<T_Q5_0>(a, slot, R, ns); break;
         case T_Q4_0: launch_bulk_t<T_Q4_0>(a, slot, R, ns); break;
         default: return false;
-    }
-    if (split_q) {
-        const int n = j.rows / 32;
-        launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, (const float*)j.y, n, j.q_out, j.ds_out);
     }
     return true;
 }
@@ -1328,10 +1313,29 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             case 8: launch_mv<8>(ac, (unsigned)b); break;
             case 4: launch_mv<4>(ac, (unsigned)b); break;
             case 2: launch_mv<2>(ac, (unsigned)b); break;
-            default:
-                if (launch_bulk(ac)) break;
-                if (!(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv1<-1>(ac, (unsigned)b);
+            default: {
+                // The next matvec's int8 input (q_out, without a norm's sums: gate|up +
+                // SwiGLU's, for down) by a quantization launch of its own after this one,
+                // not by 32-row group tickets inside it, whose fences, atomics and reloads
+                // stall the launch's tail more than a launch boundary costs under PDL (H200
+                // tg128, side by side: the 0.5B's plain gate|up 1,526.8 / 1,524.9 / 1,523.3
+                // against 1,482.6 / 1,396.5 / 1,481.3; the 7B's staged one 467.8 / 470.1 /
+                // 464.8 against 449.0 / 445.6 / 438.6, where the staged warps also take their
+                // slots round-robin once no tickets are drawn). MINFER_CUDA_MV_QTAIL=1 keeps
+                // the tickets. The same quant_block_q8 of the same y either way: the same bits.
+                const MvJob j0 = ac.job[0];
+                const bool qsplit = ac.njobs == 1 && j0.q_out && !j0.q_ss && env_int("MINFER_CUDA_MV_QTAIL", 0) == 0;
+                if (qsplit) {
+                    ac.job[0].q_out = nullptr;
+                    ac.job[0].tickets = nullptr;
+                }
+                if (!launch_bulk(ac) && !(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv1<-1>(ac, (unsigned)b);
+                if (qsplit) {
+                    const int n = j0.rows / 32;
+                    launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, (const float*)j0.y, n, j0.q_out, j0.ds_out);
+                }
                 break;
+            }
         }
         c0 += nc;
     }
