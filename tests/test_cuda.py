@@ -650,16 +650,19 @@ def _tensor_core_attention(nt, hd):
 TC_ATTN_ATOL = 2e-3
 
 
+@pytest.mark.parametrize("pos", [13, 37])
 @pytest.mark.parametrize("hd,n_rot", [(64, 64), (128, 128), (128, 64), (64, 40)])
-def test_qkv_rope_store_tail_bitwise(hd, n_rot, monkeypatch):
+def test_qkv_rope_store_tail_bitwise(hd, n_rot, pos, monkeypatch):
     """q|k|v in one matvec launch that also ropes q and k and stores k and v into the f16
     KV cache (FUSE_QKV | FUSE_ROPE) gives the bits of the three matvecs, the two ropes and
     the KV store launched apart: with each block roping whole pairs of its own rows
     (MINFER_CUDA_ROPE_LOCAL, the default) or the last block of each head found by a
-    ticket (=0), the angles worked out before the wait or not; partial rotary dims pass
-    through. Runs direct, captured and replayed."""
+    ticket (=0), the angles worked out before the wait or not, taken from the table of
+    angles by position (which covers positions below n_ctx: 13, not 37) or worked out
+    (MINFER_CUDA_ROPE_TABLE=0); partial rotary dims pass through. Runs direct, captured
+    and replayed."""
     rng = np.random.default_rng(hd + n_rot)
-    d, nh, nkv, n_ctx, cell, pos = 256, 4, 2, 16, 5, 37
+    d, nh, nkv, n_ctx, cell = 256, 4, 2, 16, 5
     qd, kd = nh * hd, nkv * hd
     raws = [make_weight(t, n, d, rng)[0] for t, n in ((Q.Q4_K, qd), (Q.Q5_0, kd), (Q.Q8_0, kd))]
     biases = [rng.standard_normal(n).astype(np.float32) for n in (qd, kd, kd)]
@@ -667,9 +670,11 @@ def test_qkv_rope_store_tail_bitwise(hd, n_rot, monkeypatch):
     outs = {}
     variants = [(0, {}), (1, {}), (1 | 32, {}), (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0"}),
                 (1 | 32, {"MINFER_CUDA_ROPE_EARLY": "0"}),
-                (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0", "MINFER_CUDA_ROPE_EARLY": "0"})]
+                (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0", "MINFER_CUDA_ROPE_EARLY": "0"}),
+                (1 | 32, {"MINFER_CUDA_ROPE_TABLE": "0"}),
+                (1 | 32, {"MINFER_CUDA_ROPE_TABLE": "0", "MINFER_CUDA_ROPE_LOCAL": "0"})]
     for flags, env in variants:
-        for k in ("MINFER_CUDA_ROPE_LOCAL", "MINFER_CUDA_ROPE_EARLY"):
+        for k in ("MINFER_CUDA_ROPE_LOCAL", "MINFER_CUDA_ROPE_EARLY", "MINFER_CUDA_ROPE_TABLE"):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)

@@ -131,6 +131,12 @@ struct CudaPlanState : PlanState {
     // the start, then one after each launch), read back after the run.
     int64_t* stamps = nullptr;
     size_t stamps_cap = 0;
+    // The q|k|v tail's pair angles by position (kernels.h rope_table), for one (rows,
+    // n_rot, freq_base): the decode program's.
+    float2* rope_table = nullptr;
+    int64_t rope_rows = 0;
+    int rope_nrot = 0;
+    float rope_freq = 0.0f;
     ~CudaPlanState() override {
         // The capture dies with the plan, once the stream no longer uses it.
         cudaStreamSynchronize(ctx().stream);
@@ -149,6 +155,7 @@ struct CudaPlanState : PlanState {
         if (mv_tk) cudaFree(mv_tk);
         if (rope_tk) cudaFree(rope_tk);
         if (stamps) cudaFree(stamps);
+        if (rope_table) cudaFree(rope_table);
     }
 };
 
@@ -450,6 +457,31 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     }
 }
 
+// The angle table of the program's first q|k|v tail (MINFER_CUDA_ROPE_TABLE=0: none,
+// every block works its angles out), filled once here, stream-ordered before any run.
+// Positions run up to the KV cells (n_ctx, every sequence's).
+void build_rope_table(const Plan& plan, CudaPlanState& st) {
+    const char* e = std::getenv("MINFER_CUDA_ROPE_TABLE");
+    if (e && *e == '0') return;
+    for (const auto& L : st.program) {
+        if (L.kind != L_MV || L.rope[0] < 0) continue;
+        const Step &q = plan.steps[L.rope[0]], &kv = plan.steps[L.rope[2]];
+        const int64_t rows = kv.ip[2];
+        const int n_rot = (int)q.ip[3];
+        if (st.rope_table && st.rope_rows == rows && st.rope_nrot == n_rot && st.rope_freq == q.fp[0]) return;
+        if (st.rope_table) {
+            cudaStreamSynchronize(ctx().stream);
+            cudaFree(st.rope_table);
+        }
+        st.rope_table = (float2*)dev_alloc((size_t)rows * (n_rot / 2) * sizeof(float2));
+        st.rope_rows = rows;
+        st.rope_nrot = n_rot;
+        st.rope_freq = q.fp[0];
+        rope_table(st.rope_table, rows, n_rot, q.fp[0]);
+        return;
+    }
+}
+
 }  // namespace
 
 void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights& dw) {
@@ -580,6 +612,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     st.pick_n = pick_n;
     if (pick_buf >= 0) pick_slot();  // its device int exists before any capture records it
     build_program(plan, ws, st);
+    build_rope_table(plan, st);
     st.pool = &pool;
     st.pool_count = pool.count();
     st.weight_count = ws.count();
@@ -840,6 +873,10 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             r.freq_base = q.fp[0];
             r.tickets = st.rope_tk;
             r.err = ctx().err_dev;
+            if (st.rope_table && st.rope_nrot == r.n_rot && st.rope_freq == r.freq_base) {
+                r.cs_table = st.rope_table;
+                r.cs_rows = st.rope_rows;
+            }
             matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, &r, in_norm);
             break;
         }

@@ -551,6 +551,18 @@ __device__ __forceinline__ void group_copy(const MvJob& jb, int g, int lane) {
 // __ldcg): other blocks wrote it during this launch. cs: the head's pair angles, worked
 // out by every block of a q or k head before the wait (positions are inputs), or null.
 constexpr int ROPE_CS_MAX = 128;  // pairs whose angles a block keeps in shared memory
+
+// Pair k's angle at the step's position: from the table when it holds the position.
+__device__ __forceinline__ void rope_cs_of(const MvRopeStore& r, int k, float& c, float& s) {
+    const int32_t p = r.pos[0];
+    if (r.cs_table && p >= 0 && p < r.cs_rows) {
+        const float2 v = r.cs_table[(int64_t)p * (r.n_rot / 2) + k];
+        c = v.x;
+        s = v.y;
+    } else {
+        rope_cs(k, r.n_rot, p, r.freq_base, c, s);
+    }
+}
 __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb, int j, int row0,
                                                 const float2* cs) {
     const MvRopeStore& r = a.rope;
@@ -643,7 +655,7 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
             const int k = 2 * i + t;
             float cc, sn;
             if (cs) cc = cs[t].x, sn = cs[t].y;
-            else rope_cs(k, r.n_rot, r.pos[0], r.freq_base, cc, sn);
+            else rope_cs_of(r, k, cc, sn);
             float y0, y1;
             rope_rot(vals[t], vals[2 + t], cc, sn, y0, y1);
             yr[k] = y0;
@@ -703,8 +715,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
             if (a.rope.early && rope_local_pairs(a.rope, b)) {  // the block's two pairs
                 if (threadIdx.x < 2) {
                     float c, sn;
-                    rope_cs(2 * (b % (a.rope.hd / MV_WARPS)) + threadIdx.x, a.rope.n_rot, a.rope.pos[0],
-                            a.rope.freq_base, c, sn);
+                    rope_cs_of(a.rope, 2 * (b % (a.rope.hd / MV_WARPS)) + threadIdx.x, c, sn);
                     cs_smem[threadIdx.x] = make_float2(c, sn);
                 }
                 cs = cs_smem;  // read in the tail, after its __syncthreads()
@@ -713,7 +724,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
                    a.rope.n_rot / 2 <= ROPE_CS_MAX) {
             for (int k = threadIdx.x; k < a.rope.n_rot / 2; k += blockDim.x) {
                 float c, sn;
-                rope_cs(k, a.rope.n_rot, a.rope.pos[0], a.rope.freq_base, c, sn);
+                rope_cs_of(a.rope, k, c, sn);
                 cs_smem[k] = make_float2(c, sn);
             }
             cs = cs_smem;  // read in the tail, after its __syncthreads()
@@ -913,6 +924,14 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
 }
 
 // The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
+__global__ void k_rope_table(float2* __restrict__ t, int64_t rows, int n_rot, float freq_base) {
+    const int64_t half = n_rot / 2, i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * half) return;
+    float c, s;
+    rope_cs(i % half, n_rot, (int32_t)(i / half), freq_base, c, s);
+    t[i] = make_float2(c, s);
+}
+
 __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
     pdl_wait();
     pdl_trigger();
@@ -1339,6 +1358,12 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         }
         c0 += nc;
     }
+}
+
+void rope_table(float2* table, int64_t rows, int n_rot, float freq_base) {
+    const int64_t n = rows * (n_rot / 2);
+    k_rope_table<<<blocks_for(n, 256), 256, 0, ctx().stream>>>(table, rows, n_rot, freq_base);
+    note_launch();
 }
 
 void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch) {

@@ -69,7 +69,15 @@ struct MvRopeStore {
     int* err = nullptr;
     int early = 1;  // blocks work out the rotation angles before the wait (set by matvec_multi)
     int local = 0;  // each block ropes and stores its own rows, no tickets (set by matvec_multi)
+    // Pair angles by position (rope_table: cs_rows positions of n_rot / 2 pairs), or null;
+    // a position outside it is worked out as rope_cs does.
+    const float2* cs_table = nullptr;
+    int64_t cs_rows = 0;
 };
+// The (cos, sin) of every rotated pair at positions 0 .. rows - 1, as rope_cs gives
+// them, into table (rows * n_rot / 2 float2): the decode q|k|v tail then loads a step's
+// angles instead of working them out in double in every block of every layer.
+void rope_table(float2* table, int64_t rows, int n_rot, float freq_base);
 // scratch: matvec_scratch_bytes(in_dim, ncols) device bytes for the activations' int8
 // copy. xq_ready: the copy is already there (written by the launch before), skip the
 // quantization launch.
