@@ -1330,13 +1330,16 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     defaults' logits bitwise: no matvec pulling its rows into L2 ahead of use, the staged
     matvec wherever it can run, down's int8 input made by 32-row group tickets inside
     gate|up's launch (plain or staged) rather than by a launch of its own (the default),
-    and attention issuing every group's loads after q is in shared memory (head dims up
-    to 64 issue a warp's first group's loads with q's by default)."""
+    attention issuing every group's loads after q is in shared memory (head dims up to 64
+    issue a warp's first group's loads with q's by default), and decode RMSNorms letting
+    the launch after them start once their wait is over, or at their start, whatever that
+    launch is (by default only before a q|k|v matvec)."""
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
     for env in ({"MINFER_CUDA_MV_PREFETCH": "0"}, {"MINFER_CUDA_MV_BULK": "1"}, {"MINFER_CUDA_MV_QTAIL": "1"},
-                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"}):
+                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"},
+                {"MINFER_CUDA_NORM_EARLY": "0"}, {"MINFER_CUDA_NORM_EARLY": "2"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)

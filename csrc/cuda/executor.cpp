@@ -122,6 +122,7 @@ struct CudaPlanState : PlanState {
         int rope[3] = {-1, -1, -1};
         int role[4] = {0, 0, 0, 0};
         int norm = -1;          // L_MV_ADD: the one-row RMSNorm whose deferred copy its group tails make (FUSE_NORM)
+        bool qkv_next = false;  // L_NORM_Q: the launch after it is a q|k|v matvec
     };
     std::vector<Launch> program;
     // Per step: the decode RMSNorm whose deferred copy (xn) a matvec step reads, else -1
@@ -447,6 +448,8 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         L.norm = N.s[0];
         st.program.erase(st.program.begin() + (long)(k + 1));
     }
+    for (size_t k = 0; k + 1 < st.program.size(); ++k)
+        st.program[k].qkv_next = st.program[k].kind == L_NORM_Q && st.program[k + 1].kind == L_MV;
     // The greedy pick last (after the passes above, which read entries' steps).
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
     st.flags = plan.flags;
@@ -848,7 +851,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
         case L_NORM_Q: {
             const Step& s = S[L.s[0]];
             rms_norm_copy(F(s, 1), s.w[0] >= 0 ? (const float*)dw.get(s.w[0]) : nullptr, F(s, 0), s.ip[0], s.ip[1],
-                          s.fp[0], st.xn);
+                          s.fp[0], st.xn, L.qkv_next);
             break;
         }
         case L_MV: {

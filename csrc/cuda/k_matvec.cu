@@ -951,7 +951,8 @@ __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __
 constexpr int NORM_REG = (int)(kNormCopyMaxRow / 1024);
 __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                 int d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds,
-                                float* __restrict__ scale) {
+                                float* __restrict__ scale, int early) {
+    if (early) pdl_trigger();
     __shared__ double red[kNormCopyMaxRow / 32];
     __shared__ float sc;
     const int T = blockDim.x, t = threadIdx.x, lane = t % 32, nb = d / 32;
@@ -960,7 +961,7 @@ __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __rest
 #pragma unroll
     for (int k = 0; k < NORM_REG; ++k) wv[k] = w && t + k * T < d ? w[t + k * T] : 0.0f;
     pdl_wait();
-    pdl_trigger();
+    if (!early) pdl_trigger();
 #pragma unroll
     for (int k = 0; k < NORM_REG; ++k) xv[k] = t + k * T < d ? __ldcg(x + r * d + t + k * T) : 0.0f;
 #pragma unroll
@@ -1366,10 +1367,19 @@ void rope_table(float2* table, int64_t rows, int n_rot, float freq_base) {
     note_launch();
 }
 
-void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch) {
+void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch,
+                   bool qkv_next) {
     if (d % 32 || d > kNormCopyMaxRow || nt < 1) throw std::invalid_argument("rms_norm_copy: d % 32 == 0, d <= 4096");
+    // When the norm lets the launch after it start: once its own wait is over (0), or at
+    // its start when that launch is a q|k|v matvec (1, the default), whose blocks then
+    // prefetch their rows and load their RoPE angles while the down projection before
+    // finishes; at its start always (2). H200 tg128 side by side, 1 / 0 / 2: 0.5B 1,604 /
+    // 1,568 / 1,625 against 1,436 / 1,516 / 1,600 and 1,543 / 1,541 / 1,475; 7B 473 / 472 /
+    // 465 against 464 / 460 / 457 and 477 / 480 / 467. (2 lets gate|up's 1,216 blocks
+    // launch while the o projection runs on the 0.5B.)
+    const int e = env_int("MINFER_CUDA_NORM_EARLY", 1);
     launch(k_rms_norm_copy, (unsigned)nt, rms_threads(d), x, w, y, (int)d, eps, (int8_t*)scratch,
-           (float2*)((uint8_t*)scratch + nt * d), norm_copy_scale(scratch, d, nt));
+           (float2*)((uint8_t*)scratch + nt * d), norm_copy_scale(scratch, d, nt), (e == 2 || (e == 1 && qkv_next)) ? 1 : 0);
 }
 
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out,

@@ -106,7 +106,8 @@ inline double* norm_copy_ss(void* scratch, int64_t d, int64_t nt) {
 inline float* norm_copy_scale(void* scratch, int64_t d, int64_t nt) {
     return (float*)(norm_copy_ss(scratch, d, nt) + nt * (d / 32));
 }
-void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch);
+void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch,
+                   bool qkv_next = false);
 
 // W (rows x in_dim of wtype, device layout) -> f16 rows (prefill GEMM operand), on
 // `stream` (the context stream when null; the executor's side stream dequantizes the
