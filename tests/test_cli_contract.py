@@ -340,11 +340,18 @@ def test_non_finite_logits_stop_naming_the_step(sb, models, tmp_path, which):
 
 # ---- signals and pipes -------------------------------------------------------------------
 
+def _sigint_default() -> None:
+    # A suite started in the background by a shell without job control inherits SIGINT
+    # ignored, and Python keeps an ignored SIGINT ignored: give the child a terminal's
+    # Ctrl-C, which is what these tests are about.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(sandbox, *args) -> subprocess.Popen:
     cwd, cache = sandbox
     env = dict(BASE_ENV, MINFER_CACHE=str(cache))
     return subprocess.Popen([MINFER, *map(str, args)], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_default)
 
 
 def _read_until(p: subprocess.Popen, n_bytes: int, limit: float = TIMEOUT) -> bytes:

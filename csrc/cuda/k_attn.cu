@@ -9,8 +9,9 @@
 // position) run in one launch: each split holding cells stores its partial (max, sum,
 // acc), fences, and takes an integer ticket for its (token, head); the block that takes
 // the last ticket merges the splits in split order (whichever block that is) and resets
-// the ticket for the next launch. Nothing depends on timing: the same inputs give the
-// same bits.
+// the ticket for the next launch. With head dims up to 64 a warp's first group's K and V
+// loads go out with q's (LoadedGroup). Nothing depends on timing: the same inputs give
+// the same bits.
 #include <cuda_fp16.h>
 
 #include <cmath>
