@@ -186,12 +186,13 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
     """One-column launches whose jobs share a type take that type's own kernel
     (MINFER_CUDA_MV_TYPED, on by default): bitwise the switch kernel's rows, a single
     matvec and a SwiGLU pair alike, and within the matvec tolerance of float64; a launch
-    of mixed types (q|k|v with Q8_0 v) still takes the switch kernel."""
+    of mixed types (q|k|v with a Q8_0 or Q6_K v) still takes the switch kernel."""
     rng = np.random.default_rng(int(qtype))
     in_dim, rows = 512, 320
+    vtype = Q.Q6_K if qtype == Q.Q4_K else Q.Q8_0
     w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
     u_raw, _ = make_weight(qtype, rows, in_dim, rng)
-    m_raw, _ = make_weight(Q.Q8_0, rows, in_dim, rng)
+    m_raw, _ = make_weight(vtype, rows, in_dim, rng)
     x = rng.standard_normal((1, in_dim)).astype(np.float32)
     outs = {}
     for typed in ("1", "0"):
@@ -199,7 +200,7 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
         r = Rig()
         w = r.weight("w", w_raw, qtype, in_dim, rows)
         u = r.weight("u", u_raw, qtype, in_dim, rows)
-        m = r.weight("m", m_raw, Q.Q8_0, in_dim, rows)
+        m = r.weight("m", m_raw, vtype, in_dim, rows)
         xi = r.buf(x)
         y, g, h, sw, y2, ym = (r.out(rows) for _ in range(6))
         one = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, -1]),  # alone
@@ -218,7 +219,7 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
         outs[typed] = [r.read(b, rows) for b in (y, sw, y2, ym)]
     for a, b in zip(outs["1"], outs["0"]):
         assert a.tobytes() == b.tobytes()
-    assert outs["1"][0].tobytes() == outs["1"][2].tobytes()  # alone == beside a Q8_0 job
+    assert outs["1"][0].tobytes() == outs["1"][2].tobytes()  # alone == beside a Q8_0 / Q6_K job
     check_matvec(outs["1"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
 
 
@@ -710,7 +711,16 @@ def test_qkv_rope_store_tail_bitwise(hd, n_rot, pos, monkeypatch):
     (1, 0, 14, 2, 64, 640), (1, 600, 14, 2, 64, 640), (1, 1500, 28, 4, 128, 2048),
     (37, 0, 8, 2, 64, 64), (33, 100, 4, 1, 32, 256), (3, 9, 4, 2, 256, 300),
     (200, 300, 28, 4, 128, 1024), (130, 0, 14, 2, 64, 130), (17, 40, 4, 4, 128, 64), (40, 5, 4, 2, 256, 64)])
-def test_kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx):
+def test_kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx, monkeypatch):
+    """KV store then attention against float64; the decode kernel gives the same bits with
+    a warp's first group's loads issued with q's (head dims up to 64, the default) or after
+    it (MINFER_CUDA_ATTN_EARLY=0)."""
+    outs = [_kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx, monkeypatch, e) for e in ("1", "0")]
+    assert outs[0].tobytes() == outs[1].tobytes()
+
+
+def _kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx, monkeypatch, early):
+    monkeypatch.setenv("MINFER_CUDA_ATTN_EARLY", early)
     rng = np.random.default_rng(nt * 1000 + start)
     kv_dim = nkv * hd
     # A history already in the cache, then nt new tokens stored and attended.
@@ -740,6 +750,7 @@ def test_kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx):
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
     r.run(plan)
     assert r.read(yi, nt * nh * hd).tobytes() == got.tobytes()
+    return got
 
 
 @pytest.mark.parametrize("nt,hd", [(3, 64), (70, 64), (90, 128), (20, 32)])
