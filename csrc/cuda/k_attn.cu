@@ -126,6 +126,39 @@ __device__ __forceinline__ void quant_head(const AttnDev& a, int64_t off, int la
         quant_block_q8(a.out[off + 32 * b + lane], lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
 }
 
+// One cell's score: q (shared memory) against its K row k (global memory, or registers
+// loaded ahead), in dim order.
+template <int HD>
+__device__ __forceinline__ float cell_score(const float* qs, const uint4* k, float scale) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < HD / 8; ++i) {
+        const uint4 u = k[i];
+        const __half2* hh = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __half22float2(hh[j]);
+            dot = fmaf(qs[8 * i + 2 * j], f.x, dot);
+            dot = fmaf(qs[8 * i + 2 * j + 1], f.y, dot);
+        }
+    }
+    return dot * scale;
+}
+
+// A group's scores into the warp's online softmax state (m, l, acc rescaled): the
+// group's max and sum are butterflies; returns this lane's cell's weight.
+template <int EPL>
+__device__ __forceinline__ float group_softmax(float s, bool valid, float& m, float& l, float acc[EPL]) {
+    const float m_new = fmaxf(m, warp_max(s));
+    const float p = valid ? expf(s - m_new) : 0.0f;
+    const float corr = expf(m - m_new);
+    l = l * corr + warp_sum(p);
+#pragma unroll
+    for (int j = 0; j < EPL; ++j) acc[j] *= corr;
+    m = m_new;
+    return p;
+}
+
 // One group of up to 32 cells [base, min(base + 32, c1)) into a warp's online softmax
 // state: each lane scores one cell (a whole-row dot product, q from shared memory), the
 // group's max and sum are butterflies, then each lane adds the cells' V slices for its
@@ -137,29 +170,8 @@ __device__ __forceinline__ void attend_group(const float* qs, const __half* K, c
     constexpr int EPL = HD / 32;
     const int64_t c = base + lane;
     const bool valid = c < c1;
-    float s = -INFINITY;
-    if (valid) {
-        const uint4* kr = reinterpret_cast<const uint4*>(K + c * kvs);
-        float dot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < HD / 8; ++i) {
-            const uint4 u = kr[i];
-            const __half2* hh = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = __half22float2(hh[j]);
-                dot = fmaf(qs[8 * i + 2 * j], f.x, dot);
-                dot = fmaf(qs[8 * i + 2 * j + 1], f.y, dot);
-            }
-        }
-        s = dot * scale;
-    }
-    const float m_new = fmaxf(m, warp_max(s));
-    const float p = valid ? expf(s - m_new) : 0.0f;
-    const float corr = expf(m - m_new);
-    l = l * corr + warp_sum(p);
-#pragma unroll
-    for (int j = 0; j < EPL; ++j) acc[j] *= corr;
+    const float s = valid ? cell_score<HD>(qs, reinterpret_cast<const uint4*>(K + c * kvs), scale) : -INFINITY;
+    const float p = group_softmax<EPL>(s, valid, m, l, acc);
     const int nvalid = (int)((c1 - base) < 32 ? (c1 - base) : 32);
     // VB cells' V slices (32 registers) are loaded before any is used, so their
     // latencies overlap; the sums still take the cells in order.
@@ -180,7 +192,6 @@ __device__ __forceinline__ void attend_group(const float* qs, const __half* K, c
             }
         }
     }
-    m = m_new;
 }
 
 // A warp's first group with its loads already issued (head dims <= 64, where a group's
@@ -210,27 +221,8 @@ struct LoadedGroup {
     }
     __device__ __forceinline__ void attend(const float* qs, float scale, int lane, float& m, float& l,
                                            float acc[EPL]) const {
-        float s = -INFINITY;
-        if (valid) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int i = 0; i < HD / 8; ++i) {
-                const __half2* hh = reinterpret_cast<const __half2*>(&k[i]);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 f = __half22float2(hh[j]);
-                    dot = fmaf(qs[8 * i + 2 * j], f.x, dot);
-                    dot = fmaf(qs[8 * i + 2 * j + 1], f.y, dot);
-                }
-            }
-            s = dot * scale;
-        }
-        const float m_new = fmaxf(m, warp_max(s));
-        const float p = valid ? expf(s - m_new) : 0.0f;
-        const float corr = expf(m - m_new);
-        l = l * corr + warp_sum(p);
-#pragma unroll
-        for (int j = 0; j < EPL; ++j) acc[j] *= corr;
+        const float s = valid ? cell_score<HD>(qs, k, scale) : -INFINITY;
+        const float p = group_softmax<EPL>(s, valid, m, l, acc);
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
             const float pi = __shfl_sync(0xffffffffu, p, i);
@@ -239,7 +231,6 @@ struct LoadedGroup {
                 for (int j = 0; j < EPL; ++j) acc[j] = fmaf(pi, v[i].at(j), acc[j]);
             }
         }
-        m = m_new;
     }
 };
 
