@@ -543,15 +543,6 @@ __device__ __forceinline__ void group_copy(const MvJob& jb, int g, int lane) {
     }
 }
 
-// A warp computes a.rpw consecutive rows, keeping the next two rows' bytes on their way
-// into L2 while it computes one (the first two are requested before pdl_wait()).
-// FusedQKV's tail: after this block's rows of job j (one head's rows lie in whole
-// blocks: rpw == 1, hd % MV_WARPS == 0), the last block of the head ropes it and stores
-// it into the KV cache exactly as k_rope2_store does. y is read through L2 (rope_elem's
-// __ldcg): other blocks wrote it during this launch. cs: the head's pair angles, worked
-// out by every block of a q or k head before the wait (positions are inputs), or null.
-constexpr int ROPE_CS_MAX = 128;  // pairs whose angles a block keeps in shared memory
-
 // Pair k's angle at the step's position: from the table when it holds the position.
 __device__ __forceinline__ void rope_cs_of(const MvRopeStore& r, int k, float& c, float& s) {
     const int32_t p = r.pos[0];
@@ -563,6 +554,17 @@ __device__ __forceinline__ void rope_cs_of(const MvRopeStore& r, int k, float& c
         rope_cs(k, r.n_rot, p, r.freq_base, c, s);
     }
 }
+
+// A warp computes a.rpw consecutive rows, keeping the next two rows' bytes on their way
+// into L2 while it computes one (the first two are requested before pdl_wait()).
+// FusedQKV's tail: after this block's rows of job j (one head's rows lie in whole
+// blocks: rpw == 1, hd % MV_WARPS == 0), the last block of the head ropes it and stores
+// it into the KV cache exactly as k_rope2_store does. y is read through L2 (rope_elem's
+// __ldcg): other blocks wrote it during this launch. cs: the head's pair angles
+// (rope_cs_of), taken by every block of a q or k head before the wait (positions are
+// inputs), or null.
+constexpr int ROPE_CS_MAX = 128;  // pairs whose angles a block keeps in shared memory
+
 __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb, int j, int row0,
                                                 const float2* cs) {
     const MvRopeStore& r = a.rope;
@@ -923,7 +925,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
     }
 }
 
-// The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
+// Every pair's angle at every position below rows (kernels.h rope_table), by rope_cs.
 __global__ void k_rope_table(float2* __restrict__ t, int64_t rows, int n_rot, float freq_base) {
     const int64_t half = n_rot / 2, i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * half) return;
@@ -932,6 +934,7 @@ __global__ void k_rope_table(float2* __restrict__ t, int64_t rows, int n_rot, fl
     t[i] = make_float2(c, s);
 }
 
+// The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
 __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
     pdl_wait();
     pdl_trigger();
