@@ -24,7 +24,9 @@ mkdir -p "$OUT"
 S=$OUT/summary.txt
 phase() { printf '%s %s\n' "$(date +%T)" "$*" | tee -a "$S"; }
 
-phase "start at $(git log --oneline -1 2>/dev/null || echo 'no git')"
+# The copy on the GPU machine may carry older git metadata than its files: COMMIT=<rev>
+# (the caller's `git rev-parse --short HEAD`) names what the files are.
+phase "start at ${COMMIT:-$(git log --oneline -1 2>/dev/null || echo no git) (git metadata of the copy, which may lag: COMMIT= names the files)}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader >>"$S" 2>&1
 # Wheels carried in .whl/ (gguf; the server's stack for tests/test_cuda_server.py).
 if compgen -G ".whl/*.whl" >/dev/null; then
