@@ -30,10 +30,10 @@ struct MvJob {
     int type2 = 0;
     const float* bias2 = nullptr;
     // Also write y's int8 copy (the next matvec's input, laid out as its scratch) here:
-    // the last of the blocks that computed a 32-row group (an integer ticket per group,
-    // zero before and after every launch) quantizes it; a staged launch leaves it to a
-    // quantization launch after it (MINFER_CUDA_MV_BULK_QTAIL=1: tickets there too).
-    // Needs ncols == 1, rows % 32 == 0.
+    // by a quantization launch after the matvec's, or (with q_ss, or
+    // MINFER_CUDA_MV_QTAIL=1) by the last of the blocks that computed a 32-row group (an
+    // integer ticket per group, zero before and after every launch). Needs ncols == 1,
+    // rows % 32 == 0.
     int8_t* q_out = nullptr;
     float2* ds_out = nullptr;
     int* tickets = nullptr;
