@@ -15,7 +15,8 @@
 # ROUNDS rounds (2) alternating, side by side in one run;
 # PROBE=1 runs bench/stream_probe.cu first; HOSTBENCH=1 the CPU-side sampling and event-hop benches; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
 # once per variant of STAMP_AB (as AB; unset: the defaults); COSTS=1 what each launch kind
-# costs inside the replayed graph (bench/launch_costs.py, ROUNDS rounds; COSTS_KINDS narrows it).
+# costs inside the replayed graph (bench/launch_costs.py, ROUNDS rounds; COSTS_KINDS narrows it);
+# GAP=1 a step's wall outside the replay (bench/host_gap.py).
 # Phases that fail are reported in summary.txt; the later ones still run.
 set -u
 cd "$(dirname "$0")/.."
@@ -74,7 +75,7 @@ fi
 
 models=$OUT/models
 mkdir -p "$models"
-if [ -n "${AB:-}" ] || [ "${STAMP:-0}" = 1 ] || [ -n "${NCU:-}" ] || [ "${COSTS:-0}" = 1 ]; then
+if [ -n "${AB:-}" ] || [ "${STAMP:-0}" = 1 ] || [ -n "${NCU:-}" ] || [ "${COSTS:-0}" = 1 ] || [ "${GAP:-0}" = 1 ]; then
   # The benchmark-shaped models, written once (cuda_bench.py names them the same way).
   python3 - "$models" >>"$S" 2>&1 <<'EOF'
 import sys
@@ -128,6 +129,14 @@ if [ "${COSTS:-0}" = 1 ]; then
     --rounds "${ROUNDS:-2}" ${COSTS_KINDS:+--kinds "$COSTS_KINDS"} >"$OUT/costs.txt" 2>"$OUT/costs.log"
   phase "launch costs rc $? in $((SECONDS - t0)) s -> costs.txt"
   cat "$OUT/costs.txt" >>"$S"
+fi
+
+# GAP=1: where a step's wall goes outside the replay (bench/host_gap.py), per shape.
+if [ "${GAP:-0}" = 1 ]; then
+  for shape in 0.5b 7b; do
+    python3 bench/host_gap.py "$models/qwen2-$shape-q4km-shape.gguf" >>"$S" 2>>"$OUT/gap.log"
+    phase "host gap $shape rc $?"
+  done
 fi
 
 # HOSTBENCH=1: the host-side benches that need no GPU, on this machine's CPU (the picks'

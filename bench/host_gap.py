@@ -1,0 +1,92 @@
+"""Where a decode step's wall time goes outside the replayed graph, on CUDA: the same
+positions run four ways, medians per step (µs).
+
+    python bench/host_gap.py MODEL.gguf [--steps 128] [--rounds 3]
+
+- tg: `forward([t], copy=False)` as `minfer bench` times tg (the logits read back);
+- greedy: `forward([t], copy=None)` then the device argmax (4 bytes back), as generation runs;
+- synced: `forward([t], copy=None)` then a stream sync (nothing read back);
+- ahead: `forward([t], copy=None)` for every step, one sync at the end: the host runs
+  ahead, so this is the replay's device time (inputs' H2D included) with no idle gap.
+
+tg - ahead is what a bench step spends with the GPU idle: the logits' D2H, the host's
+turnaround (wake-up, Python, the inputs' H2D and graph launch) and the launch latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--steps", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    from minfer import _core
+    from minfer.session import Session
+
+    s = Session.open(a.model, n_ctx=a.steps + 64, backends=["cuda"])
+    n = a.steps
+
+    def start():
+        s.reset()
+        s.forward([1], copy=None)
+        s.forward([2], copy=None)  # the decode graph: built, run directly, captured
+        s.forward([3], copy=None)
+        _core.cuda_sync()
+
+    def tg():
+        start()
+        out = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            s.forward([4 + i], copy=False)
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    def greedy():
+        start()
+        out, t = [], 4
+        for _ in range(n):
+            t0 = time.perf_counter()
+            s.forward([t], copy=None)
+            t = s.argmax_last() % 1000
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    def synced():
+        start()
+        out = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            s.forward([4 + i], copy=None)
+            _core.cuda_sync()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    def ahead():
+        start()
+        t0 = time.perf_counter()
+        for i in range(n):
+            s.forward([4 + i], copy=None)
+        _core.cuda_sync()
+        return (time.perf_counter() - t0) / n
+
+    kinds = {"tg": tg, "greedy": greedy, "synced": synced, "ahead": ahead}
+    res = {k: [] for k in kinds}
+    for _ in range(a.rounds):
+        for k, fn in kinds.items():
+            res[k].append(fn() * 1e6)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print(f"{a.model}: per step (us, median of {a.rounds} rounds of {n} steps): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+          + f"; tg - ahead {med['tg'] - med['ahead']:.1f}, greedy - ahead {med['greedy'] - med['ahead']:.1f},"
+          f" tg - synced (the logits' D2H) {med['tg'] - med['synced']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
