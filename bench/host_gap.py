@@ -58,14 +58,18 @@ def main() -> None:
             out.append(time.perf_counter() - t0)
         return statistics.median(out)
 
+    enq = []
+
     def synced():
         start()
         out = []
         for i in range(n):
             t0 = time.perf_counter()
             s.forward([4 + i], copy=None)
+            t1 = time.perf_counter()
             _core.cuda_sync()
             out.append(time.perf_counter() - t0)
+            enq.append(t1 - t0)
         return statistics.median(out)
 
     def ahead():
@@ -85,7 +89,19 @@ def main() -> None:
     print(f"{a.model}: per step (us, median of {a.rounds} rounds of {n} steps): "
           + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
           + f"; tg - ahead {med['tg'] - med['ahead']:.1f}, greedy - ahead {med['greedy'] - med['ahead']:.1f},"
-          f" tg - synced (the logits' D2H) {med['tg'] - med['synced']:.1f}")
+          f" tg - synced (the logits' D2H) {med['tg'] - med['synced']:.1f}; synced's enqueue (forward) "
+          f"{statistics.median(enq) * 1e6:.1f}")
+    # The C++ floor around the same capture: no Python between the wait and the launch.
+    ctx = s.context
+    start()
+    for i in range(8):
+        s.forward([4 + i], copy=None)
+    _core.cuda_sync()
+    plan = ctx.cache.lowered.splits[0].plan
+    _, dev, bid = ctx.cache.alloc._inputs["token_ids"]
+    r = _core.testing.cuda_replay_probe(plan, dev.pool, bid, 128)
+    print(f"{a.model}: C++ around the capture (us, medians of 128): launch+sync {r[0]:.1f}, "
+          f"H2D+launch+sync {r[1]:.1f}, H2D+sync {r[2]:.1f}, launched ahead {r[3]:.1f}")
 
 
 if __name__ == "__main__":

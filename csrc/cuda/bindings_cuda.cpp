@@ -342,6 +342,15 @@ void register_cuda(py::module_& m, py::module_& testing) {
             d["staged"] = k.staged;
             return d;
         });
+    testing.def("cuda_replay_probe", [](const Plan& plan, DevPool& pool, int input_id, int reps) {
+            // The input's H2D as a decode step makes it: from its pinned mirror (made by
+            // a write), its whole buffer.
+            const size_t n = pool.size(input_id);
+            const void* src = pool.fetch(input_id, n, 0);
+            py::gil_scoped_release nogil;
+            return replay_probe(plan, pool.data(input_id), src, n, reps);
+        }, py::arg("plan"), py::arg("pool"), py::arg("input_id"), py::arg("reps") = 128,
+        "Medians (us) of {launch, sync}, {H2D, launch, sync}, {H2D, sync} and launches-ahead per replay.");
     testing.def("cuda_reset_counters", []() { ctx().c = Counters{}; });
     testing.def("cuda_weight_bytes", [](PyWeightStore& ws) { return mirror_of(ws).bytes; });
     testing.def("cuda_mem_info", []() {

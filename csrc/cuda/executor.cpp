@@ -1,5 +1,7 @@
 #include "cuda/executor.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -1165,6 +1167,43 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
     MC_CHECK(cudaGetLastError());
     if (whole) ++st.direct_runs;
     picked();
+}
+
+// bench/host_gap.py: the C++ floor of a step around a captured plan's replay, medians
+// over reps (us): {launch, sync}; {the inputs' H2D (h2d_bytes from the mirror at src to
+// dst), launch, sync}; {H2D, sync}; and reps launches with one sync (device-bound).
+std::vector<double> replay_probe(const Plan& plan, void* dst, const void* src, size_t h2d_bytes, int reps) {
+    const CudaPlanState* st = peek_state(plan);
+    if (!st || !st->exec) throw std::invalid_argument("replay_probe: the plan has no capture");
+    Context& c = ctx();
+    using clk = std::chrono::steady_clock;
+    auto us = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
+    auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+    };
+    std::vector<double> a, b, h;
+    MC_CHECK(cudaStreamSynchronize(c.stream));
+    for (int i = 0; i < reps; ++i) {
+        auto t0 = clk::now();
+        MC_CHECK(cudaGraphLaunch(st->exec, c.stream));
+        MC_CHECK(cudaStreamSynchronize(c.stream));
+        a.push_back(us(t0, clk::now()));
+        t0 = clk::now();
+        MC_CHECK(cudaMemcpyAsync(dst, src, h2d_bytes, cudaMemcpyHostToDevice, c.stream));
+        MC_CHECK(cudaGraphLaunch(st->exec, c.stream));
+        MC_CHECK(cudaStreamSynchronize(c.stream));
+        b.push_back(us(t0, clk::now()));
+        t0 = clk::now();
+        MC_CHECK(cudaMemcpyAsync(dst, src, h2d_bytes, cudaMemcpyHostToDevice, c.stream));
+        MC_CHECK(cudaStreamSynchronize(c.stream));
+        h.push_back(us(t0, clk::now()));
+    }
+    auto t0 = clk::now();
+    for (int i = 0; i < reps; ++i) MC_CHECK(cudaGraphLaunch(st->exec, c.stream));
+    MC_CHECK(cudaStreamSynchronize(c.stream));
+    const double ahead = us(t0, clk::now()) / reps;
+    return {median(a), median(b), median(h), ahead};
 }
 
 size_t plan_graph_nodes(const Plan& plan) {
