@@ -100,6 +100,10 @@ def main() -> None:
     plan = ctx.cache.lowered.splits[0].plan
     _, dev, bid = ctx.cache.alloc._inputs["token_ids"]
     r = _core.testing.cuda_replay_probe(plan, dev.pool, bid, 128)
+    nb = 4 * s.model.hp.n_vocab
+    d = _core.testing.cuda_d2h_probe(nb, 64)
+    print(f"{a.model}: a {nb}-byte D2H + wait (us, medians of 64): copy engine {d[0]:.1f}, SM copy with 132 / 264 / "
+          f"528 blocks {d[1]:.1f} / {d[2]:.1f} / {d[3]:.1f}")
     print(f"{a.model}: C++ around the capture (us, medians of 128): launch+sync {r[0]:.1f}, "
           f"H2D+launch+sync {r[1]:.1f}, H2D+sync {r[2]:.1f}, launched ahead {r[3]:.1f}")
 

@@ -1114,6 +1114,31 @@ def test_bitwise_run_vs_run_replay_vs_direct_reuse_vs_rebuild(synth, monkeypatch
     assert a.tobytes() == d.tobytes(), "graph replay vs direct launches"
 
 
+def test_one_call_step_equals_the_general_path(synth, monkeypatch):
+    """A reused decode step in one core call (cuda_step: the three inputs' H2D and the
+    replay) gives the general path's bits (fill_inputs + execute)."""
+    _, path, ref = synth
+    seq = _sequences(ref.n_vocab, 3)[2]
+    eng = _engine(path, ["cuda"])
+    out = [eng.forward(seq, n_out=len(seq))]
+    t = int(out[0][-1].argmax())
+    for copy in (True, False, True, None, True, False):
+        lg = eng.forward([t], copy=copy)
+        t = eng.argmax_last() if copy is None else int(lg[-1].argmax())
+        out.append(np.array(lg) if copy is not None else eng.context.cache.alloc.copy_to_host(
+            eng.context.cache.graph.outputs[0]))
+    assert eng.context._step is not None, "the decode graph bound its one-call step"
+    monkeypatch.setattr(cuda_backend.CudaDevice, "bind_step", None)
+    slow = _engine(path, ["cuda"])
+    want = [slow.forward(seq, n_out=len(seq))]
+    t = int(want[0][-1].argmax())
+    for _ in range(6):
+        want.append(slow.forward([t]))
+        t = int(want[-1][-1].argmax())
+    assert slow.context._step is None
+    assert np.concatenate(out).tobytes() == np.concatenate(want).tobytes()
+
+
 def test_prefill_gemm_pipeline_bitwise_on_models(synth, monkeypatch):
     """A 40-token prefill (the f16 GEMM path, logits of every row: the output GEMM too)
     with the weight dequantization pipelined on the side stream and the f16 inputs

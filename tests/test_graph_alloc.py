@@ -341,6 +341,7 @@ def test_inputs_form_one_group_and_a_step_fills_them_in_one_write(tmp_path):
             dev.pool.write(i, a)
 
     dev.alloc_group, dev.write_many = alloc_group, write_many
+    dev.bind_step = None  # the fills under test, not the decode step's one call (test_decode_step.py)
     for toks, n_out in (([1, 2, 3], 1), ([4], 1), ([5], 1)):
         got = eng.forward(toks, n_out=n_out)
         assert np.array_equal(got, plain.forward(toks, n_out=n_out))

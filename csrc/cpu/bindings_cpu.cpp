@@ -167,6 +167,20 @@ void register_cpu(py::module_& m) {
         }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("n_threads"), py::arg("begin") = 0,
         py::arg("end") = -1, "Execute plan steps [begin, end) on one pool, GIL released.");
 
+    m.def("step", [](const Plan& plan, Pool& pool, const PyWeightStore& ws, int n_threads, int tok_id, int pos_id,
+                     int cell_id, int32_t tok, int32_t pos, int32_t cell) {
+            const int ids[3] = {tok_id, pos_id, cell_id};
+            const int32_t v[3] = {tok, pos, cell};
+            for (int k = 0; k < 3; ++k) {
+                check_range(pool, ids[k], 0, sizeof(int32_t));
+                std::memcpy(pool.data(ids[k]), &v[k], sizeof(int32_t));
+            }
+            py::gil_scoped_release nogil;
+            run_plan(plan, pool, ws.store, n_threads, 0, (size_t)-1);
+        }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("n_threads"), py::arg("tok_buf"),
+        py::arg("pos_buf"), py::arg("cell_buf"), py::arg("token"), py::arg("position"), py::arg("cell"),
+        "A decode step in one call: its three one-int inputs written, then the whole plan run, GIL released.");
+
     m.def("prepare", [](const Plan& plan, const PyWeightStore& ws, int n_threads) {
             py::gil_scoped_release nogil;
             prepare_weights(plan, ws.store, n_threads);

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -64,6 +65,36 @@ double copy_bandwidth(size_t nbytes, int reps) {
     cudaFree(b);
     // Bytes read plus bytes written, as STREAM's copy counts them.
     return 2.0 * (double)nbytes * reps / (ms * 1e-3);
+}
+
+// bench/host_gap.py: medians (us) of an nbytes D2H into pinned memory + wait, by the
+// copy engine, then by copy_out with 132, 264 and 528 blocks.
+std::vector<double> d2h_probe(size_t nbytes, int reps) {
+    Context& c = ctx();
+    void* d = dev_alloc(nbytes);
+    void* h = host_alloc_pinned(nbytes);
+    MC_CHECK(cudaMemsetAsync(d, 1, nbytes, c.stream));
+    using clk = std::chrono::steady_clock;
+    auto time = [&](auto&& fn) {
+        std::vector<double> v;
+        for (int i = 0; i < reps; ++i) {
+            MC_CHECK(cudaStreamSynchronize(c.stream));
+            auto t0 = clk::now();
+            fn();
+            MC_CHECK(cudaStreamSynchronize(c.stream));
+            v.push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count());
+        }
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+    };
+    std::vector<double> r;
+    r.push_back(time([&] { MC_CHECK(cudaMemcpyAsync(h, d, nbytes, cudaMemcpyDeviceToHost, c.stream)); }));
+    for (unsigned b : {132u, 264u, 528u}) r.push_back(time([&] { copy_out(d, h, nbytes, b); }));
+    const bool same = ((const uint8_t*)h)[nbytes - 1] == 1;
+    cudaFree(d);
+    cudaFreeHost(h);
+    if (!same) throw std::runtime_error("d2h_probe: the copy did not land");
+    return r;
 }
 
 }  // namespace
@@ -139,6 +170,16 @@ void register_cuda(py::module_& m, py::module_& testing) {
             run_plan(plan, pool, ws.store, dw, begin, end < 0 ? (size_t)-1 : (size_t)end);
         }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("begin") = 0, py::arg("end") = -1,
         "Enqueue plan steps [begin, end) on the CUDA stream (a graph replay once warm); does not wait.");
+    m.def("cuda_step", [](const Plan& plan, DevPool& pool, PyWeightStore& ws, int tok_id, int pos_id, int cell_id,
+                          int32_t tok, int32_t pos, int32_t cell) {
+            DevWeights& dw = mirror_of(ws);
+            py::gil_scoped_release nogil;
+            const int32_t v[3] = {tok, pos, cell};
+            pool.write_many({tok_id, pos_id, cell_id}, {&v[0], &v[1], &v[2]}, {4, 4, 4});
+            run_plan(plan, pool, ws.store, dw, 0, (size_t)-1);
+        }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("tok_buf"), py::arg("pos_buf"),
+        py::arg("cell_buf"), py::arg("token"), py::arg("position"), py::arg("cell"),
+        "A decode step in one call: write_many of its three one-int inputs, then cuda_run of the whole plan.");
     testing.def("cuda_plan_info", [](const Plan& plan) {
             py::dict d;
             d["captured"] = plan_captured(plan);
@@ -351,6 +392,11 @@ void register_cuda(py::module_& m, py::module_& testing) {
             return replay_probe(plan, pool.data(input_id), src, n, reps);
         }, py::arg("plan"), py::arg("pool"), py::arg("input_id"), py::arg("reps") = 128,
         "Medians (us) of {launch, sync}, {H2D, launch, sync}, {H2D, sync} and launches-ahead per replay.");
+    testing.def("cuda_d2h_probe", [](size_t nbytes, int reps) {
+            py::gil_scoped_release nogil;
+            return d2h_probe(nbytes, reps);
+        }, py::arg("nbytes"), py::arg("reps") = 64,
+        "Medians (us) of an nbytes D2H + wait: copy engine, then SM copies with 132, 264, 528 blocks.");
     testing.def("cuda_reset_counters", []() { ctx().c = Counters{}; });
     testing.def("cuda_weight_bytes", [](PyWeightStore& ws) { return mirror_of(ws).bytes; });
     testing.def("cuda_mem_info", []() {

@@ -114,6 +114,9 @@ void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t 
 // next GEMM's weight while the main one computes).
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out_f16,
                  void* stream = nullptr);
+// nbytes (a multiple of 16, both 16-byte aligned) from src to dst by `blocks` blocks of
+// 256 threads: dst may be pinned host memory (a D2H made by the SMs, not a copy engine).
+void copy_out(const void* src, void* dst, size_t nbytes, unsigned blocks);
 // y[i] = f16(x[i]) (round to nearest); four at a time when n % 4 == 0 and both are 16/8-byte aligned.
 void f32_to_f16(const float* x, void* y, int64_t n);
 // y[t][o] += bias[o] (+ resid[t][o])

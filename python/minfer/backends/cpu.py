@@ -89,6 +89,11 @@ class CpuDevice:
         """run(begin=0, end=-1): one GIL-free core call, with this device's threads."""
         return functools.partial(_core.run, plan, self.pool, weights.core, self.n_threads)
 
+    def bind_step(self, plan, weights: HostWeights) -> Callable:
+        """step(tok_buf, pos_buf, cell_buf, token, position, cell): a decode step's three
+        one-int inputs written and the plan run, in one core call."""
+        return functools.partial(_core.step, plan, self.pool, weights.core, self.n_threads)
+
 
 def _host_copy(src_dev: CpuDevice, src_buf: int, dst_dev: CpuDevice, dst_buf: int, nbytes: int):
     """A host memcpy: complete when it returns, so the ticket needs no wait."""

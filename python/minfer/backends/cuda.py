@@ -132,6 +132,11 @@ class CudaDevice:
         the next host read waits."""
         return functools.partial(self.core.cuda_run, plan, self.pool, weights.core)
 
+    def bind_step(self, plan, weights: HostWeights) -> Callable:
+        """step(tok_buf, pos_buf, cell_buf, token, position, cell): a decode step's three
+        one-int inputs written (one H2D) and the whole plan enqueued, in one call."""
+        return functools.partial(self.core.cuda_step, plan, self.pool, weights.core)
+
 
 def _copy(src_dev, src_buf: int, dst_dev, dst_buf: int, nbytes: int):
     """Device->device and host->device copies are ordered on the stream every consumer

@@ -16,6 +16,8 @@ work: if they cannot all be had, the error names the bytes the KV needs.
 
 from __future__ import annotations
 
+import functools
+
 import heapq
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -399,6 +401,10 @@ class GraphAllocator:
                 for bid, arr in zip(bids, arrs):
                     dev.write(bid, arr)
 
+    def input_buffers(self) -> dict:
+        """{input name: (node, device, buffer id)} of the allocated graph."""
+        return dict(self._inputs)
+
     def _input_array(self, graph: ComputeGraph, name: str, data) -> tuple:
         """(node, device, buffer id, C-contiguous 1-D array of the node's dtype) for a fill."""
         if graph is not self._graph:
@@ -451,6 +457,19 @@ class GraphAllocator:
         if out is None:
             return self.copy_to_host(node_id)
         return out.reshape(node.n_rows, node.out_shape[0])
+
+    def viewer(self, node_id: int):
+        """host_view(node_id) of the allocated graph as a call of no arguments, the
+        lookups done once (the decode step's logits)."""
+        node = self._graph.nodes[node_id]
+        ref = self.buffer(node_id)
+        view = functools.partial(self.devices[ref.backend].view, ref.id, node.out_dtype.numpy, node.n_elements)
+        shape = (node.n_rows, node.out_shape[0])
+
+        def get() -> np.ndarray:
+            out = view()
+            return self.copy_to_host(node_id) if out is None else out.reshape(shape)
+        return get
 
     def copy_kv_to_host(self, layer: int) -> tuple:
         """(K, V) of a layer, each [n_ctx, kv_dim] float32 whatever the stored type."""

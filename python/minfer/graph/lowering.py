@@ -27,6 +27,7 @@ class LoweredSplit:
     prepare: object = None                          # prepare(): the device readies the plan's weights now
     staged: list = field(default_factory=list)      # (node, backend) keys, in first-read order
     first_read: dict = field(default_factory=dict)  # step index -> staged keys first read there
+    step: object = None                             # step(*input buffer ids, *values): fill one-int inputs + run, one call
 
     @property
     def n_steps(self) -> int:
@@ -122,7 +123,9 @@ def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, params=None) 
         except (ValueError, IndexError) as e:
             raise GraphError(f"split {k} ({entry.name}) does not lower to a valid plan: {e}") from e
         prepare = getattr(device, "prepare", None)
+        bind_step = getattr(device, "bind_step", None)
         out.append(LoweredSplit(sp, entry, device, plan, device.bind(plan, bound.store), step_nodes,
                                 functools.partial(prepare, plan, bound.store) if prepare else None,
-                                ctx.staged, ctx.first_read))
+                                ctx.staged, ctx.first_read,
+                                bind_step(plan, bound.store) if bind_step else None))
     return Lowered(out)
