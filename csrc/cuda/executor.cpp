@@ -475,7 +475,7 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         const int split = e && *e ? std::atoi(e) : 2;
         const auto& L = st.program.back();
         const Step& m = S[L.s[0]];
-        if (split != 0 && L.kind == L_STEP && is_mv(m) && m.buf[0] == st.view_buf && L.xq_ready &&
+        if (split > 0 && L.kind == L_STEP && is_mv(m) && m.buf[0] == st.view_buf && L.xq_ready &&
             weight_quantized(m, ws) && m.ip[1] >= 64 * split) {
             st.view_at = (int)st.program.size() - 1;
             st.view_k = std::min(split, CudaPlanState::kViewMaxSplit);
@@ -893,12 +893,6 @@ void launch_view_chunks(const CudaPlanState::Launch& L, const Plan& plan, DevPoo
     const MvJob j = job_of(s, pool, ws, dw);
     uint8_t* host = (uint8_t*)pool.host_mirror(s.buf[0]);
     void* xq = L.slot == 2 ? st.xn : L.slot == 1 ? st.xq2 : st.xq;
-    if (st.view_k < 0) {  // the matvec stores each row into the mirror too
-        MvJob jh = j;
-        jh.y_host = (float*)host;
-        matvec_multi(&jh, 1, s.ip[0], (const float*)pool.data(s.buf[1]), xq, 1, true, nullptr, L.norm_in >= 0);
-        return;
-    }
     const int K = st.view_k;
     for (int k = 0; k < K; ++k) {
         const int r0 = (int)((int64_t)j.rows * k / K / 64 * 64);

@@ -473,7 +473,6 @@ __device__ __forceinline__ float mv_store(const MvJob& jb, int row, int c, float
         r = silu_f(r) * u;
     }
     jb.y[(size_t)c * jb.rows + row] = r;
-    if (jb.y_host) jb.y_host[(size_t)c * jb.rows + row] = r;
     return r;
 }
 

@@ -25,9 +25,6 @@ struct MvJob {
     const float* bias = nullptr;
     const float* resid = nullptr;
     float* y = nullptr;
-    // Also store y here (pinned host memory, device-addressable): viewed logits written
-    // to the host by the matvec itself, no copy after it (MINFER_CUDA_VIEW_SPLIT=-1).
-    float* y_host = nullptr;
     const uint8_t* W2 = nullptr;
     size_t row_bytes2 = 0;
     int type2 = 0;
