@@ -1139,42 +1139,6 @@ def test_one_call_step_equals_the_general_path(synth, monkeypatch):
     assert np.concatenate(out).tobytes() == np.concatenate(want).tobytes()
 
 
-def _viewed_steps(path, seq, n, split, monkeypatch):
-    monkeypatch.setenv("MINFER_CUDA_VIEW_SPLIT", split)
-    eng = _engine(path, ["cuda"])
-    eng.forward(seq, n_out=1, copy=False)
-    views, t = [], 3
-    for i in range(n):
-        if i == n - 2:
-            _core.cuda_sync()
-            _core.testing.cuda_reset_counters()
-        v = eng.forward([t], copy=False)
-        assert not v.flags.writeable
-        views.append(np.array(v))
-        t = int(v[-1].argmax())
-    counters = _core.testing.cuda_counters()
-    info = _core.testing.cuda_plan_info(eng.context.cache.lowered.splits[0].plan)
-    return np.concatenate(views), info, counters
-
-
-@pytest.mark.parametrize("split", ["1", "2", "3"])
-def test_viewed_logits_are_copied_inside_the_run(synth, monkeypatch, split):
-    """Logits a loop views after every step (bench's tg, host-row sampling) are copied
-    into the host mirror inside the run, the output matvec in row chunks each copied
-    beside the next: the views hold the bits a view after the run reads back
-    (MINFER_CUDA_VIEW_SPLIT=0), one D2H a step either way."""
-    name, path, ref = synth
-    seq = _sequences(ref.n_vocab, 3)[1]
-    want, info0, c0 = _viewed_steps(path, seq, 8, "0", monkeypatch)
-    got, info, c = _viewed_steps(path, seq, 8, split, monkeypatch)
-    assert got.tobytes() == want.tobytes()
-    assert info0["view_chunks"] == 0
-    quantized_out = name not in ("qwen3-decoupled-f32", "qwen2-f32-tied")
-    assert info["view_chunks"] == (int(split) if quantized_out else 0), info
-    for k in (c0, c):
-        assert k["d2h"] == 2 and k["d2h_bytes"] == 2 * 4 * ref.n_vocab and k["syncs"] == 2, k
-
-
 def test_prefill_gemm_pipeline_bitwise_on_models(synth, monkeypatch):
     """A 40-token prefill (the f16 GEMM path, logits of every row: the output GEMM too)
     with the weight dequantization pipelined on the side stream and the f16 inputs

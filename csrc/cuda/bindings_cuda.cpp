@@ -150,9 +150,6 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 DevPool& p = self.cast<DevPool&>();
                 py::dtype dt(dtype);
                 const void* src;
-                // A viewed buffer (the logits) is likely viewed after every run: the next
-                // plan writing it last copies it into the mirror inside its run.
-                p.add_view_target(id);
                 {
                     py::gil_scoped_release nogil;
                     src = p.fetch(id, (size_t)count * dt.itemsize(), offset);
@@ -190,7 +187,6 @@ void register_cuda(py::module_& m, py::module_& testing) {
             d["launches"] = plan_launches(plan);
             d["gemm_pipelined"] = plan_gemm_pipelined(plan);
             d["gemm_inputs_reused"] = plan_gemm_inputs_reused(plan);
-            d["view_chunks"] = plan_view_chunks(plan);
             return d;
         }, py::arg("plan"));
 
@@ -338,7 +334,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             Context& c = ctx();
             MC_CHECK(cudaMemcpyAsync(dst.data(dst_id), src.data(src_id), nbytes, cudaMemcpyDeviceToDevice, c.stream));
             ++c.c.d2d;
-            forget_answers();
+            forget_pick();
         }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
     m.def("copy_buffer", [](DevPool& src, int src_id, cpu::Pool& dst, int dst_id, size_t nbytes) {
             check_host_range(dst, dst_id, nbytes);

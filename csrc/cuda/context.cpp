@@ -102,15 +102,9 @@ void* host_alloc_pinned(size_t nbytes) {
 
 namespace {
 PickSlot g_pick;
-ViewSlot g_view;
 }  // namespace
 
-void forget_answers() {
-    g_pick.pool = nullptr;
-    g_view = ViewSlot{};
-}
-
-ViewSlot& view_slot() { return g_view; }
+void forget_pick() { g_pick.pool = nullptr; }
 
 PickSlot& pick_slot() {
     PickSlot& p = g_pick;

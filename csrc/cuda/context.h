@@ -73,7 +73,7 @@ void* host_alloc_pinned(size_t nbytes);
 // The greedy pick: the argmax kernel's device int and its pinned host copy (one 4-byte
 // D2H). A plan whose last step writes a pool's pick target ends with the argmax, inside
 // its graph; `pool`/`buf`/`n` then name the logits the device int already answers for,
-// until anything else runs or writes (forget_answers), so argmax is just the readback.
+// until anything else runs or writes (forget_pick), so argmax is just the readback.
 struct PickSlot {
     int32_t* dev = nullptr;
     int32_t* host = nullptr;
@@ -82,16 +82,6 @@ struct PickSlot {
     int64_t n = 0;
 };
 PickSlot& pick_slot();  // dev/host allocated on first use (never inside a capture)
-// Logits a whole run also copied into their pool buffer's pinned mirror (a plan whose last
-// step writes a pool's view target: the D2H inside the run, beside its output matvec's
-// later row chunks): `bytes` of buffer `buf` of `pool`, so a view of them only waits.
-struct ViewSlot {
-    const void* pool = nullptr;
-    int buf = -1;
-    size_t bytes = 0;
-};
-ViewSlot& view_slot();
-// Neither slot answers for any buffer any more (a run starts, a buffer is written or allocated).
-void forget_answers();
+void forget_pick();
 
 }  // namespace minfer::cuda

@@ -106,16 +106,6 @@ struct CudaPlanState : PlanState {
     // pick_buf (the pool's pick target the last step writes), or none (-1).
     int pick_buf = -1;
     int64_t pick_n = 0;
-    // The view target the last step writes (the logits a host views after runs), or -1;
-    // view_at: the program entry of its one-token matvec, which then launches in
-    // view_k row chunks, each chunk's D2H into the buffer's mirror on the side stream
-    // beside the next chunk's launch (-1: not such a matvec, the views copy as before).
-    int view_buf = -1;
-    int view_at = -1;
-    int view_k = 0;
-    size_t view_bytes = 0;
-    static constexpr int kViewMaxSplit = 4;
-    cudaEvent_t ev_view[kViewMaxSplit + 1] = {};
     // The launch program of a whole run: each entry is one launch over steps
     // first[k] .. (kind-dependent), built at validation from the step merges allowed.
     struct Launch {
@@ -158,8 +148,6 @@ struct CudaPlanState : PlanState {
         if (wh) cudaFree(wh);
         if (wh2) cudaFree(wh2);
         for (cudaEvent_t e : {ev_start, ev_deq[0], ev_deq[1], ev_gemm[0], ev_gemm[1]})
-            if (e) cudaEventDestroy(e);
-        for (cudaEvent_t e : ev_view)
             if (e) cudaEventDestroy(e);
         if (xh) cudaFree(xh);
         if (attn) cudaFree(attn);
@@ -464,24 +452,6 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     }
     for (size_t k = 0; k + 1 < st.program.size(); ++k)
         st.program[k].qkv_next = st.program[k].kind == L_NORM_Q && st.program[k + 1].kind == L_MV;
-    // The viewed logits' matvec in row chunks, each chunk's D2H beside the next chunk
-    // (MINFER_CUDA_VIEW_SPLIT chunks, 2 by default; 0: the views copy after the run).
-    // Only a one-token matvec whose int8 input is ready (every chunk reads it), quantized.
-    st.view_at = -1;
-    st.view_k = 0;
-    st.view_bytes = 0;
-    if (st.view_buf >= 0 && !st.program.empty()) {
-        const char* e = std::getenv("MINFER_CUDA_VIEW_SPLIT");  // read at every build: tests set it
-        const int split = e && *e ? std::atoi(e) : 2;
-        const auto& L = st.program.back();
-        const Step& m = S[L.s[0]];
-        if (split > 0 && L.kind == L_STEP && is_mv(m) && m.buf[0] == st.view_buf && L.xq_ready &&
-            weight_quantized(m, ws) && m.ip[1] >= 64 * split) {
-            st.view_at = (int)st.program.size() - 1;
-            st.view_k = std::min(split, CudaPlanState::kViewMaxSplit);
-            st.view_bytes = (size_t)m.ip[1] * sizeof(float);
-        }
-    }
     // The greedy pick last (after the passes above, which read entries' steps).
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
     st.flags = plan.flags;
@@ -524,16 +494,13 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     // A plan whose last step writes the pool's pick target takes the argmax too.
     int pick_buf = -1;
     int64_t pick_n = 0;
-    // One whose last step writes a view target copies it into the mirror in its run.
-    int view_buf = -1;
     if (!plan.steps.empty()) {
         const int last = plan.steps.back().buf[0];
         pick_n = pool.valid(last) ? pool.pick_target(last) : 0;
         if (pick_n > 0) pick_buf = last;
-        if (pool.valid(last) && pool.view_target(last)) view_buf = last;
     }
     if (st.pool == &pool && st.pool_count == pool.count() && st.weight_count == ws.count() &&
-        st.flags == plan.flags && st.pick_buf == pick_buf && st.pick_n == pick_n && st.view_buf == view_buf)
+        st.flags == plan.flags && st.pick_buf == pick_buf && st.pick_n == pick_n)
         return;
     // The format's checks (ids, sizes, shapes), then what the CUDA kernels need.
     validate_format(plan, ws, pool.name(), [&](int id, size_t& have) {
@@ -649,12 +616,6 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     st.pick_buf = pick_buf;
     st.pick_n = pick_n;
     if (pick_buf >= 0) pick_slot();  // its device int exists before any capture records it
-    st.view_buf = view_buf;
-    if (view_buf >= 0) {
-        pool.host_mirror(view_buf);  // pinned before any capture records a copy into it
-        if (!st.ev_view[0])
-            for (cudaEvent_t& e : st.ev_view) MC_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    }
     build_program(plan, ws, st);
     build_rope_table(plan, st);
     st.pool = &pool;
@@ -881,47 +842,12 @@ MvJob job_of(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeigh
     return j;
 }
 
-// The viewed logits' one-token matvec in st.view_k row chunks (multiples of 64 rows):
-// chunk k's D2H into the buffer's mirror goes on the side stream once chunk k is done,
-// while chunk k + 1 computes; the main stream joins the side stream after the last copy,
-// so the run ends when the logits are in host memory. A row's bits do not depend on the
-// launch that computes it (its arithmetic depends on its length alone).
-void launch_view_chunks(const CudaPlanState::Launch& L, const Plan& plan, DevPool& pool, const WeightStore& ws,
-                        const DevWeights& dw, CudaPlanState& st) {
-    Context& c = ctx();
-    const Step& s = plan.steps[L.s[0]];
-    const MvJob j = job_of(s, pool, ws, dw);
-    uint8_t* host = (uint8_t*)pool.host_mirror(s.buf[0]);
-    void* xq = L.slot == 2 ? st.xn : L.slot == 1 ? st.xq2 : st.xq;
-    const int K = st.view_k;
-    for (int k = 0; k < K; ++k) {
-        const int r0 = (int)((int64_t)j.rows * k / K / 64 * 64);
-        const int r1 = k + 1 == K ? j.rows : (int)((int64_t)j.rows * (k + 1) / K / 64 * 64);
-        MvJob jk = j;
-        jk.W += (size_t)r0 * j.row_bytes;
-        jk.rows = r1 - r0;
-        jk.y += r0;
-        if (jk.bias) jk.bias += r0;
-        matvec_multi(&jk, 1, s.ip[0], (const float*)pool.data(s.buf[1]), xq, 1, true, nullptr, L.norm_in >= 0);
-        MC_CHECK(cudaEventRecord(st.ev_view[k], c.stream));
-        MC_CHECK(cudaStreamWaitEvent(c.side, st.ev_view[k], 0));
-        MC_CHECK(cudaMemcpyAsync(host + (size_t)r0 * sizeof(float), jk.y, (size_t)(r1 - r0) * sizeof(float),
-                                 cudaMemcpyDeviceToHost, c.side));
-    }
-    MC_CHECK(cudaEventRecord(st.ev_view[K], c.side));
-    MC_CHECK(cudaStreamWaitEvent(c.stream, st.ev_view[K], 0));
-}
-
 void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& pool, const WeightStore& ws,
                    const DevWeights& dw, CudaPlanState& st) {
     const auto& S = plan.steps;
     auto F = [&](const Step& s, int slot) { return (float*)pool.data(s.buf[slot]); };
     void* xq = L.slot == 2 ? st.xn : L.slot == 1 ? st.xq2 : st.xq;
     const bool in_norm = L.norm_in >= 0;
-    if (st.view_at >= 0 && &L == &st.program[st.view_at]) {
-        launch_view_chunks(L, plan, pool, ws, dw, st);
-        return;
-    }
     switch (L.kind) {
         case L_STEP: launch_step(S[L.s[0]], pool, ws, dw, st, L.xq_ready, xq, L.q_next, &L, in_norm); break;
         case L_NORM_Q: {
@@ -1170,7 +1096,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
     const bool graphs = whole && !graphs_disabled() && !st.no_graph;
     // Whatever this run writes, the pick slot no longer answers for old logits; a
     // whole run of a program that ends with the argmax answers for its own.
-    forget_answers();
+    forget_pick();
     if (whole && stamping() && st.stamps_cap < st.program.size() + 2) {
         // The program grew (a pick added): a capture holding the old buffer goes with it.
         MC_CHECK(cudaStreamSynchronize(c.stream));
@@ -1181,16 +1107,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
         MC_CHECK(cudaMalloc(&st.stamps, st.stamps_cap * sizeof(int64_t)));
     }
     auto picked = [&] {
-        if (!whole) return;
-        if (st.view_at >= 0) {
-            ViewSlot& v = view_slot();
-            v.pool = &pool;
-            v.buf = st.view_buf;
-            v.bytes = st.view_bytes;
-            ++c.c.d2h;
-            c.c.d2h_bytes += st.view_bytes;
-        }
-        if (st.pick_buf < 0) return;
+        if (!whole || st.pick_buf < 0) return;
         PickSlot& pk = pick_slot();
         pk.pool = &pool;
         pk.buf = st.pick_buf;
@@ -1318,11 +1235,6 @@ size_t plan_gemm_inputs_reused(const Plan& plan) {
     if (st)
         for (const auto& L : st->program) n += L.xh_ready;
     return n;
-}
-
-int plan_view_chunks(const Plan& plan) {
-    const CudaPlanState* st = peek_state(plan);
-    return st && st->view_at >= 0 ? st->view_k : 0;
 }
 
 bool plan_captured(const Plan& plan) {

@@ -61,8 +61,6 @@ size_t plan_graph_nodes(const Plan& plan);
 // Launches one whole run of the plan issues (after step merges).
 size_t plan_launches(const Plan& plan);
 bool plan_captured(const Plan& plan);
-// Row chunks of the viewed logits' matvec, each copied to the host inside the run (0: none).
-int plan_view_chunks(const Plan& plan);
 std::vector<double> replay_probe(const Plan& plan, void* dst, const void* src, size_t h2d_bytes, int reps);
 // Prefill GEMMs whose weight a whole run dequantizes on the side stream, and those that
 // reuse the f16 input the GEMM before them converted (both fixed at validation).

@@ -21,7 +21,7 @@ DevPool::~DevPool() {
 }
 
 int DevPool::make(size_t nbytes) {
-    forget_answers();
+    forget_pick();
     Buf b;
     b.d = dev_alloc(nbytes);
     b.n = nbytes;
@@ -35,7 +35,7 @@ int DevPool::alloc(size_t nbytes) {
         Buf& b = bufs_[i];
         if (b.free && b.n == nbytes && b.group < 0) {
             b.free = false;
-            forget_answers();
+            forget_pick();
             MC_CHECK(cudaMemsetAsync(b.d, 0, nbytes ? nbytes : 1, ctx().stream));
             return (int)i;
         }
@@ -53,7 +53,7 @@ std::vector<int> DevPool::alloc_group(const std::vector<size_t>& sizes) {
         bool all_free = true;
         for (int id : g.ids) all_free &= bufs_[id].free;
         if (!all_free) continue;
-        forget_answers();
+        forget_pick();
         for (int id : g.ids) bufs_[id].free = false;
         const Buf& last = bufs_[g.ids.back()];
         const Buf& first = bufs_[g.ids.front()];
@@ -94,21 +94,6 @@ void DevPool::free(int id) {
     if (!valid(id)) throw std::out_of_range("pool " + name_ + ": no buffer " + std::to_string(id));
     bufs_[id].free = true;
     std::erase_if(pick_targets_, [&](const auto& t) { return t.first == id; });
-    std::erase(view_targets_, id);
-}
-
-void DevPool::add_view_target(int id) {
-    check_range(id, 0, 0);
-    if (!view_target(id)) view_targets_.push_back(id);
-}
-
-bool DevPool::view_target(int id) const {
-    return std::find(view_targets_.begin(), view_targets_.end(), id) != view_targets_.end();
-}
-
-void* DevPool::host_mirror(int id) {
-    check_range(id, 0, 0);
-    return mirror(bufs_[id]);
 }
 
 void DevPool::add_pick_target(int id, int64_t n) {
@@ -173,7 +158,7 @@ void DevPool::write(int id, const void* src, size_t nbytes, size_t offset) {
     Buf& b = bufs_[id];
     uint8_t* m = (uint8_t*)mirror(b);
     wait_staged(b);
-    forget_answers();
+    forget_pick();
     std::memcpy(m + offset, src, nbytes);
     MC_CHECK(cudaMemcpyAsync((uint8_t*)b.d + offset, m + offset, nbytes, cudaMemcpyHostToDevice, c.stream));
     MC_CHECK(cudaEventRecord(b.staged, c.stream));
@@ -194,7 +179,7 @@ void DevPool::write_many(const std::vector<int>& ids, const std::vector<const vo
         for (size_t j = 0; j < k; ++j)
             if (ids[j] == ids[k]) throw std::invalid_argument("write_many: buffer " + std::to_string(ids[k]) + " twice");
     }
-    forget_answers();
+    forget_pick();
     // Stage every item in its mirror, then copy runs of consecutive group members
     // (ordered by position in the group) as one span each.
     std::vector<size_t> order(n);
@@ -237,12 +222,9 @@ const void* DevPool::fetch(int id, size_t nbytes, size_t offset) {
     Context& c = ctx();
     Buf& b = bufs_[id];
     uint8_t* m = (uint8_t*)mirror(b);
-    const ViewSlot& v = view_slot();
-    if (!(v.pool == this && v.buf == id && offset + nbytes <= v.bytes)) {
-        MC_CHECK(cudaMemcpyAsync(m + offset, (uint8_t*)b.d + offset, nbytes, cudaMemcpyDeviceToHost, c.stream));
-        ++c.c.d2h;
-        c.c.d2h_bytes += nbytes;
-    }
+    MC_CHECK(cudaMemcpyAsync(m + offset, (uint8_t*)b.d + offset, nbytes, cudaMemcpyDeviceToHost, c.stream));
+    ++c.c.d2h;
+    c.c.d2h_bytes += nbytes;
     sync_stream();
     raise_device_error();
     return m + offset;

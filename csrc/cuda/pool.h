@@ -43,14 +43,6 @@ public:
     void add_pick_target(int id, int64_t n);
     int64_t pick_target(int id) const;  // its n, or 0
 
-    // View targets: buffers the host has viewed (the logits), so a plan whose last step
-    // writes one copies them into the mirror inside its run (ViewSlot in context.h). A
-    // freed buffer stops being one.
-    void add_view_target(int id);
-    bool view_target(int id) const;
-    // The buffer's pinned mirror (made on first use; device-addressable under UVA).
-    void* host_mirror(int id);
-
     void check_range(int id, size_t offset, size_t nbytes) const;
     // Stream-ordered H2D through the buffer's pinned mirror.
     void write(int id, const void* src, size_t nbytes, size_t offset);
@@ -59,8 +51,7 @@ public:
     void write_many(const std::vector<int>& ids, const std::vector<const void*>& srcs,
                     const std::vector<size_t>& nbytes);
     // D2H into the pinned mirror, wait; returns the mirror at offset (valid until the
-    // next host access of this buffer, or the next run writing it). Where the last run
-    // copied these bytes into the mirror itself (view_slot), only the wait.
+    // next host access of this buffer).
     const void* fetch(int id, size_t nbytes, size_t offset);
 
 private:
@@ -86,7 +77,6 @@ private:
     std::vector<Buf> bufs_;
     std::vector<Group> groups_;
     std::vector<std::pair<int, int64_t>> pick_targets_;
-    std::vector<int> view_targets_;
 };
 
 }  // namespace minfer::cuda
