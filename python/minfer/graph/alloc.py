@@ -17,7 +17,6 @@ work: if they cannot all be had, the error names the bytes the KV needs.
 from __future__ import annotations
 
 import functools
-
 import heapq
 from dataclasses import dataclass
 from typing import Iterable, Optional
