@@ -39,38 +39,37 @@ def main() -> None:
         s.forward([3], copy=None)
         _core.cuda_sync()
 
-    def tg():
+    def per_step(step) -> float:
+        """Median wall of step(i) over the n steps after start()."""
         start()
         out = []
         for i in range(n):
             t0 = time.perf_counter()
-            s.forward([4 + i], copy=False)
+            step(i)
             out.append(time.perf_counter() - t0)
         return statistics.median(out)
 
+    def tg():
+        return per_step(lambda i: s.forward([4 + i], copy=False))
+
+    picked = [4]
+
     def greedy():
-        start()
-        out, t = [], 4
-        for _ in range(n):
-            t0 = time.perf_counter()
-            s.forward([t], copy=None)
-            t = s.argmax_last() % 1000
-            out.append(time.perf_counter() - t0)
-        return statistics.median(out)
+        def step(i):
+            s.forward([picked[0]], copy=None)
+            picked[0] = s.argmax_last() % 1000
+        picked[0] = 4
+        return per_step(step)
 
     enq = []
 
     def synced():
-        start()
-        out = []
-        for i in range(n):
+        def step(i):
             t0 = time.perf_counter()
             s.forward([4 + i], copy=None)
-            t1 = time.perf_counter()
+            enq.append(time.perf_counter() - t0)
             _core.cuda_sync()
-            out.append(time.perf_counter() - t0)
-            enq.append(t1 - t0)
-        return statistics.median(out)
+        return per_step(step)
 
     def ahead():
         start()

@@ -64,10 +64,14 @@ class Model:
         if ids.size == 0:
             return
         if ids.size == 1:  # a decode step: numpy's min and max cost a microsecond each
-            lo = hi = int(ids.flat[0])
+            self.check_token(int(ids.flat[0]))
         else:
-            lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.hp.n_vocab:
+            self.check_token(int(ids.min()))
+            self.check_token(int(ids.max()))
+
+    def check_token(self, token: int) -> None:
+        """check_tokens for one id (the one-call decode step)."""
+        if not 0 <= token < self.hp.n_vocab:
             raise MinferError(f"token id out of range [0, {self.hp.n_vocab})")
 
     def check_fits(self, n_prompt: int, n_predict: int, n_ctx: int) -> None:

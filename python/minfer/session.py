@@ -209,12 +209,12 @@ class Context:
         """run() of one token with logits for it, through the bound step where the
         installed graph is the reused (1, 1) one (same checks, same effect)."""
         step = self._step
+        # ensure_graph's reuse test: the (1, 1) params (remade when cparams change) installed.
         if (step is None or self.tracer is not None or not self.reuse or self.cache.graph is not self._step_graph
-                or self._installed is not self._params.get((1, 1)) or self._installed.cparams is not self.cparams):
+                or self.params(1, 1) is not self._installed):
             return self.run(np.array([token], dtype=np.int32), np.array([pos], dtype=np.int32),
                             np.array([cell], dtype=np.int32), None, None, 1, copy)
-        if not 0 <= token < self.model.hp.n_vocab:
-            raise MinferError(f"token id out of range [0, {self.model.hp.n_vocab})")
+        self.model.check_token(token)
         self.runs += 1
         step(token, pos, cell)
         if copy is None:
