@@ -186,7 +186,9 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
     """One-column launches whose jobs share a type take that type's own kernel
     (MINFER_CUDA_MV_TYPED, on by default): bitwise the switch kernel's rows, a single
     matvec and a SwiGLU pair alike, and within the matvec tolerance of float64; a launch
-    of mixed types (q|k|v with a Q8_0 or Q6_K v) still takes the switch kernel."""
+    of mixed types (q|k|v with a Q8_0 or Q6_K v) still takes the switch kernel. Either
+    kernel gives the same bits with its rows' weights loaded before its wait (rows of at
+    most 64 units, the default) or after it (MINFER_CUDA_MV_EARLYW=0)."""
     rng = np.random.default_rng(int(qtype))
     in_dim, rows = 512, 320
     vtype = Q.Q6_K if qtype == Q.Q4_K else Q.Q8_0
@@ -195,8 +197,9 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
     m_raw, _ = make_weight(vtype, rows, in_dim, rng)
     x = rng.standard_normal((1, in_dim)).astype(np.float32)
     outs = {}
-    for typed in ("1", "0"):
+    for typed, early in (("1", "1"), ("0", "1"), ("1", "0"), ("0", "0")):
         monkeypatch.setenv("MINFER_CUDA_MV_TYPED", typed)
+        monkeypatch.setenv("MINFER_CUDA_MV_EARLYW", early)
         r = Rig()
         w = r.weight("w", w_raw, qtype, in_dim, rows)
         u = r.weight("u", u_raw, qtype, in_dim, rows)
@@ -216,11 +219,12 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
             r.run(p)
         assert _core.testing.cuda_plan_info(one)["launches"] == 2
         assert _core.testing.cuda_plan_info(mixed)["launches"] == 1
-        outs[typed] = [r.read(b, rows) for b in (y, sw, y2, ym)]
-    for a, b in zip(outs["1"], outs["0"]):
-        assert a.tobytes() == b.tobytes()
-    assert outs["1"][0].tobytes() == outs["1"][2].tobytes()  # alone == beside a Q8_0 / Q6_K job
-    check_matvec(outs["1"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
+        outs[typed, early] = [r.read(b, rows) for b in (y, sw, y2, ym)]
+    for key, got in outs.items():
+        for a, b in zip(got, outs["1", "1"]):
+            assert a.tobytes() == b.tobytes(), key
+    assert outs["1", "1"][0].tobytes() == outs["1", "1"][2].tobytes()  # alone == beside a Q8_0 / Q6_K job
+    check_matvec(outs["1", "1"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
@@ -457,7 +461,8 @@ def check_after_norm(got, h, nw, eps, deq):
 
 
 @pytest.mark.parametrize("d,rpw,inplace", [(32, "1", False), (896, "1", True), (896, "8", False),
-                                            (3584, "1", True), (3584, "8", False)])
+                                            (1024, "1", False), (3584, "1", True), (3584, "8", False),
+                                            (4096, "1", False)])
 def test_norm_copy_by_group_tails_equals_its_own_launch(d, rpw, inplace, monkeypatch):
     """A matvec + residual add whose output a one-row RMSNorm reads (then a matvec reads
     the norm): the norm's deferred int8 copy made by the matvec + add launch's 32-row
@@ -713,14 +718,18 @@ def test_qkv_rope_store_tail_bitwise(hd, n_rot, pos, monkeypatch):
     (200, 300, 28, 4, 128, 1024), (130, 0, 14, 2, 64, 130), (17, 40, 4, 4, 128, 64), (40, 5, 4, 2, 256, 64)])
 def test_kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx, monkeypatch):
     """KV store then attention against float64; the decode kernel gives the same bits with
-    a warp's first group's loads issued with q's (head dims up to 64, the default) or after
-    it (MINFER_CUDA_ATTN_EARLY=0)."""
-    outs = [_kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx, monkeypatch, e) for e in ("1", "0")]
-    assert outs[0].tobytes() == outs[1].tobytes()
+    a warp's first group's loads issued with q's, q's first (head dims up to 64, the
+    default) or theirs (MINFER_CUDA_ATTN_EARLY=1), or after q is in shared memory (0), and
+    with a one-split head merged by its warps side by side (the default) or by warp 0
+    alone (MINFER_CUDA_ATTN_MERGE0=1)."""
+    outs = [_kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx, monkeypatch, e, m)
+            for e, m in (("2", "0"), ("1", "0"), ("0", "0"), ("2", "1"), ("0", "1"))]
+    assert all(o.tobytes() == outs[0].tobytes() for o in outs)
 
 
-def _kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx, monkeypatch, early):
+def _kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx, monkeypatch, early, merge0):
     monkeypatch.setenv("MINFER_CUDA_ATTN_EARLY", early)
+    monkeypatch.setenv("MINFER_CUDA_ATTN_MERGE0", merge0)
     rng = np.random.default_rng(nt * 1000 + start)
     kv_dim = nkv * hd
     # A history already in the cache, then nt new tokens stored and attended.
@@ -1366,16 +1375,22 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     defaults' logits bitwise: no matvec pulling its rows into L2 ahead of use, the staged
     matvec wherever it can run, down's int8 input made by 32-row group tickets inside
     gate|up's launch (plain or staged) rather than by a launch of its own (the default),
-    attention issuing every group's loads after q is in shared memory (head dims up to 64
-    issue a warp's first group's loads with q's by default), and decode RMSNorms letting
-    the launch after them start once their wait is over, or at their start, whatever that
-    launch is (by default only before a q|k|v matvec)."""
+    attention issuing every group's loads after q is in shared memory, or a warp's first
+    group's before q's (head dims up to 64 issue q's, then the first group's, by default),
+    decode RMSNorms letting the launch after them start once their wait is over, or at
+    their start, whatever that launch is (by default only before a q|k|v matvec), one
+    warp merging a one-split attention head rather than its warps side by side,
+    matvecs loading their rows' weights after their wait rather than before it, or before
+    it for rows of up to 160 units too, and the quantization launch after gate|up letting
+    down start before its wait rather than after it."""
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
     for env in ({"MINFER_CUDA_MV_PREFETCH": "0"}, {"MINFER_CUDA_MV_BULK": "1"}, {"MINFER_CUDA_MV_QTAIL": "1"},
                 {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"},
-                {"MINFER_CUDA_NORM_EARLY": "0"}, {"MINFER_CUDA_NORM_EARLY": "2"}):
+                {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
+                {"MINFER_CUDA_NORM_EARLY": "2"},
+                {"MINFER_CUDA_MV_EARLYW": "0"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)

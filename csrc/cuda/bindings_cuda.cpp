@@ -16,6 +16,7 @@
 #include "cuda/context.h"
 #include "cuda/executor.h"
 #include "cuda/kernels.h"
+#include "cuda/timeline.h"
 #include "py_weight_store.h"
 
 namespace py = pybind11;
@@ -397,6 +398,19 @@ void register_cuda(py::module_& m, py::module_& testing) {
             return d2h_probe(nbytes, reps);
         }, py::arg("nbytes"), py::arg("reps") = 64,
         "Medians (us) of an nbytes D2H + wait: copy engine, then SM copies with 132, 264, 528 blocks.");
+    testing.def("cuda_timeline", [](bool reset) -> py::object {
+            // None unless built with MINFER_CUDA_TIMELINE (cuda/timeline.h).
+            if (!cuda::tl::built()) return py::none();
+            const auto recs = cuda::tl::read(reset);
+            py::list out;
+            for (const auto& r : recs) {
+                py::array_t<uint64_t> a({(py::ssize_t)(r.size() / cuda::tl::kWords), (py::ssize_t)cuda::tl::kWords});
+                std::copy(r.begin(), r.end(), a.mutable_data());
+                out.append(a);
+            }
+            return out;
+        }, py::arg("reset") = true,
+        "The in-kernel timeline's records per kind ([marks..., t0 ns, t1 ns, blocks, sm]), or None.");
     testing.def("cuda_reset_counters", []() { ctx().c = Counters{}; });
     testing.def("cuda_weight_bytes", [](PyWeightStore& ws) { return mirror_of(ws).bytes; });
     testing.def("cuda_mem_info", []() {

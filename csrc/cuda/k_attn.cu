@@ -21,17 +21,32 @@
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "cuda/quant.cuh"
+#include "cuda/timeline.cuh"
 
 namespace minfer::cuda {
+
+namespace tl {
+TL_BIND(bind_attn)
+}
 
 namespace {
 
 constexpr int WARPS = 4;
 
+// One redux.sync on sm_80+ (five shuffle rounds before) over the floats' bits mapped to
+// signed integers in the floats' order: the same maximum as the fmaxf butterfly (a +0 /
+// -0 tie aside, which gives the same softmax), except that a NaN score now wins the max
+// and so turns the whole row NaN rather than only its own cell's weight.
 __device__ __forceinline__ float warp_max(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const int b = __float_as_int(v);
+    const int m = __reduce_max_sync(0xffffffffu, b >= 0 ? b : b ^ 0x7fffffff);
+    return __int_as_float(m >= 0 ? m : m ^ 0x7fffffff);
+#else
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+#endif
 }
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -234,11 +249,12 @@ struct LoadedGroup {
     }
 };
 
-// MINFER_CUDA_ATTN_EARLY=0: every group's loads after q is in shared memory (read per
-// launch on the host; a captured graph keeps what it was captured with).
-bool attn_early() {
+// MINFER_CUDA_ATTN_EARLY=0: every group's loads after q is in shared memory; 1: a warp's
+// first group's loads issued before q's; unset or 2: q's first (read per launch on the
+// host; a captured graph keeps what it was captured with).
+int attn_early() {
     const char* e = std::getenv("MINFER_CUDA_ATTN_EARLY");
-    return !(e && *e == '0');
+    return e && *e == '0' ? 0 : e && *e == '1' ? 1 : 2;
 }
 
 // One block per (token, head, split): its WARPS warps take the split's 32-cell groups in
@@ -246,7 +262,8 @@ bool attn_early() {
 // in flight at once; the warps' states merge in shared memory in warp order.
 template <int HD>
 __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, int chunk, float* __restrict__ part,
-                                                     int* __restrict__ ticket, int* err, int early) {
+                                                     int* __restrict__ ticket, int* err, int early, int merge0) {
+    TL_BEGIN(tl::ATTN);
     pdl_trigger();
     constexpr int EPL = HD / 32;  // head dims per lane
     __shared__ float qs[HD];
@@ -297,7 +314,9 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
             asm volatile("prefetch.global.L2 [%0];" ::"l"(vr + o));
         }
     }
+    TL_MARK(1);
     pdl_wait();
+    TL_MARK(2);
     const __half* K = reinterpret_cast<const __half*>(a.k) + kvh * HD;
     const __half* V = reinterpret_cast<const __half*>(a.v) + kvh * HD + lane * EPL;
     float m = -INFINITY, l = 0.0f;
@@ -309,10 +328,20 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     if constexpr (HD <= 64) {
         if (early) {
             LoadedGroup<HD> g;
+            // early == 2: q's load goes out before the group's (HD <= blockDim.x here).
+            const bool qfirst = early == 2 && (int)threadIdx.x < HD;
+            const float qv = qfirst ? q[threadIdx.x] : 0.0f;
             if (base < c1) g.load(K, V, kvs, base, c1, lane);
-            for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
+            if (early == 2) {
+                if (qfirst) qs[threadIdx.x] = qv;
+            } else {
+                for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
+            }
+            TL_MARK(3);
             __syncthreads();
+            TL_MARK(4);
             if (base < c1) g.attend(qs, a.scale, lane, m, l, acc);
+            TL_MARK(5);
             base += 32 * WARPS;
         }
     }
@@ -322,6 +351,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     }
     for (; base < c1; base += 32 * WARPS)
         attend_group<HD>(qs, K, V, kvs, a.scale, base, c1, lane, m, l, acc);
+    TL_MARK(6);
 
     if (lane == 0) {
         wm[w] = m;
@@ -330,7 +360,37 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
 #pragma unroll
     for (int j = 0; j < EPL; ++j) wacc[w][lane * EPL + j] = acc[j];
     __syncthreads();
+    const int64_t off = t * a.nh * HD + h * HD;
+    if (s_hi - s_lo == 1 && !merge0) {
+        // The block's warps merge it a 32-dim block of the head each (dim 32 b + lane),
+        // each dim's operations those of warp 0's merge below, then store the block and
+        // make its int8 copy: the same bits, with the head's blocks side by side.
+        for (int b = w; b < HD / 32; b += WARPS) {
+            const int dim = 32 * b + lane;
+            float M = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < WARPS; ++k)
+                if (wl[k] > 0.0f) M = fmaxf(M, wm[k]);
+            float L = 0.0f, o = 0.0f;
+#pragma unroll
+            for (int k = 0; k < WARPS; ++k) {
+                if (!(wl[k] > 0.0f)) continue;
+                const float f = expf(wm[k] - M);
+                L += wl[k] * f;
+                o += wacc[k][dim] * f;
+            }
+            const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+            const float v = o * inv;
+            a.out[off + dim] = v;
+            if (w == 0) TL_MARK(8);
+            if (a.q_out) quant_block_q8(v, lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
+        }
+        if (w == 0) TL_MARK(9);
+        TL_END();
+        return;
+    }
     if (w != 0) return;
+    TL_MARK(7);
     float M = -INFINITY;
 #pragma unroll
     for (int k = 0; k < WARPS; ++k)
@@ -346,11 +406,11 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
 #pragma unroll
         for (int j = 0; j < EPL; ++j) o[j] += wacc[k][lane * EPL + j] * f;
     }
-    const int64_t off = t * a.nh * HD + h * HD;
     if (s_hi - s_lo == 1) {
         const float inv = L > 0.0f ? 1.0f / L : 0.0f;
 #pragma unroll
         for (int j = 0; j < EPL; ++j) a.out[off + lane * EPL + j] = o[j] * inv;
+        TL_MARK(8);
         if (a.q_out) {
             // The int8 copy from the values just stored, kept in shared memory (warp 0's
             // row of wacc, read above by this warp only) rather than read back.
@@ -362,6 +422,8 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
             for (int b = 0; b < HD / 32; ++b)
                 quant_block_q8(wacc[0][32 * b + lane], lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
         }
+        TL_MARK(9);
+        TL_END();
         return;
     }
     float* pp = part + pair * n_splits * (HD + 2);
@@ -379,12 +441,17 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     int tk = 0;
     if (lane == 0) tk = atomicAdd(ticket + pair, 1);
     tk = __shfl_sync(0xffffffffu, tk, 0);
-    if (tk != s_hi - s_lo - 1) return;
+    if (tk != s_hi - s_lo - 1) {
+        TL_END();
+        return;
+    }
     __threadfence();
     merge_chunks<HD>(pp, s_lo, s_hi, lane, a.out + off);
     quant_head<HD>(a, off, lane);
     // Every split of this pair has drawn its ticket: ready for the next launch.
     if (lane == 0) ticket[pair] = 0;
+    TL_MARK(9);
+    TL_END();
 }
 
 // Cells per split: whole rounds of the block's warps' 32-cell groups.
@@ -432,12 +499,16 @@ void attention(const AttnDev& a, float* scratch, int* tickets, int* err) {
     const int chunk = chunk_of(a.n_ctx, n_splits);
     const int64_t pairs = a.nt * a.nh;
     dim3 grid((unsigned)pairs, (unsigned)n_splits);
-    const int early = attn_early() ? 1 : 0;
+    const int early = attn_early();
+    // MINFER_CUDA_ATTN_MERGE0=1: warp 0 alone merges a one-split head and makes its int8
+    // copy (as before 2026-12-02); by default each warp takes 32 of its dims.
+    const char* m0 = std::getenv("MINFER_CUDA_ATTN_MERGE0");
+    const int merge0 = m0 && *m0 == '1' ? 1 : 0;
     switch (a.hd) {
-        case 32: launch(k_attn<32>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early); break;
-        case 64: launch(k_attn<64>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early); break;
-        case 128: launch(k_attn<128>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early); break;
-        case 256: launch(k_attn<256>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early); break;
+        case 32: launch(k_attn<32>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early, merge0); break;
+        case 64: launch(k_attn<64>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early, merge0); break;
+        case 128: launch(k_attn<128>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early, merge0); break;
+        case 256: launch(k_attn<256>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early, merge0); break;
         default: throw std::invalid_argument("attention: unsupported head dim");
     }
 }

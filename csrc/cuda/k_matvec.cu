@@ -11,8 +11,13 @@
 #include "cuda/norm.cuh"
 #include "cuda/rope.cuh"
 #include "cuda/silu.cuh"
+#include "cuda/timeline.cuh"
 
 namespace minfer::cuda {
+
+namespace tl {
+TL_BIND(bind_mv)
+}
 
 namespace {
 
@@ -41,6 +46,10 @@ struct MvArgs {
     // a quantized job's row sums are multiplied by the norm's scale (column c's at
     // xscale[c]) before the epilogue. Null: none.
     const float* xscale;
+    // One row a warp, every job's rows at most 64 units of a quantized type: a warp loads
+    // its row's units into registers before pdl_wait() (mv_row_early; one-column launches,
+    // k_matvec's EW instantiations).
+    int wearly;
 };
 
 constexpr int MV_WARPS = 4;
@@ -478,6 +487,12 @@ __device__ __forceinline__ float mv_store(const MvJob& jb, int row, int c, float
 
 __device__ __forceinline__ bool quantized(int type) { return type != T_F32 && type != T_F16; }
 
+// A row's sums (acc, and W2's acc2) to its stored value: the warp reduction, the norm's
+// scale (rs: column 0's, loaded ahead), the epilogue. Returns column 0's (in lane 0).
+template <int NC>
+__device__ __forceinline__ float mv_finish(const MvArgs& a, const MvJob& jb, int row, int lane, float acc[NC],
+                                           float acc2[NC], float rs);
+
 // Returns column 0's stored value (in lane 0).
 template <int NC, int TT>
 __device__ __forceinline__ float mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
@@ -489,6 +504,82 @@ __device__ __forceinline__ float mv_row(const MvArgs& a, const MvJob& jb, int ro
     const uint8_t* ra = jb.W + (size_t)row * jb.row_bytes;
     row_dot_any<NC, TT>(jb.type, ra, a, lane, acc);
     if (jb.W2) row_dot_any<NC, TT>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
+    return mv_finish<NC>(a, jb, row, lane, acc, acc2, rs);
+}
+
+// A row of at most 64 units held in registers: lane l's units l and l + 32.
+template <int T>
+struct RowUnits {
+    Unit<T> w[2];
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int nb, int lane) {
+        const int nu = Unit<T>::count(nb);
+        if (lane < nu) w[0].load(row, lane, nb);
+        if (lane + 32 < nu) w[1].load(row, lane + 32, nb);
+    }
+    // row_dot's additions in row_dot's order (unit lane, then lane + 32, per column).
+    template <int NC>
+    __device__ __forceinline__ void dot(const MvArgs& a, int lane, float acc[NC]) const {
+        const int nu = Unit<T>::count(a.nb);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            if (lane < nu) acc[c] = fadd(acc[c], w[0].dot(a, c, lane));
+            if (lane + 32 < nu) acc[c] = fadd(acc[c], w[1].dot(a, c, lane + 32));
+        }
+    }
+};
+
+// Whether mv_row_early takes a W2 (gate|up) in instantiation TT for weight type T: only
+// in one-type kernels of the 32-element block types; two K-quant rows held across the
+// wait made the kernels, held to 72 registers, spill (up to 272 bytes), and the switch
+// kernel's registers doubled. The host (matvec_multi) sets wearly accordingly.
+template <int TT, int T>
+constexpr bool mv_early_w2() { return TT == T && (T == T_Q4_0 || T == T_Q5_0 || T == T_Q8_0); }
+// Whether the switch kernel (TT < 0) takes the early path for type T: not for the
+// K-quants, whose early rows took its RoPE instantiation from 72 to 161 registers.
+template <int TT, int T>
+constexpr bool mv_early_ok() { return TT >= 0 || !(T == T_Q4_K || T == T_Q5_K || T == T_Q6_K); }
+
+// mv_row for a.wearly launches, pdl_wait() included: the row's weights are on their way
+// into registers before the wait, so after it only the activations' loads stand between
+// the wait and the arithmetic. The same operations as mv_row: the same bits. (The sums
+// are declared after the wait: live across it, the wait's memory clobber kept them in a
+// stack frame.)
+template <int NC, int TT, int T>
+__device__ __forceinline__ float mv_row_early_t(const MvArgs& a, const MvJob& jb, int row, int lane) {
+    if constexpr (T == T_F32 || T == T_F16 || !mv_early_ok<TT, T>()) {
+        __trap();  // the host sets wearly for quantized types only, K-quants one-type
+        return 0.0f;
+    } else {
+        constexpr bool w2 = mv_early_w2<TT, T>();
+        if (!w2 && jb.W2) __trap();  // nor for a W2 here (mv_early_w2)
+        RowUnits<T> u1, u2;
+        u1.load(jb.W + (size_t)row * jb.row_bytes, a.nb, lane);
+        if (w2 && jb.W2) u2.load(jb.W2 + (size_t)row * jb.row_bytes2, a.nb, lane);
+        pdl_wait();
+        const float rs = NC == 1 && a.xscale ? __ldg(a.xscale) : 1.0f;
+        float acc[NC], acc2[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
+        u1.template dot<NC>(a, lane, acc);
+        if (w2 && jb.W2) u2.template dot<NC>(a, lane, acc2);
+        return mv_finish<NC>(a, jb, row, lane, acc, acc2, rs);
+    }
+}
+
+template <int NC, int TT>
+__device__ __forceinline__ float mv_row_early(const MvArgs& a, const MvJob& jb, int row, int lane) {
+    if constexpr (TT >= 0) {
+        return mv_row_early_t<NC, TT, TT>(a, jb, row, lane);
+    } else {
+        float v = 0.0f;
+        mv_dispatch(jb.type, [&] <int T>() { v = mv_row_early_t<NC, TT, T>(a, jb, row, lane); });
+        return v;
+    }
+}
+
+template <int NC>
+__device__ __forceinline__ float mv_finish(const MvArgs& a, const MvJob& jb, int row, int lane, float acc[NC],
+                                           float acc2[NC], float rs) {
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
         acc[c] = warp_sum(acc[c]);
@@ -693,9 +784,12 @@ constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K 
 // launches without it take RT = false, whose registers the tail's code does not inflate:
 // with it compiled in, the one-type Q4_K / Q6_K kernels spilled (24 / 44 bytes a thread)
 // at the 72 registers they are held to, in the o and down projections too.
-template <int NC, int TT = -1, bool RT = false>
+// EW: the instantiation for a.wearly launches (mv_row_early), apart so that the rows held
+// across the wait cost the other launches no registers.
+template <int NC, int TT = -1, bool RT = false, bool EW = false>
 __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matvec(MvArgs a) {
     static_assert(!RT || NC == 1, "the rope tail takes one column");
+    TL_BEGIN(RT ? tl::MV_ROPE : tl::MV);
     pdl_trigger();
     int j = 0;
     while (j + 1 < a.njobs && (int)blockIdx.x >= a.block0[j + 1]) ++j;
@@ -706,8 +800,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     const bool roped = rope_local && (a.rope.role[j] == 1 || a.rope.role[j] == 2);
     const int row0 = roped ? rope_local_row(a.rope, b, threadIdx.x >> 5) : (b * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
     const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
-    if (a.prefetch && row0 < row1) prefetch_job_row(jb, row0, lane);
-    if (a.prefetch && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
+    if (a.prefetch && !EW && row0 < row1) prefetch_job_row(jb, row0, lane);
+    if (a.prefetch && !EW && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
     // FusedQKV's tail: the rotation angles (double-precision pow, cos, sin) off the
     // critical path, before the wait.
     const float2* cs = nullptr;
@@ -732,15 +826,24 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
             cs = cs_smem;  // read in the tail, after its __syncthreads()
         }
     }
-    pdl_wait();
+    TL_MARK(1);
     float v = 0.0f;  // the last row's value (lane 0): rope launches have one row a warp
-    for (int row = row0; row < row1; ++row) {
-        if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-        v = mv_row<NC, TT>(a, jb, row, lane);
+    if constexpr (EW) {
+        if (row0 < row1) v = mv_row_early<NC, TT>(a, jb, row0, lane);  // its wait inside
+        else pdl_wait();
+    } else {
+        pdl_wait();
+        TL_MARK(2);
+        for (int row = row0; row < row1; ++row) {
+            if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
+            v = mv_row<NC, TT>(a, jb, row, lane);
+        }
     }
+    TL_MARK(3);
     if constexpr (RT) {
         if (rope_local) rope_local_tail(a, jb, j, b, v, lane, cs);
         else if (a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
+        TL_MARK(4);
     }
     if (NC == 1 && jb.q_out) {
         // rows % 32 == 0 and a block's rows (MV_WARPS * rpw, a power of two <= 32) lie in
@@ -760,6 +863,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
             if (lane == 0) jb.tickets[g] = 0;
         }
     }
+    TL_MARK(5);
+    TL_END();
 }
 
 
@@ -839,6 +944,7 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
 // than each warp a contiguous run (launch_bulk_xr says when, and what it measured).
 template <int T, bool XR>
 __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R, int rr) {
+    TL_BEGIN(tl::MV_BULK);
     pdl_trigger();
     extern __shared__ __align__(16) uint8_t bulk_smem[];
     const MvJob& jb = a.job[0];
@@ -869,7 +975,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
         for (int k = 0; k < ns && k < n_st; ++k) request(k, k);
     }
     __syncwarp();
+    TL_MARK(1);
     pdl_wait();
+    TL_MARK(2);
     // A deferred norm copy's scale (every type here is quantized).
     const float nsc = a.xscale ? __ldg(a.xscale) : 1.0f;
     typename Unit<T>::X xr[2];
@@ -882,6 +990,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
     for (int st = 0; st < n_st; ++st) {
         const int k = st % ns;
         bulk_wait(bars + k, (uint32_t)(st / ns) & 1u);
+        if (st == 0) TL_MARK(3);
         const uint8_t* sw = ring + (size_t)k * slot;
         const int rs = slot_row(st), cnt = min(R, r1 - rs);
         for (int q = 0; q < cnt; ++q) {
@@ -895,6 +1004,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
             }
             const int row = rs + q;
             if (lane == 0) mv_store(jb, row, 0, acc, acc2);
+            if (st == 0 && q == 0) TL_MARK(4);
             if (jb.q_out) {
                 ++g_done;
                 // The warp's next row is not row + 1: the end of its run, or (round-robin)
@@ -923,6 +1033,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
             request(st + ns, k);
         }
     }
+    TL_MARK(5);
+    TL_END();
 }
 
 // Every pair's angle at every position below rows (kernels.h rope_table), by rope_cs.
@@ -936,12 +1048,16 @@ __global__ void k_rope_table(float2* __restrict__ t, int64_t rows, int n_rot, fl
 
 // The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
 __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
+    TL_BEGIN(tl::QUANT);
     pdl_wait();
+    TL_MARK(1);
     pdl_trigger();
     const int blk = (int)((blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32);
     const int lane = threadIdx.x % 32;
     if (blk >= n_blocks) return;
     quant_block_q8(x[blk * 32 + lane], lane, q + blk * 32, ds + blk);
+    TL_MARK(2);
+    TL_END();
 }
 
 // RMSNorm rows (one block each, blockDim.x = rms_threads(d), d % 32 == 0, d <=
@@ -955,6 +1071,7 @@ constexpr int NORM_REG = (int)(kNormCopyMaxRow / 1024);
 __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                 int d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds,
                                 float* __restrict__ scale, int early) {
+    TL_BEGIN(tl::NORM);
     if (early) pdl_trigger();
     __shared__ double red[kNormCopyMaxRow / 32];
     __shared__ float sc;
@@ -963,7 +1080,9 @@ __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __rest
     float wv[NORM_REG], xv[NORM_REG];
 #pragma unroll
     for (int k = 0; k < NORM_REG; ++k) wv[k] = w && t + k * T < d ? w[t + k * T] : 0.0f;
+    TL_MARK(1);
     pdl_wait();
+    TL_MARK(2);
     if (!early) pdl_trigger();
 #pragma unroll
     for (int k = 0; k < NORM_REG; ++k) xv[k] = t + k * T < d ? __ldcg(x + r * d + t + k * T) : 0.0f;
@@ -975,12 +1094,16 @@ __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __rest
         if (lane == 0) red[g] = s;
         quant_block_q8(w ? __fmul_rn(xv[k], wv[k]) : xv[k], lane, q + r * d + 32 * g, ds + r * nb + g);
     }
+    TL_MARK(3);
     __syncthreads();
+    TL_MARK(4);
     if (t < 32) {
         const float s = rms_scale_of(red, nb, d, eps, lane);
         if (lane == 0) sc = scale[r] = s;
     }
+    TL_MARK(5);
     __syncthreads();
+    TL_MARK(6);
 #pragma unroll
     for (int k = 0; k < NORM_REG; ++k) {
         const int i = t + k * T;
@@ -988,6 +1111,8 @@ __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __rest
         const float v = __fmul_rn(xv[k], sc);
         y[r * d + i] = w ? __fmul_rn(v, wv[k]) : v;
     }
+    TL_MARK(7);
+    TL_END();
 }
 
 template <int T>
@@ -1113,8 +1238,14 @@ bool want_rt(const MvArgs& a) { return a.rope.tickets || env_int("MINFER_CUDA_MV
 
 template <int TT>
 void launch_mv1(const MvArgs& a, unsigned blocks) {
-    if (want_rt(a)) launch(k_matvec<1, TT, true>, blocks, MV_WARPS * 32, a);
-    else launch(k_matvec<1, TT, false>, blocks, MV_WARPS * 32, a);
+    const bool rt = want_rt(a);
+    if (a.wearly) {
+        if (rt) launch(k_matvec<1, TT, true, true>, blocks, MV_WARPS * 32, a);
+        else launch(k_matvec<1, TT, false, true>, blocks, MV_WARPS * 32, a);
+    } else {
+        if (rt) launch(k_matvec<1, TT, true>, blocks, MV_WARPS * 32, a);
+        else launch(k_matvec<1, TT, false>, blocks, MV_WARPS * 32, a);
+    }
 }
 
 // The staged matvec for a one-job, one-column, one-type launch of rows whose slots fit.
@@ -1292,6 +1423,9 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     } else {
         while (a.rpw < 8 && total > resident * a.rpw) a.rpw *= 2;
     }
+    // MINFER_CUDA_MV_EARLYW=0: every row's weights loaded after the wait (prefetched into
+    // L2 before it), as before 2026-12-02.
+    a.wearly = 0;
     a.rope = MvRopeStore{};
     if (rope) {
         // A head's rows in whole blocks of one row per warp; one token.
@@ -1313,6 +1447,23 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             }
         }
     }
+    if (a.rpw == 1 && env_int("MINFER_CUDA_MV_EARLYW", 1) != 0) {
+        auto small = [&](int32_t t) {
+            if (t == T_F32 || t == T_F16) return false;
+            const bool k = t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+            return (k ? nb / 2 : nb) <= 64;
+        };
+        // Whether launch_mv_typed takes the launch: K-quants only then (mv_early_ok), a W2
+        // only then and of a type mv_early_w2 allows.
+        const int32_t t0 = jobs[0].type;
+        bool same = typed;
+        for (int i = 0; i < njobs; ++i) same = same && jobs[i].type == t0 && (!jobs[i].W2 || jobs[i].type2 == t0);
+        const bool w2_ok = same && (t0 == T_Q4_0 || t0 == T_Q5_0 || t0 == T_Q8_0);
+        auto kq = [](int32_t t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; };
+        a.wearly = 1;
+        for (int i = 0; i < njobs; ++i)
+            if (!small(jobs[i].type) || (jobs[i].W2 && !w2_ok) || (kq(jobs[i].type) && !same)) a.wearly = 0;
+    }
     int b = 0;
     for (int i = 0; i < njobs; ++i) {
         if (jobs[i].q_out && jobs[i].rows % 32) throw std::invalid_argument("matvec_multi: q_out needs rows % 32 == 0");
@@ -1325,6 +1476,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         const int left = ncols - c0;
         const int nc = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         MvArgs ac = a;
+        if (nc > 1) ac.wearly = 0;  // launch_mv's instantiations have no early path
         ac.x = x + (size_t)c0 * in_dim;
         if (ac.xq) {
             ac.xq += (size_t)c0 * in_dim;

@@ -216,13 +216,26 @@ __device__ __forceinline__ void deq32<T_Q6_K>(const uint8_t* __restrict__ row, i
 // gate|up + SwiGLU) quantizes each 32-element block with this one function.
 // One warp quantizes 32 consecutive values (v from lane) to int8: d = amax / 127 (0 for
 // an all-zero block), q = rint(v / d); ds = (d, d * sum(q)).
+// Both reductions are one redux.sync on sm_80+ (five shuffle rounds each before): a
+// non-negative float orders as its bits, and an integer sum is exact in any order, so the
+// results are the butterflies' for every finite block. A NaN now makes amax NaN (fmaxf
+// dropped it), so the block's scale carries it to the matvec's output instead of the
+// lane quietly quantizing to 0.
 __device__ __forceinline__ void quant_block_q8(float v, int lane, int8_t* __restrict__ q, float2* __restrict__ ds) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
+#else
     float amax = fabsf(v);
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+#endif
     const float d = amax / 127.0f;
     const int qi = d > 0.0f ? __float2int_rn(v / d) : 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const int sum = __reduce_add_sync(0xffffffffu, qi);
+#else
     int sum = qi;
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+#endif
     q[lane] = (int8_t)qi;
     if (lane == 0) *ds = make_float2(d, d * (float)sum);
 }
