@@ -67,9 +67,10 @@ WAIT_MARK = {0: 2, 1: 2, 2: 2, 3: 2, 4: 2, 5: 1}  # the mark just after pdl_wait
 
 
 def one_layer(recs: list, n: int = 20) -> list[str]:
-    """n launches in start order from the middle of the records: block (0, 0)'s start,
-    its wait's return and its end on the global timer (the wait's return placed by the
-    SM clock at the launch's own rate), relative to the first one's start."""
+    """n launches in start order from the middle of the records (or the last n): block
+    (0, 0)'s start, its wait's return and its end on the global timer (the wait's return
+    placed by the SM clock at the launch's own rate), relative to the first one's start.
+    A clock of 0 is a mark not reached."""
     rows = []
     for k, arr in enumerate(recs):
         if k not in KINDS:
@@ -84,10 +85,10 @@ def one_layer(recs: list, n: int = 20) -> list[str]:
     if not rows:
         return []
     rows.sort()
-    mid = len(rows) // 2
-    t00 = rows[mid][0]
+    first = min(len(rows) // 2, max(0, len(rows) - n))
+    t00 = rows[first][0]
     out = []
-    for t0, tw, t1, name, blocks, sm in rows[mid:mid + n]:
+    for t0, tw, t1, name, blocks, sm in rows[first:first + n]:
         out.append(f"  start +{(t0 - t00) / 1000:7.2f}  waited +{(tw - t00) / 1000:7.2f}  end +{(t1 - t00) / 1000:7.2f} us"
                    f"  {name:14s} blocks {blocks:5d} sm {sm:3d}")
     return out
