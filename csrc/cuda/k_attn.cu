@@ -362,9 +362,10 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     __syncthreads();
     const int64_t off = t * a.nh * HD + h * HD;
     if (s_hi - s_lo == 1 && !merge0) {
-        // The block's warps merge it a 32-dim block of the head each (dim 32 b + lane),
-        // each dim's operations those of warp 0's merge below, then store the block and
-        // make its int8 copy: the same bits, with the head's blocks side by side.
+        // The block's warps merge the head a 32-dim block each (dim 32 b + lane), each dim
+        // by warp 0's operations below, then store their block and make its int8 copy:
+        // the same bits, and the blocks' reductions side by side instead of one after the
+        // other in warp 0.
         for (int b = w; b < HD / 32; b += WARPS) {
             const int dim = 32 * b + lane;
             float M = -INFINITY;
