@@ -97,7 +97,7 @@ def main() -> None:
         s.forward([4 + i], copy=None)
     _core.cuda_sync()
     plan = ctx.cache.lowered.splits[0].plan
-    _, dev, bid = ctx.cache.alloc._inputs["token_ids"]
+    _, dev, bid = ctx.cache.alloc.input_buffers()["token_ids"]
     r = _core.testing.cuda_replay_probe(plan, dev.pool, bid, 128)
     nb = 4 * s.model.hp.n_vocab
     d = _core.testing.cuda_d2h_probe(nb, 64)

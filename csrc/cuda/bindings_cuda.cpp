@@ -85,8 +85,7 @@ std::vector<double> d2h_probe(size_t nbytes, int reps) {
             MC_CHECK(cudaStreamSynchronize(c.stream));
             v.push_back(std::chrono::duration<double, std::micro>(clk::now() - t0).count());
         }
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
+        return median_of(std::move(v));
     };
     std::vector<double> r;
     r.push_back(time([&] { MC_CHECK(cudaMemcpyAsync(h, d, nbytes, cudaMemcpyDeviceToHost, c.stream)); }));

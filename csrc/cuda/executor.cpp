@@ -1178,10 +1178,6 @@ std::vector<double> replay_probe(const Plan& plan, void* dst, const void* src, s
     Context& c = ctx();
     using clk = std::chrono::steady_clock;
     auto us = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
-    auto median = [](std::vector<double> v) {
-        std::sort(v.begin(), v.end());
-        return v[v.size() / 2];
-    };
     std::vector<double> a, b, h;
     MC_CHECK(cudaStreamSynchronize(c.stream));
     for (int i = 0; i < reps; ++i) {
@@ -1203,7 +1199,12 @@ std::vector<double> replay_probe(const Plan& plan, void* dst, const void* src, s
     for (int i = 0; i < reps; ++i) MC_CHECK(cudaGraphLaunch(st->exec, c.stream));
     MC_CHECK(cudaStreamSynchronize(c.stream));
     const double ahead = us(t0, clk::now()) / reps;
-    return {median(a), median(b), median(h), ahead};
+    return {median_of(a), median_of(b), median_of(h), ahead};
+}
+
+double median_of(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
 }
 
 size_t plan_graph_nodes(const Plan& plan) {

@@ -62,6 +62,8 @@ size_t plan_graph_nodes(const Plan& plan);
 size_t plan_launches(const Plan& plan);
 bool plan_captured(const Plan& plan);
 std::vector<double> replay_probe(const Plan& plan, void* dst, const void* src, size_t h2d_bytes, int reps);
+// The median of the probes' timings (the upper one of an even count).
+double median_of(std::vector<double> v);
 // Prefill GEMMs whose weight a whole run dequantizes on the side stream, and those that
 // reuse the f16 input the GEMM before them converted (both fixed at validation).
 size_t plan_gemm_pipelined(const Plan& plan);

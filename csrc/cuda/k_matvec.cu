@@ -182,6 +182,11 @@ __device__ __forceinline__ int sum16(const uint4& v, int c = 0) {
     return __dp4a((int)v.w, 0x01010101, c);
 }
 
+// A unit is what a lane decodes per trip: half a superblock (64 elements) for the
+// K-quants, a 32-element block for the rest (Unit<T>::count), nb 32-element blocks a row.
+__host__ __device__ constexpr bool kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+__host__ __device__ constexpr int row_units(int t, int nb) { return kquant(t) ? nb / 2 : nb; }
+
 template <int T> struct Unit;
 
 // Legacy 4/5-bit blocks (packed): 16 quant bytes, low nibbles = elements 0..15, high
@@ -485,7 +490,7 @@ __device__ __forceinline__ float mv_store(const MvJob& jb, int row, int c, float
     return r;
 }
 
-__device__ __forceinline__ bool quantized(int type) { return type != T_F32 && type != T_F16; }
+__host__ __device__ constexpr bool quantized(int type) { return type != T_F32 && type != T_F16; }
 
 // A row's sums (acc, and W2's acc2) to its stored value: the warp reduction, the norm's
 // scale (rs: column 0's, loaded ahead), the epilogue. Returns column 0's (in lane 0).
@@ -532,12 +537,13 @@ struct RowUnits {
 // in one-type kernels of the 32-element block types; two K-quant rows held across the
 // wait made the kernels, held to 72 registers, spill (up to 272 bytes), and the switch
 // kernel's registers doubled. The host (matvec_multi) sets wearly accordingly.
+__host__ __device__ constexpr bool early_w2_type(int t) { return t == T_Q4_0 || t == T_Q5_0 || t == T_Q8_0; }
 template <int TT, int T>
-constexpr bool mv_early_w2() { return TT == T && (T == T_Q4_0 || T == T_Q5_0 || T == T_Q8_0); }
+constexpr bool mv_early_w2() { return TT == T && early_w2_type(T); }
 // Whether the switch kernel (TT < 0) takes the early path for type T: not for the
 // K-quants, whose early rows took its RoPE instantiation from 72 to 161 registers.
 template <int TT, int T>
-constexpr bool mv_early_ok() { return TT >= 0 || !(T == T_Q4_K || T == T_Q5_K || T == T_Q6_K); }
+constexpr bool mv_early_ok() { return TT >= 0 || !kquant(T); }
 
 // mv_row for a.wearly launches, pdl_wait() included: the row's weights are on their way
 // into registers before the wait, so after it only the activations' loads stand between
@@ -778,7 +784,7 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
 // at 64 registers without spills, but the 7B's tg128 fell: 383 / 387 / 384 against 400 /
 // 402 / 393.)
 template <int NC, int TT>
-constexpr int mv_min_blocks() { return NC == 1 && (TT == T_Q4_K || TT == T_Q5_K || TT == T_Q6_K) ? 7 : 0; }
+constexpr int mv_min_blocks() { return NC == 1 && kquant(TT) ? 7 : 0; }
 
 // RT: the instantiation carries FusedQKV's RoPE + KV-store tail (one column only). The
 // launches without it take RT = false, whose registers the tail's code does not inflate:
@@ -1306,8 +1312,7 @@ void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
 // Rows of at most 64 units keep each lane's activation chunks in registers
 // (MINFER_CUDA_MV_BULK_XREG=0: reloaded for every row, as the plain kernel does).
 bool bulk_xreg(int type, int nb) {
-    const int units = (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) ? nb / 2 : nb;
-    return units <= 64 && env_int("MINFER_CUDA_MV_BULK_XREG", 1) != 0;
+    return row_units(type, nb) <= 64 && env_int("MINFER_CUDA_MV_BULK_XREG", 1) != 0;
 }
 
 template <int T>
@@ -1448,21 +1453,17 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         }
     }
     if (a.rpw == 1 && env_int("MINFER_CUDA_MV_EARLYW", 1) != 0) {
-        auto small = [&](int32_t t) {
-            if (t == T_F32 || t == T_F16) return false;
-            const bool k = t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
-            return (k ? nb / 2 : nb) <= 64;
-        };
         // Whether launch_mv_typed takes the launch: K-quants only then (mv_early_ok), a W2
         // only then and of a type mv_early_w2 allows.
         const int32_t t0 = jobs[0].type;
         bool same = typed;
         for (int i = 0; i < njobs; ++i) same = same && jobs[i].type == t0 && (!jobs[i].W2 || jobs[i].type2 == t0);
-        const bool w2_ok = same && (t0 == T_Q4_0 || t0 == T_Q5_0 || t0 == T_Q8_0);
-        auto kq = [](int32_t t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; };
+        const bool w2_ok = same && early_w2_type(t0);
         a.wearly = 1;
-        for (int i = 0; i < njobs; ++i)
-            if (!small(jobs[i].type) || (jobs[i].W2 && !w2_ok) || (kq(jobs[i].type) && !same)) a.wearly = 0;
+        for (int i = 0; i < njobs; ++i) {
+            const int32_t t = jobs[i].type;
+            if (!quantized(t) || row_units(t, nb) > 64 || (jobs[i].W2 && !w2_ok) || (kquant(t) && !same)) a.wearly = 0;
+        }
     }
     int b = 0;
     for (int i = 0; i < njobs; ++i) {

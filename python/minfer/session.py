@@ -540,7 +540,7 @@ class Session:
         ctx = self.context
         if nt == 1 and n_out == 1 and not ctx.cparams.explicit_span and isinstance(tokens[0], (int, np.integer)):
             tok = int(tokens[0])
-            p0 = len(self.tokens)
+            p0 = self.n_past
             with ctx.lock:
                 logits = ctx.run_one(tok, p0, p0 + self.seq * ctx.n_ctx, copy)
             self.tokens.append(tok)
