@@ -85,8 +85,14 @@ def test_cancel_and_queue_bound(model):
 
     sched = Scheduler(model, n_slots=1, n_ctx=CTX, max_queue=1)
     q: queue.Queue = queue.Queue()
+
+    def paced(ev):
+        # The client takes 20 ms a token, so the decode loop cannot run many steps ahead
+        # of this thread's cancel (a fast loop had emitted 28 tokens, or all 50, first).
+        q.put(ev)
+        time.sleep(0.02)
     long = Job(prompt_ids=prompts(1, 3)[0], n_predict=50, sampling=SamplingParams(temperature=0.0),
-               stop_at_eog=False, emit=q.put)
+               stop_at_eog=False, emit=paced)
     sched.submit(long)
     with pytest.raises(QueueFull):  # not started: the first job still waits
         sched.submit(Job(prompt_ids=[5, 6], n_predict=1, sampling=SamplingParams(), emit=q.put))
@@ -101,9 +107,11 @@ def test_cancel_and_queue_bound(model):
         assert evs[-1].reason == "cancelled" and len(evs) < 10  # within a step or two
         assert sched.slots_busy == 0
         # A waiting job whose client left gives its queue place back at the next step,
-        # even while every slot is busy.
+        # even while every slot is busy. The busy job's client takes 10 ms a token, so it
+        # holds its slot for ~0.9 s (a fast decode loop had finished its 86 tokens before
+        # the checks below ran).
         busy = Job(prompt_ids=[5, 6, 7], n_predict=CTX - 10, sampling=SamplingParams(temperature=0.0),
-                   stop_at_eog=False, emit=lambda ev: None)
+                   stop_at_eog=False, emit=lambda ev: time.sleep(0.01))
         sched.submit(busy)
         end = time.monotonic() + 30
         while sched.slots_busy == 0 and time.monotonic() < end:
