@@ -188,21 +188,18 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
     matvec and a SwiGLU pair alike, and within the matvec tolerance of float64; a launch
     of mixed types (q|k|v with a Q8_0 or Q6_K v) still takes the switch kernel. Either
     kernel gives the same bits with its rows' weights loaded before its wait (rows of at
-    most 64 units, the default) or after it (MINFER_CUDA_MV_EARLYW=0), and with a warp
-    taking two rows of at most 32 units (MINFER_CUDA_MV_EW2=1: the lone matvec; 322 rows,
-    so the last block's second group is short)."""
+    most 64 units, the default) or after it (MINFER_CUDA_MV_EARLYW=0)."""
     rng = np.random.default_rng(int(qtype))
-    in_dim, rows = 512, 322
+    in_dim, rows = 512, 320
     vtype = Q.Q6_K if qtype == Q.Q4_K else Q.Q8_0
     w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
     u_raw, _ = make_weight(qtype, rows, in_dim, rng)
     m_raw, _ = make_weight(vtype, rows, in_dim, rng)
     x = rng.standard_normal((1, in_dim)).astype(np.float32)
     outs = {}
-    for typed, early, ew2 in (("1", "1", "0"), ("0", "1", "0"), ("1", "0", "0"), ("0", "0", "0"), ("1", "1", "1")):
+    for typed, early in (("1", "1"), ("0", "1"), ("1", "0"), ("0", "0")):
         monkeypatch.setenv("MINFER_CUDA_MV_TYPED", typed)
         monkeypatch.setenv("MINFER_CUDA_MV_EARLYW", early)
-        monkeypatch.setenv("MINFER_CUDA_MV_EW2", ew2)
         r = Rig()
         w = r.weight("w", w_raw, qtype, in_dim, rows)
         u = r.weight("u", u_raw, qtype, in_dim, rows)
@@ -222,13 +219,12 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
             r.run(p)
         assert _core.testing.cuda_plan_info(one)["launches"] == 2
         assert _core.testing.cuda_plan_info(mixed)["launches"] == 1
-        outs[typed, early, ew2] = [r.read(b, rows) for b in (y, sw, y2, ym)]
-    base = outs["1", "1", "0"]
+        outs[typed, early] = [r.read(b, rows) for b in (y, sw, y2, ym)]
     for key, got in outs.items():
-        for a, b in zip(got, base):
+        for a, b in zip(got, outs["1", "1"]):
             assert a.tobytes() == b.tobytes(), key
-    assert base[0].tobytes() == base[2].tobytes()  # alone == beside a Q8_0 / Q6_K job
-    check_matvec(base[0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
+    assert outs["1", "1"][0].tobytes() == outs["1", "1"][2].tobytes()  # alone == beside a Q8_0 / Q6_K job
+    check_matvec(outs["1", "1"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
@@ -341,7 +337,7 @@ def test_matvec_chunked_bitwise(qtype, monkeypatch):
         staged[variant] = _core.testing.cuda_counters()["staged"]
     for variant in ("1", "1/32", "1/128", "1/64/1"):
         assert outs[variant] == outs["0"], f"chunked {variant} vs plain bits"
-        assert staged[variant] >= 2, staged  # both matvec launches (direct; captured: counted again)
+        assert staged[variant] >= 2 * 3, staged  # both matvec launches, three runs
     assert staged["0"] == 0, staged
     got = np.frombuffer(outs["0"][0], np.float32)
     check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
@@ -722,37 +718,27 @@ def test_qkv_rope_store_tail_bitwise(hd, n_rot, pos, monkeypatch):
     ticket (=0), the angles worked out before the wait or not, taken from the table of
     angles by position (which covers positions below n_ctx: 13, not 37) or worked out
     (MINFER_CUDA_ROPE_TABLE=0); partial rotary dims pass through. Runs direct, captured
-    and replayed. With q, k and v of one type (the one-type kernel, rows loaded before the
-    wait), also with a warp taking two rows and a block two sets of pairs
-    (MINFER_CUDA_MV_EW2=1)."""
-    mixed = [(0, {}), (1, {}), (1 | 32, {}), (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0"}),
-             (1 | 32, {"MINFER_CUDA_ROPE_EARLY": "0"}),
-             (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0", "MINFER_CUDA_ROPE_EARLY": "0"}),
-             (1 | 32, {"MINFER_CUDA_ROPE_TABLE": "0"}),
-             (1 | 32, {"MINFER_CUDA_ROPE_TABLE": "0", "MINFER_CUDA_ROPE_LOCAL": "0"})]
-    one = [(0, {}), (1 | 32, {}), (1 | 32, {"MINFER_CUDA_MV_EW2": "1"}),
-           (1 | 32, {"MINFER_CUDA_MV_EW2": "1", "MINFER_CUDA_ROPE_EARLY": "0"}),
-           (1 | 32, {"MINFER_CUDA_MV_EW2": "1", "MINFER_CUDA_ROPE_TABLE": "0"}),
-           (1 | 32, {"MINFER_CUDA_MV_EW2": "1", "MINFER_CUDA_ROPE_LOCAL": "0"})]
-    for types, variants in (((Q.Q4_K, Q.Q5_0, Q.Q8_0), mixed), ((Q.Q4_K,) * 3, one)):
-        _qkv_rope_store_variants(hd, n_rot, pos, types, variants, monkeypatch)
-
-
-def _qkv_rope_store_variants(hd, n_rot, pos, types, variants, monkeypatch):
+    and replayed."""
     rng = np.random.default_rng(hd + n_rot)
     d, nh, nkv, n_ctx, cell = 256, 4, 2, 16, 5
     qd, kd = nh * hd, nkv * hd
-    raws = [make_weight(t, n, d, rng)[0] for t, n in zip(types, (qd, kd, kd))]
+    raws = [make_weight(t, n, d, rng)[0] for t, n in ((Q.Q4_K, qd), (Q.Q5_0, kd), (Q.Q8_0, kd))]
     biases = [rng.standard_normal(n).astype(np.float32) for n in (qd, kd, kd)]
     x = rng.standard_normal(d).astype(np.float32)
     outs = {}
+    variants = [(0, {}), (1, {}), (1 | 32, {}), (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0"}),
+                (1 | 32, {"MINFER_CUDA_ROPE_EARLY": "0"}),
+                (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0", "MINFER_CUDA_ROPE_EARLY": "0"}),
+                (1 | 32, {"MINFER_CUDA_ROPE_TABLE": "0"}),
+                (1 | 32, {"MINFER_CUDA_ROPE_TABLE": "0", "MINFER_CUDA_ROPE_LOCAL": "0"})]
     for flags, env in variants:
-        for k in ("MINFER_CUDA_ROPE_LOCAL", "MINFER_CUDA_ROPE_EARLY", "MINFER_CUDA_ROPE_TABLE", "MINFER_CUDA_MV_EW2"):
+        for k in ("MINFER_CUDA_ROPE_LOCAL", "MINFER_CUDA_ROPE_EARLY", "MINFER_CUDA_ROPE_TABLE"):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         r = Rig()
-        ws = [r.weight(n, raw, t, d, rows) for n, raw, t, rows in zip("qkv", raws, types, (qd, kd, kd))]
+        ws = [r.weight(n, raw, t, d, rows) for n, raw, t, rows in
+              zip("qkv", raws, (Q.Q4_K, Q.Q5_0, Q.Q8_0), (qd, kd, kd))]
         bs = [r.weight("b" + n, b, Q.F32, b.size, 1) for n, b in zip("qkv", biases)]
         xi, pi, ci = r.buf(x), r.buf(np.array([pos], np.int32)), r.buf(np.array([cell], np.int32))
         yq, yk, yv, rq, rk = r.out(qd), r.out(kd), r.out(kd), r.out(qd), r.out(kd)
@@ -773,7 +759,7 @@ def _qkv_rope_store_variants(hd, n_rot, pos, types, variants, monkeypatch):
             assert outs.setdefault((flags, tuple(env.items())), got) == got
     base = outs[0, ()]
     for key, got in outs.items():
-        assert got == base, (types, key)
+        assert got == base, key
     k16 = np.frombuffer(base[2], np.float16).reshape(n_ctx, kd)
     assert np.array_equal(k16[cell], np.frombuffer(base[1], np.float32).astype(np.float16))
 
@@ -1456,7 +1442,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
                 {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"},
                 {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
                 {"MINFER_CUDA_NORM_EARLY": "2"},
-                {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_EW2": "1"}):
+                {"MINFER_CUDA_MV_EARLYW": "0"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)

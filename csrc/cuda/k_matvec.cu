@@ -50,10 +50,6 @@ struct MvArgs {
     // its row's units into registers before pdl_wait() (mv_row_early; one-column launches,
     // k_matvec's EW instantiations).
     int wearly;
-    // With wearly, one type, no W2 and rows of at most 32 units: a warp takes two rows
-    // (rpw 2), lane l's unit of each (mv_rows2_early), and a block two rows' groups of
-    // MV_WARPS (its groups 2b and 2b + 1, in a roped job two sets of rotated pairs).
-    int ew2;
 };
 
 constexpr int MV_WARPS = 4;
@@ -587,32 +583,6 @@ __device__ __forceinline__ float mv_row_early(const MvArgs& a, const MvJob& jb, 
     }
 }
 
-// Two rows of at most 32 units (a.ew2), pdl_wait() included: lane l's unit of each on its
-// way before the wait, the activations' piece loaded once for both. Each row's sums are
-// mv_row_early's (one unit a lane): the same bits. v[g]: row g's stored value (lane 0).
-template <int TT>
-__device__ __forceinline__ void mv_rows2_early(const MvArgs& a, const MvJob& jb, const int row[2], int lane, float v[2]) {
-    if constexpr (TT < 0 || !quantized(TT)) {
-        __trap();  // the host sets ew2 for one-type quantized launches only
-    } else {
-        const bool ok0 = row[0] < jb.rows, ok1 = row[1] < jb.rows;
-        const bool mine = lane < Unit<TT>::count(a.nb);
-        Unit<TT> w0, w1;
-        if (mine && ok0) w0.load(jb.W + (size_t)row[0] * jb.row_bytes, lane, a.nb);
-        if (mine && ok1) w1.load(jb.W + (size_t)row[1] * jb.row_bytes, lane, a.nb);
-        pdl_wait();
-        const float rs = a.xscale ? __ldg(a.xscale) : 1.0f;
-        float acc0[1] = {0.0f}, acc1[1] = {0.0f}, none[1] = {0.0f};
-        if (mine) {
-            const auto x = Unit<TT>::X::load(a, 0, lane);
-            if (ok0) acc0[0] = fadd(acc0[0], w0.dot(x, lane));
-            if (ok1) acc1[0] = fadd(acc1[0], w1.dot(x, lane));
-        }
-        if (ok0) v[0] = mv_finish<1>(a, jb, row[0], lane, acc0, none, rs);
-        if (ok1) v[1] = mv_finish<1>(a, jb, row[1], lane, acc1, none, rs);
-    }
-}
-
 template <int NC>
 __device__ __forceinline__ float mv_finish(const MvArgs& a, const MvJob& jb, int row, int lane, float acc[NC],
                                            float acc2[NC], float rs) {
@@ -756,9 +726,8 @@ __device__ __forceinline__ bool rope_local_pairs(const MvRopeStore& r, int b) {
     return b % (r.hd / MV_WARPS) < r.n_rot / 4;
 }
 
-// gs: the block's group slot (a.ew2 blocks hold two groups, each its own shared values).
 __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb, int j, int b, float v, int lane,
-                                                const float2* cs, int gs = 0) {
+                                                const float2* cs) {
     const MvRopeStore& r = a.rope;
     const int role = r.role[j];
     if (!role) return;
@@ -773,8 +742,7 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
         }
         return;
     }
-    __shared__ float vals_g[2][MV_WARPS];
-    float* vals = vals_g[gs];
+    __shared__ float vals[MV_WARPS];
     if (lane == 0) vals[w] = v;
     __syncthreads();
     const int per_head = r.hd / MV_WARPS, head = b / per_head, i = b % per_head, half = r.n_rot / 2;
@@ -836,17 +804,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     const int b = blockIdx.x - a.block0[j];  // the block's index within its job
     const bool rope_local = RT && a.rope.tickets && a.rope.local;
     const bool roped = rope_local && (a.rope.role[j] == 1 || a.rope.role[j] == 2);
-    const int wi = threadIdx.x >> 5;
-    // a.ew2: the warp's row in each of the block's groups 2b, 2b + 1 (jb.rows: none).
-    const bool ew2 = EW && a.ew2;
-    const int n_groups = (jb.rows + MV_WARPS - 1) / MV_WARPS;
-    int rows2[2] = {jb.rows, jb.rows};
-    if (ew2) {
-        for (int g = 0; g < 2; ++g)
-            if (2 * b + g < n_groups)
-                rows2[g] = roped ? rope_local_row(a.rope, 2 * b + g, wi) : (2 * b + g) * MV_WARPS + wi;
-    }
-    const int row0 = ew2 ? rows2[0] : roped ? rope_local_row(a.rope, b, wi) : (b * MV_WARPS + wi) * a.rpw;
+    const int row0 = roped ? rope_local_row(a.rope, b, threadIdx.x >> 5) : (b * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
     const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
     if (a.prefetch && !EW && row0 < row1) prefetch_job_row(jb, row0, lane);
     if (a.prefetch && !EW && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
@@ -855,17 +813,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     const float2* cs = nullptr;
     if constexpr (RT) {
         __shared__ float2 cs_smem[ROPE_CS_MAX];
-        if (roped && ew2) {
-            if (a.rope.early) {  // each group's two pairs: cs_smem[2 g], [2 g + 1]
-                const int g = threadIdx.x >> 1, bg = 2 * b + g;
-                if (threadIdx.x < 4 && bg < n_groups && rope_local_pairs(a.rope, bg)) {
-                    float c, sn;
-                    rope_cs_of(a.rope, 2 * (bg % (a.rope.hd / MV_WARPS)) + (threadIdx.x & 1), c, sn);
-                    cs_smem[threadIdx.x] = make_float2(c, sn);
-                }
-                cs = cs_smem;  // read in the tail, after its __syncthreads()
-            }
-        } else if (roped) {
+        if (roped) {
             if (a.rope.early && rope_local_pairs(a.rope, b)) {  // the block's two pairs
                 if (threadIdx.x < 2) {
                     float c, sn;
@@ -886,10 +834,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     }
     TL_MARK(1);
     float v = 0.0f;  // the last row's value (lane 0): rope launches have one row a warp
-    float v2[2] = {0.0f, 0.0f};  // ew2: each group's row's value
     if constexpr (EW) {
-        if (ew2) mv_rows2_early<TT>(a, jb, rows2, lane, v2);  // its wait inside
-        else if (row0 < row1) v = mv_row_early<NC, TT>(a, jb, row0, lane);
+        if (row0 < row1) v = mv_row_early<NC, TT>(a, jb, row0, lane);  // its wait inside
         else pdl_wait();
     } else {
         pdl_wait();
@@ -901,14 +847,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     }
     TL_MARK(3);
     if constexpr (RT) {
-        if (rope_local && ew2) {
-            for (int g = 0; g < 2; ++g)
-                if (2 * b + g < n_groups) rope_local_tail(a, jb, j, 2 * b + g, v2[g], lane, cs ? cs + 2 * g : nullptr, g);
-        } else if (rope_local) {
-            rope_local_tail(a, jb, j, b, v, lane, cs);
-        } else if (a.rope.tickets) {
-            rope_store_tail(a, jb, j, row0, cs);
-        }
+        if (rope_local) rope_local_tail(a, jb, j, b, v, lane, cs);
+        else if (a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
         TL_MARK(4);
     }
     if (NC == 1 && jb.q_out) {
@@ -1646,7 +1586,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // MINFER_CUDA_MV_EARLYW=0: every row's weights loaded after the wait (prefetched into
     // L2 before it), as before 2026-12-02.
     a.wearly = 0;
-    a.ew2 = 0;
     a.rope = MvRopeStore{};
     if (rope) {
         // A head's rows in whole blocks of one row per warp; one token.
@@ -1679,21 +1618,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         for (int i = 0; i < njobs; ++i) {
             const int32_t t = jobs[i].type;
             if (!quantized(t) || row_units(t, nb) > 64 || (jobs[i].W2 && !w2_ok) || (kquant(t) && !same)) a.wearly = 0;
-        }
-        // Two rows a warp (a.ew2) for one-column, one-type launches of rows of at most 32
-        // units without a W2 (and a rope tail, if any, in whole pairs a block):
-        // MINFER_CUDA_MV_EW2=1 always, 2 when one row a warp takes more blocks than 7 an
-        // SM (the K-quant kernels' residency), 0 never.
-        const int ew2 = env_int("MINFER_CUDA_MV_EW2", 0);
-        bool two = a.wearly && ew2 != 0 && ncols == 1 && same && (!rope || a.rope.local);
-        int64_t blocks1 = 0;
-        for (int i = 0; i < njobs; ++i) {
-            two = two && !jobs[i].W2 && row_units(jobs[i].type, nb) <= 32;
-            blocks1 += (jobs[i].rows + MV_WARPS - 1) / MV_WARPS;
-        }
-        if (two && (ew2 == 1 || blocks1 > (int64_t)ctx().n_sm * 7)) {
-            a.ew2 = 1;
-            a.rpw = 2;
         }
     }
     int b = 0;
