@@ -293,47 +293,6 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
-def test_matvec_lookahead_keeps_the_bits(qtype, monkeypatch):
-    """Long rows (18,944 elements, the 7B's down) requesting their next trips into L2
-    (MINFER_CUDA_MV_LOOKAHEAD=1..3, with or without the first trips before the wait,
-    MINFER_CUDA_MV_LOOKAHEAD_EARLY) give the bits without it: a matvec with a bias, one
-    with a residual add; direct, captured, replayed."""
-    rng = np.random.default_rng(400 + int(qtype))
-    in_dim, rows = 18944, 300
-    w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
-    x = rng.standard_normal((1, in_dim)).astype(np.float32)
-    bias = rng.standard_normal(rows).astype(np.float32)
-    res = rng.standard_normal(rows).astype(np.float32)
-    monkeypatch.setenv("MINFER_CUDA_MV_PREFETCH", "0")  # else these small launches prefetch whole rows
-    outs = {}
-    for la, early in (("0", "1"), ("1", "1"), ("1", "0"), ("2", "1"), ("3", "0")):
-        monkeypatch.setenv("MINFER_CUDA_MV_LOOKAHEAD", la)
-        monkeypatch.setenv("MINFER_CUDA_MV_LOOKAHEAD_EARLY", early)
-        r = Rig()
-        w = r.weight("w", w_raw, qtype, in_dim, rows)
-        b = r.weight("b", bias, Q.F32, rows, 1)
-        xi, ri = r.buf(x), r.buf(res)
-        y, yd, z = r.out(rows), r.out(rows), r.out(rows)
-        plan = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, b]),
-                       ("matmul", [yd, xi], [in_dim, rows, 1], [], [w, -1]),
-                       ("add", [z, yd, ri], [rows], [], [])])
-        plan.flags = 4
-        _core.cuda_validate(plan, r.pool, r.weights)
-        runs = []
-        for _ in range(3):
-            for k in (y, z):
-                r.pool.write(k, np.full(rows, np.nan, np.float32))
-            r.run(plan)
-            runs.append([r.read(k, rows).tobytes() for k in (y, z)])
-        assert runs[0] == runs[1] == runs[2], f"lookahead {la}/{early}: runs differ"
-        outs[la, early] = runs[0]
-    for key, got in outs.items():
-        assert got == outs["0", "1"], f"lookahead {key} vs none"
-    got = np.frombuffer(outs["0", "1"][0], np.float32)
-    check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
-
-
 @pytest.mark.parametrize("rows,rpw", [(5000, "0"), (9000, "0"), (60000, "0"), (3000, "8"), (3000, "1")])
 def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which

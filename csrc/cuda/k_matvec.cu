@@ -50,42 +50,31 @@ struct MvArgs {
     // its row's units into registers before pdl_wait() (mv_row_early; one-column launches,
     // k_matvec's EW instantiations).
     int wearly;
-    // Rows of more than one trip (64 units) request the bytes of their trip t + lookahead
-    // into L2 as trip t starts, and (one row a warp) their first lookahead trips before
-    // pdl_wait() (la_early). 0: none.
-    int lookahead, la_early;
 };
 
 constexpr int MV_WARPS = 4;
 
 __device__ __forceinline__ uint4 ldg4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-// Weight loads: G = LD_G from global memory through the read-only path, LD_S from shared
-// memory (a staged copy of the row, k_matvec_bulk), LD_PF only a request of the bytes'
-// line into L2 (the value is not used: Unit<T>::load<LD_PF> prefetches a unit).
-constexpr int LD_S = 0, LD_G = 1, LD_PF = 2;
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-template <int G = LD_G>
+// Weight loads: G = global memory through the read-only path, else shared memory (a
+// staged copy of the row, k_matvec_bulk).
+template <bool G = true>
 __device__ __forceinline__ uint4 ld4(const uint8_t* p) {
-    if constexpr (G == LD_G) return ldg4(p);
-    else if constexpr (G == LD_PF) return prefetch_l2(p), uint4{};
+    if constexpr (G) return ldg4(p);
     else return *reinterpret_cast<const uint4*>(p);
 }
-template <int G = LD_G>
+template <bool G = true>
 __device__ __forceinline__ float ldh(const uint8_t* p) {
-    if constexpr (G == LD_G) return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
-    else if constexpr (G == LD_PF) return prefetch_l2(p), 0.0f;
+    if constexpr (G) return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
     else return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
 }
-template <int G = LD_G>
+template <bool G = true>
 __device__ __forceinline__ uint32_t ldw(const uint8_t* p) {
-    if constexpr (G == LD_G) return __ldg(reinterpret_cast<const unsigned int*>(p));
-    else if constexpr (G == LD_PF) return prefetch_l2(p), 0u;
+    if constexpr (G) return __ldg(reinterpret_cast<const unsigned int*>(p));
     else return *reinterpret_cast<const unsigned int*>(p);
 }
-template <int G = LD_G>
+template <bool G = true>
 __device__ __forceinline__ unsigned short ldu16(const uint8_t* p) {
-    if constexpr (G == LD_G) return __ldg(reinterpret_cast<const unsigned short*>(p));
-    else if constexpr (G == LD_PF) return prefetch_l2(p), (unsigned short)0;
+    if constexpr (G) return __ldg(reinterpret_cast<const unsigned short*>(p));
     else return *reinterpret_cast<const unsigned short*>(p);
 }
 __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
@@ -210,7 +199,7 @@ struct UnitQ45 {
     uint4 q;
     uint32_t qh, dm;
     __device__ static int count(int nb) { return nb; }
-    template <int G = LD_G>
+    template <bool G = true>
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
         q = ld4<G>(row + 16 * u);
         if constexpr (kHigh) qh = ldw<G>(row + 16 * nb + 4 * u);
@@ -253,7 +242,7 @@ template <> struct Unit<T_Q8_0> {
     uint4 q0, q1;
     float d;
     __device__ static int count(int nb) { return nb; }
-    template <int G = LD_G>
+    template <bool G = true>
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
         q0 = ld4<G>(row + 32 * u);
         q1 = ld4<G>(row + 32 * u + 16);
@@ -278,7 +267,7 @@ struct UnitK45 {
     static constexpr int kQs = T == T_Q5_K ? 48 : 16;
     uint4 h, q0, q1, qh0, qh1;
     __device__ static int count(int nb) { return nb / 2; }
-    template <int G = LD_G>
+    template <bool G = true>
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int) {
         const uint8_t* b = row + (size_t)kBlock * (u >> 2);
         h = ld4<G>(b);
@@ -330,7 +319,7 @@ template <> struct Unit<T_Q6_K> {
     uint4 l0, l1, h0, h1, sc;
     float d;
     __device__ static int count(int nb) { return nb / 2; }
-    template <int G = LD_G>
+    template <bool G = true>
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
         const int ns = nb / 8, s = u >> 2, n = (u >> 1) & 1, k1 = u & 1;
         l0 = ld4<G>(row + q6k_ql(s) + 64 * n + 32 * k1);
@@ -424,25 +413,11 @@ template <> struct Unit<T_F32> {
     }
 };
 
-// Lane's units of trips [t0, t1) of a row (units lane + 64 t, lane + 64 t + 32) into L2.
-template <int T>
-__device__ __forceinline__ void prefetch_trips(const uint8_t* __restrict__ row, const MvArgs& a, int lane, int t0, int t1) {
-    if constexpr (T != T_F32 && T != T_F16) {
-        const int nu = Unit<T>::count(a.nb);
-        for (int t = t0; t < t1; ++t)
-            for (int u = lane + 64 * t; u < nu && u < lane + 64 * t + 64; u += 32) {
-                Unit<T> w;
-                w.template load<LD_PF>(row, u, a.nb);
-            }
-    }
-}
-
 template <int T, int NC>
 __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int lane, float acc[NC]) {
     const int nu = Unit<T>::count(a.nb);
     int u = lane;
     for (; u + 32 < nu; u += 64) {
-        if (a.lookahead) prefetch_trips<T>(row, a, lane, (u - lane) / 64 + a.lookahead, (u - lane) / 64 + a.lookahead + 1);
         Unit<T> w0, w1;
         w0.load(row, u, a.nb);
         w1.load(row, u + 32, a.nb);
@@ -833,11 +808,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
     if (a.prefetch && !EW && row0 < row1) prefetch_job_row(jb, row0, lane);
     if (a.prefetch && !EW && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
-    if (a.la_early && !EW && row0 < row1) {
-        const uint8_t* w = jb.W + (size_t)row0 * jb.row_bytes;
-        if constexpr (TT >= 0) prefetch_trips<TT>(w, a, lane, 0, a.lookahead);
-        else mv_dispatch(jb.type, [&] <int T>() { prefetch_trips<T>(w, a, lane, 0, a.lookahead); });
-    }
     // FusedQKV's tail: the rotation angles (double-precision pow, cos, sin) off the
     // critical path, before the wait.
     const float2* cs = nullptr;
@@ -956,14 +926,14 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
             const int u = lane + 32 * k;
             if (u < nu) {
                 Unit<T> w;
-                w.template load<LD_S>(srow, u, a.nb);
+                w.template load<false>(srow, u, a.nb);
                 acc = fadd(acc, w.dot(xr[k], u));
             }
         }
     } else {
         for (int u = lane; u < nu; u += 32) {
             Unit<T> w;
-            w.template load<LD_S>(srow, u, a.nb);
+            w.template load<false>(srow, u, a.nb);
             acc = fadd(acc, w.dot(a, 0, u));
         }
     }
@@ -1461,18 +1431,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // MINFER_CUDA_MV_EARLYW=0: every row's weights loaded after the wait (prefetched into
     // L2 before it), as before 2026-12-02.
     a.wearly = 0;
-    // MINFER_CUDA_MV_LOOKAHEAD=L: rows of more than one trip, in launches not prefetching
-    // whole rows, request trip t + L into L2 as trip t starts (MvArgs::lookahead), and the
-    // first L trips before the wait unless MINFER_CUDA_MV_LOOKAHEAD_EARLY=0.
-    a.lookahead = a.la_early = 0;
-    if (!a.prefetch) {
-        bool long_rows = false;
-        for (int i = 0; i < njobs; ++i) long_rows = long_rows || row_units(jobs[i].type, nb) > 64;
-        if (long_rows) {
-            a.lookahead = env_int("MINFER_CUDA_MV_LOOKAHEAD", 0);
-            a.la_early = a.lookahead > 0 && a.rpw == 1 && env_int("MINFER_CUDA_MV_LOOKAHEAD_EARLY", 1) != 0;
-        }
-    }
     a.rope = MvRopeStore{};
     if (rope) {
         // A head's rows in whole blocks of one row per warp; one token.
