@@ -293,47 +293,6 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("in_dim", [4864, 18944])
-def test_matvec_row_pairs_keep_the_bits(qtype, in_dim, monkeypatch):
-    """Long rows (the 0.5B's and the 7B's down: 4,864 and 18,944 elements) taken two a warp
-    in lock step, each activation piece loaded once for both (MINFER_CUDA_MV_PAIR=1), give
-    the bits of one row a warp: a matvec with a bias, one with a residual add, direct,
-    captured and replayed; the launch's whole-row L2 prefetch on and off."""
-    rng = np.random.default_rng(500 + int(qtype) + in_dim)
-    rows = 300
-    w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
-    x = rng.standard_normal((1, in_dim)).astype(np.float32)
-    bias = rng.standard_normal(rows).astype(np.float32)
-    res = rng.standard_normal(rows).astype(np.float32)
-    outs = {}
-    for pair, pf in (("0", "0"), ("1", "0"), ("1", "1"), ("0", "1")):
-        monkeypatch.setenv("MINFER_CUDA_MV_PAIR", pair)
-        monkeypatch.setenv("MINFER_CUDA_MV_PREFETCH", pf)
-        r = Rig()
-        w = r.weight("w", w_raw, qtype, in_dim, rows)
-        b = r.weight("b", bias, Q.F32, rows, 1)
-        xi, ri = r.buf(x), r.buf(res)
-        y, yd, z = r.out(rows), r.out(rows), r.out(rows)
-        plan = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, b]),
-                       ("matmul", [yd, xi], [in_dim, rows, 1], [], [w, -1]),
-                       ("add", [z, yd, ri], [rows], [], [])])
-        plan.flags = 4
-        _core.cuda_validate(plan, r.pool, r.weights)
-        runs = []
-        for _ in range(3):
-            for k in (y, z):
-                r.pool.write(k, np.full(rows, np.nan, np.float32))
-            r.run(plan)
-            runs.append([r.read(k, rows).tobytes() for k in (y, z)])
-        assert runs[0] == runs[1] == runs[2], f"pair {pair} prefetch {pf}: runs differ"
-        outs[pair, pf] = runs[0]
-    for key, got in outs.items():
-        assert got == outs["0", "0"], f"pair/prefetch {key} vs one row a warp"
-    got = np.frombuffer(outs["0", "0"][0], np.float32)
-    check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
-
-
 @pytest.mark.parametrize("rows,rpw", [(5000, "0"), (9000, "0"), (60000, "0"), (3000, "8"), (3000, "1")])
 def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which
@@ -1431,7 +1390,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
                 {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"},
                 {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
                 {"MINFER_CUDA_NORM_EARLY": "2"},
-                {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_PAIR": "1"}):
+                {"MINFER_CUDA_MV_EARLYW": "0"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)

@@ -50,9 +50,6 @@ struct MvArgs {
     // its row's units into registers before pdl_wait() (mv_row_early; one-column launches,
     // k_matvec's EW instantiations).
     int wearly;
-    // Two rows a warp in lock step (mv_rows_pair; k_matvec's PR instantiations): each
-    // activation piece loaded once for both rows' units.
-    int pair;
 };
 
 constexpr int MV_WARPS = 4;
@@ -515,58 +512,6 @@ __device__ __forceinline__ float mv_row(const MvArgs& a, const MvJob& jb, int ro
     return mv_finish<NC>(a, jb, row, lane, acc, acc2, rs);
 }
 
-// Rows ra and rb in lock step: each row's units in row_dot's order (lane, lane + 32, ...),
-// each unit's activation piece loaded once for both rows (long rows reload them from L1
-// for every row otherwise: 80 bytes of activations a 64-element unit, against 36-52 of
-// weights).
-template <int T>
-__device__ __forceinline__ void row_dot_pair(const uint8_t* __restrict__ ra, const uint8_t* __restrict__ rb,
-                                             const MvArgs& a, int lane, float& acc_a, float& acc_b) {
-    if constexpr (T == T_F32 || T == T_F16) {
-        __trap();  // the host pairs quantized rows only
-    } else {
-        const int nu = Unit<T>::count(a.nb);
-        int u = lane;
-        for (; u + 32 < nu; u += 64) {
-            Unit<T> a0, a1, b0, b1;
-            a0.load(ra, u, a.nb);
-            b0.load(rb, u, a.nb);
-            a1.load(ra, u + 32, a.nb);
-            b1.load(rb, u + 32, a.nb);
-            {
-                const auto x = Unit<T>::X::load(a, 0, u);
-                acc_a = fadd(acc_a, a0.dot(x, u));
-                acc_b = fadd(acc_b, b0.dot(x, u));
-            }
-            const auto x = Unit<T>::X::load(a, 0, u + 32);
-            acc_a = fadd(acc_a, a1.dot(x, u + 32));
-            acc_b = fadd(acc_b, b1.dot(x, u + 32));
-        }
-        if (u < nu) {
-            Unit<T> a0, b0;
-            a0.load(ra, u, a.nb);
-            b0.load(rb, u, a.nb);
-            const auto x = Unit<T>::X::load(a, 0, u);
-            acc_a = fadd(acc_a, a0.dot(x, u));
-            acc_b = fadd(acc_b, b0.dot(x, u));
-        }
-    }
-}
-
-// Rows row and row + 1 of a one-column launch (a.pair), both below jb.rows, no W2: each
-// row's sums and epilogue are mv_row's (the same bits). Returns row + 1's stored value.
-template <int TT>
-__device__ __forceinline__ float mv_rows_pair(const MvArgs& a, const MvJob& jb, int row, int lane) {
-    float acc0[1] = {0.0f}, acc1[1] = {0.0f}, none[1] = {0.0f};
-    const float rs = a.xscale ? __ldg(a.xscale) : 1.0f;
-    const uint8_t* ra = jb.W + (size_t)row * jb.row_bytes;
-    const uint8_t* rb = ra + jb.row_bytes;
-    if constexpr (TT >= 0) row_dot_pair<TT>(ra, rb, a, lane, acc0[0], acc1[0]);
-    else mv_dispatch(jb.type, [&] <int T>() { row_dot_pair<T>(ra, rb, a, lane, acc0[0], acc1[0]); });
-    mv_finish<1>(a, jb, row, lane, acc0, none, rs);
-    return mv_finish<1>(a, jb, row + 1, lane, acc1, none, rs);
-}
-
 // A row of at most 64 units held in registers: lane l's units l and l + 32.
 template <int T>
 struct RowUnits {
@@ -838,8 +783,8 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
 // before); held to 7 blocks it takes 72. (The kernels without the RoPE tail fit 8 blocks
 // at 64 registers without spills, but the 7B's tg128 fell: 383 / 387 / 384 against 400 /
 // 402 / 393.)
-template <int NC, int TT, bool PR = false>
-constexpr int mv_min_blocks() { return PR ? 5 : NC == 1 && kquant(TT) ? 7 : 0; }
+template <int NC, int TT>
+constexpr int mv_min_blocks() { return NC == 1 && kquant(TT) ? 7 : 0; }
 
 // RT: the instantiation carries FusedQKV's RoPE + KV-store tail (one column only). The
 // launches without it take RT = false, whose registers the tail's code does not inflate:
@@ -847,12 +792,9 @@ constexpr int mv_min_blocks() { return PR ? 5 : NC == 1 && kquant(TT) ? 7 : 0; }
 // at the 72 registers they are held to, in the o and down projections too.
 // EW: the instantiation for a.wearly launches (mv_row_early), apart so that the rows held
 // across the wait cost the other launches no registers.
-// PR: the instantiation for a.pair launches (mv_rows_pair: four units' weights a lane in
-// flight, held to 5 blocks an SM).
-template <int NC, int TT = -1, bool RT = false, bool EW = false, bool PR = false>
-__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT, PR>()) k_matvec(MvArgs a) {
+template <int NC, int TT = -1, bool RT = false, bool EW = false>
+__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matvec(MvArgs a) {
     static_assert(!RT || NC == 1, "the rope tail takes one column");
-    static_assert(!PR || (NC == 1 && !RT && !EW), "pairs: one column, no tail");
     TL_BEGIN(RT ? tl::MV_ROPE : tl::MV);
     pdl_trigger();
     int j = 0;
@@ -898,14 +840,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT, PR>()) k_
     } else {
         pdl_wait();
         TL_MARK(2);
-        if constexpr (PR) {
-            if (row0 + 1 < row1) v = mv_rows_pair<TT>(a, jb, row0, lane);
-            else if (row0 < row1) v = mv_row<NC, TT>(a, jb, row0, lane);
-        } else {
-            for (int row = row0; row < row1; ++row) {
-                if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-                v = mv_row<NC, TT>(a, jb, row, lane);
-            }
+        for (int row = row0; row < row1; ++row) {
+            if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
+            v = mv_row<NC, TT>(a, jb, row, lane);
         }
     }
     TL_MARK(3);
@@ -1308,9 +1245,7 @@ bool want_rt(const MvArgs& a) { return a.rope.tickets || env_int("MINFER_CUDA_MV
 template <int TT>
 void launch_mv1(const MvArgs& a, unsigned blocks) {
     const bool rt = want_rt(a);
-    if (a.pair) {
-        launch(k_matvec<1, TT, false, false, true>, blocks, MV_WARPS * 32, a);
-    } else if (a.wearly) {
+    if (a.wearly) {
         if (rt) launch(k_matvec<1, TT, true, true>, blocks, MV_WARPS * 32, a);
         else launch(k_matvec<1, TT, false, true>, blocks, MV_WARPS * 32, a);
     } else {
@@ -1496,18 +1431,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // MINFER_CUDA_MV_EARLYW=0: every row's weights loaded after the wait (prefetched into
     // L2 before it), as before 2026-12-02.
     a.wearly = 0;
-    // MINFER_CUDA_MV_PAIR=1: one-column launches of quantized rows longer than 64 units
-    // (the down projections), no W2, no rope tail, take two rows a warp in lock step.
-    a.pair = 0;
-    if (env_int("MINFER_CUDA_MV_PAIR", 0) != 0 && ncols == 1 && !rope) {
-        bool ok = true;
-        for (int i = 0; i < njobs; ++i)
-            ok = ok && quantized(jobs[i].type) && !jobs[i].W2 && row_units(jobs[i].type, nb) > 64 && jobs[i].rows % 2 == 0;
-        if (ok) {
-            a.pair = 1;
-            a.rpw = 2;
-        }
-    }
     a.rope = MvRopeStore{};
     if (rope) {
         // A head's rows in whole blocks of one row per warp; one token.
