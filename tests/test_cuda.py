@@ -293,47 +293,6 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("in_dim", [512, 18944])
-def test_matvec_epilogue_loaded_ahead_keeps_the_bits(qtype, in_dim, monkeypatch):
-    """The bias and residual of a one-column row loaded by lane 0 ahead of its sums (the
-    bias before the wait; MINFER_CUDA_MV_EPI=1) give the bits of loading them after the
-    reduction: rows loaded before the wait (512 elements) and after it (18,944), a matvec
-    with a bias and one with a residual add, in place too; direct, captured, replayed."""
-    rng = np.random.default_rng(600 + int(qtype) + in_dim)
-    rows = 256
-    w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
-    x = rng.standard_normal((1, in_dim)).astype(np.float32)
-    bias = rng.standard_normal(rows).astype(np.float32)
-    res = rng.standard_normal(rows).astype(np.float32)
-    outs = {}
-    for epi in ("0", "1"):
-        monkeypatch.setenv("MINFER_CUDA_MV_EPI", epi)
-        r = Rig()
-        w = r.weight("w", w_raw, qtype, in_dim, rows)
-        b = r.weight("b", bias, Q.F32, rows, 1)
-        xi, ri = r.buf(x), r.buf(res)
-        y, yd = r.out(rows), r.out(rows)
-        plan = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, b]),
-                       ("matmul", [yd, xi], [in_dim, rows, 1], [], [w, -1]),
-                       ("add", [ri, yd, ri], [rows], [], [])])
-        plan.flags = 4
-        _core.cuda_validate(plan, r.pool, r.weights)
-        runs = []
-        for _ in range(3):
-            r.pool.write(y, np.full(rows, np.nan, np.float32))
-            r.pool.write(ri, res)
-            r.run(plan)
-            runs.append([r.read(k, rows).tobytes() for k in (y, ri)])
-        assert runs[0] == runs[1] == runs[2], f"epi {epi}: runs differ"
-        outs[epi] = runs[0]
-    assert outs["1"] == outs["0"]
-    got = np.frombuffer(outs["0"][0], np.float32)
-    check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
-    z = np.frombuffer(outs["0"][1], np.float32).astype(np.float64)
-    np.testing.assert_allclose(z - res, got - bias, rtol=1e-5, atol=1e-4)
-
-
 @pytest.mark.parametrize("rows,rpw", [(5000, "0"), (9000, "0"), (60000, "0"), (3000, "8"), (3000, "1")])
 def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which
@@ -1431,7 +1390,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
                 {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"},
                 {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
                 {"MINFER_CUDA_NORM_EARLY": "2"},
-                {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_EPI": "1"}):
+                {"MINFER_CUDA_MV_EARLYW": "0"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)

@@ -50,8 +50,6 @@ struct MvArgs {
     // its row's units into registers before pdl_wait() (mv_row_early; one-column launches,
     // k_matvec's EW instantiations).
     int wearly;
-    // One-column rows' bias and residual loaded by lane 0 before their sums (Epi).
-    int epi;
 };
 
 constexpr int MV_WARPS = 4;
@@ -479,28 +477,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 // One row of one job: the dot products, the warp reduction, the epilogue (lane 0).
 // A row's result from its reduced sums: bias, residual, SwiGLU, as every launch shape
 // computes it.
-// A row's epilogue operands for column 0, loaded by lane 0 ahead of its sums (a.epi):
-// the bias terms whenever (weights), the residual after pdl_wait().
-struct Epi {
-    float b = 0.0f, b2 = 0.0f, r = 0.0f;
-};
-__device__ __forceinline__ void epi_weights(Epi& e, const MvJob& jb, int row) {
-    if (jb.bias) e.b = __ldg(jb.bias + row);
-    if (jb.bias2) e.b2 = __ldg(jb.bias2 + row);
-}
-__device__ __forceinline__ void epi_resid(Epi& e, const MvJob& jb, int row) {
-    if (jb.resid) e.r = jb.resid[row];
-}
-
-// e: column 0's operands loaded ahead (or null: loaded here).
-__device__ __forceinline__ float mv_store(const MvJob& jb, int row, int c, float acc, float acc2,
-                                          const Epi* e = nullptr) {
+__device__ __forceinline__ float mv_store(const MvJob& jb, int row, int c, float acc, float acc2) {
     float r = acc;
-    if (jb.bias) r = fadd(r, e ? e->b : jb.bias[row]);
-    if (jb.resid) r = fadd(r, e ? e->r : jb.resid[(size_t)c * jb.rows + row]);
+    if (jb.bias) r = fadd(r, jb.bias[row]);
+    if (jb.resid) r = fadd(r, jb.resid[(size_t)c * jb.rows + row]);
     if (jb.W2) {
         float u = acc2;
-        if (jb.bias2) u = fadd(u, e ? e->b2 : jb.bias2[row]);
+        if (jb.bias2) u = fadd(u, jb.bias2[row]);
         r = silu_f(r) * u;
     }
     jb.y[(size_t)c * jb.rows + row] = r;
@@ -513,7 +496,7 @@ __host__ __device__ constexpr bool quantized(int type) { return type != T_F32 &&
 // scale (rs: column 0's, loaded ahead), the epilogue. Returns column 0's (in lane 0).
 template <int NC>
 __device__ __forceinline__ float mv_finish(const MvArgs& a, const MvJob& jb, int row, int lane, float acc[NC],
-                                           float acc2[NC], float rs, const Epi* e = nullptr);
+                                           float acc2[NC], float rs);
 
 // Returns column 0's stored value (in lane 0).
 template <int NC, int TT>
@@ -523,16 +506,10 @@ __device__ __forceinline__ float mv_row(const MvArgs& a, const MvJob& jb, int ro
     for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
     // A deferred norm copy's scale: loaded now, used after the dot products.
     const float rs = NC == 1 && a.xscale ? __ldg(a.xscale) : 1.0f;
-    Epi e;
-    const bool pre = NC == 1 && a.epi && lane == 0;
-    if (pre) {
-        epi_weights(e, jb, row);
-        epi_resid(e, jb, row);
-    }
     const uint8_t* ra = jb.W + (size_t)row * jb.row_bytes;
     row_dot_any<NC, TT>(jb.type, ra, a, lane, acc);
     if (jb.W2) row_dot_any<NC, TT>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
-    return mv_finish<NC>(a, jb, row, lane, acc, acc2, rs, pre ? &e : nullptr);
+    return mv_finish<NC>(a, jb, row, lane, acc, acc2, rs);
 }
 
 // A row of at most 64 units held in registers: lane l's units l and l + 32.
@@ -584,18 +561,14 @@ __device__ __forceinline__ float mv_row_early_t(const MvArgs& a, const MvJob& jb
         RowUnits<T> u1, u2;
         u1.load(jb.W + (size_t)row * jb.row_bytes, a.nb, lane);
         if (w2 && jb.W2) u2.load(jb.W2 + (size_t)row * jb.row_bytes2, a.nb, lane);
-        Epi e;
-        const bool pre = NC == 1 && a.epi && lane == 0;
-        if (pre) epi_weights(e, jb, row);
         pdl_wait();
-        if (pre) epi_resid(e, jb, row);
         const float rs = NC == 1 && a.xscale ? __ldg(a.xscale) : 1.0f;
         float acc[NC], acc2[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[c] = acc2[c] = 0.0f;
         u1.template dot<NC>(a, lane, acc);
         if (w2 && jb.W2) u2.template dot<NC>(a, lane, acc2);
-        return mv_finish<NC>(a, jb, row, lane, acc, acc2, rs, pre ? &e : nullptr);
+        return mv_finish<NC>(a, jb, row, lane, acc, acc2, rs);
     }
 }
 
@@ -612,7 +585,7 @@ __device__ __forceinline__ float mv_row_early(const MvArgs& a, const MvJob& jb, 
 
 template <int NC>
 __device__ __forceinline__ float mv_finish(const MvArgs& a, const MvJob& jb, int row, int lane, float acc[NC],
-                                           float acc2[NC], float rs, const Epi* e) {
+                                           float acc2[NC], float rs) {
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
         acc[c] = warp_sum(acc[c]);
@@ -627,7 +600,7 @@ __device__ __forceinline__ float mv_finish(const MvArgs& a, const MvJob& jb, int
     if (lane == 0) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
-            const float v = mv_store(jb, row, c, acc[c], acc2[c], c == 0 ? e : nullptr);
+            const float v = mv_store(jb, row, c, acc[c], acc2[c]);
             if (c == 0) v0 = v;
         }
     }
@@ -1458,9 +1431,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // MINFER_CUDA_MV_EARLYW=0: every row's weights loaded after the wait (prefetched into
     // L2 before it), as before 2026-12-02.
     a.wearly = 0;
-    // MINFER_CUDA_MV_EPI=1: the epilogue's bias and residual loaded ahead (the bias before
-    // the wait), not after the warp's reduction.
-    a.epi = env_int("MINFER_CUDA_MV_EPI", 0) != 0;
     a.rope = MvRopeStore{};
     if (rope) {
         // A head's rows in whole blocks of one row per warp; one token.
