@@ -1379,10 +1379,8 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     group's before q's (head dims up to 64 issue q's, then the first group's, by default),
     decode RMSNorms letting the launch after them start once their wait is over, or at
     their start, whatever that launch is (by default only before a q|k|v matvec), one
-    warp merging a one-split attention head rather than its warps side by side,
-    matvecs loading their rows' weights after their wait rather than before it, or before
-    it for rows of up to 160 units too, and the quantization launch after gate|up letting
-    down start before its wait rather than after it."""
+    warp merging a one-split attention head rather than its warps side by side, and
+    matvecs loading their rows' weights after their wait rather than before it."""
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
