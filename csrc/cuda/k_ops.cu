@@ -17,8 +17,6 @@ namespace minfer::cuda {
 
 namespace {
 
-inline unsigned blocks_for(int64_t n, int threads) { return (unsigned)((n + threads - 1) / threads); }
-
 template <int OP>
 __global__ void k_binary(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ y, int64_t n) {
     pdl_wait();
