@@ -1335,15 +1335,19 @@ bool launch_staged_rt(const MvArgs& a, bool must_fit) {
 // Whether a one-column launch is staged early (k_matvec's SM path): every job quantized,
 // without a W2, rows of 16-byte multiples at 16-byte addresses (bulk copies), a RoPE tail
 // only without tickets. MINFER_CUDA_MV_STAGE: 0 never; 1 (the default) FusedQKV launches
-// (a RoPE tail), whose rows (mixed types on some layers, more than a wave of one-row
-// blocks on the 7B) the early registers of mv_row_early cannot all hold; 2 every launch
-// it can take whose rows fit one wave at up to four virtual blocks a block.
+// (a RoPE tail) whose rows mv_row_early cannot hold in registers (the 7B's layers of
+// Q4_K q, k beside a Q6_K v); 2 every FusedQKV launch; 3 every launch it can take whose
+// rows fit one wave at up to four virtual blocks a block. (Every FusedQKV launch, H200
+// tg128 side by side: 7B 471.3 / 470.6 / 475.0 against 487.1 / 479.4 / 485.3 unstaged,
+// 0.5B 1,756 / 1,738 / 1,768 against 1,845 / 1,849 / 1,846: rows in registers beat rows
+// in shared memory wherever they fit.)
 bool launch_staged(MvArgs a) {
     const int mode = env_int("MINFER_CUDA_MV_STAGE", 1);
     if (mode <= 0) return false;
     const bool rope = a.rope.tickets != nullptr;
     if (rope && !a.rope.local) return false;
-    if (mode == 1 && !rope) return false;
+    if (mode <= 2 && !rope) return false;
+    if (mode == 1 && a.wearly) return false;
     size_t stage = 0;
     for (int i = 0; i < a.njobs; ++i) {
         const MvJob& j = a.job[i];

@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <unordered_set>
 #include <utility>
 
 #include "cuda/context.h"
@@ -37,29 +36,9 @@ inline bool pdl_enabled() {
     return on;
 }
 
-// MINFER_CUDA_CARVEOUT=P (0..100): every kernel launched here prefers P% of the SM's
-// unified L1 / shared memory as shared memory (a measurement knob; unset: the driver's
-// choice per kernel). An SM changes that split only once idle, so kernels of different
-// splits cannot share an SM, which programmatic dependent launch relies on.
-inline int carveout_pref() {
-    static const int p = [] {
-        const char* e = std::getenv("MINFER_CUDA_CARVEOUT");
-        return e && *e ? std::atoi(e) : -1;
-    }();
-    return p;
-}
-// Whether kernel k is seen for the first time (its attribute then set once).
-inline bool carveout_first(const void* k) {
-    static std::unordered_set<const void*> seen;
-    return seen.insert(k).second;
-}
-
 // With smem bytes of dynamic shared memory (over 48 KB: once the kernel's attribute allows it).
 template <typename... KArgs, typename... Args>
 void launch_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
-    if (carveout_pref() >= 0 && carveout_first((const void*)kernel))
-        check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout_pref()),
-              "cudaFuncSetAttribute(carveout)");
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
