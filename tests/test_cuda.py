@@ -1379,10 +1379,8 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     group's before q's (head dims up to 64 issue q's, then the first group's, by default),
     decode RMSNorms letting the launch after them start once their wait is over, or at
     their start, whatever that launch is (by default only before a q|k|v matvec), one
-    warp merging a one-split attention head rather than its warps side by side,
-    matvecs loading their rows' weights after their wait rather than before it, and
-    q|k|v launches not staging their rows in shared memory before it, or every launch
-    that can doing so."""
+    warp merging a one-split attention head rather than its warps side by side, and
+    matvecs loading their rows' weights after their wait rather than before it."""
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
@@ -1390,8 +1388,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
                 {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"},
                 {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
                 {"MINFER_CUDA_NORM_EARLY": "2"},
-                {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_STAGE": "0"}, {"MINFER_CUDA_MV_STAGE": "2"},
-                {"MINFER_CUDA_MV_STAGE": "3"}):
+                {"MINFER_CUDA_MV_EARLYW": "0"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)
@@ -1487,39 +1484,3 @@ def test_small_blocks_are_row_exact_and_speculation_is_identical(synth):
                 prompt, 48, sp, stop_at_eog=False, speculate=Speculation("ngram", draft_max=depth, adaptive=adaptive))
             assert got.ids == plain.ids, f"depth {depth} adaptive {adaptive}"
             assert got.timings.drafted and got.timings.drafted > 0
-
-
-@pytest.mark.parametrize("types", [
-    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K"},  # one type: the typed kernel
-    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K"},  # the 7B's mixed layers: the switch
-    {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": "Q8_0"},  # the 0.5B's mixed layers
-])
-def test_staged_early_qkv_keeps_the_bits(types, tmp_path, monkeypatch):
-    """FusedQKV launches copy their rows into shared memory before their wait where the
-    rows cannot be held in registers across it (MINFER_CUDA_MV_STAGE=1, the default: Q4_K
-    beside Q6_K), or all of them (2), a block holding one, two or four groups of rows
-    (MINFER_CUDA_MV_STAGE_RPW) with their rotated pairs; MINFER_CUDA_MV_STAGE=3 stages
-    every launch it can (the o projection, the output). The decode logits are bitwise those
-    of the unstaged kernels (MINFER_CUDA_MV_STAGE=0), and the staged path was taken."""
-    base_types = {"token_embd": "Q8_0", "output": "Q6_K", "attn_output": "Q4_K",
-                  "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
-    path = write_model(tmp_path / "m.gguf", arch="qwen2", n_layer=2, n_embd=512, n_head=8, n_head_kv=2,
-                       n_ff=1024, types={**base_types, **types}, seed=11).path
-    seq = [3, 1, 4, 1, 5, 9, 2, 6]
-    outs, staged = {}, {}
-    for env in ("0", "1", "2", "2/2", "2/4", "3", "3/4"):
-        mode, rpw = (env.split("/") + ["1"])[:2]
-        monkeypatch.setenv("MINFER_CUDA_MV_STAGE", mode)
-        monkeypatch.setenv("MINFER_CUDA_MV_STAGE_RPW", rpw)
-        _core.cuda_sync()
-        _core.testing.cuda_reset_counters()
-        outs[env] = _decode_run(path, seq, 6)
-        staged[env] = _core.testing.cuda_counters()["staged_early"]
-    for env in outs:
-        assert outs[env].tobytes() == outs["0"].tobytes(), f"MINFER_CUDA_MV_STAGE {env} changed the logits"
-    assert staged["0"] == 0, staged
-    # Each decode build stages its two layers' q|k|v (by default only where the rows
-    # cannot be held in registers: K-quants of two types); mode 3 stages more launches.
-    assert all(staged[e] >= 2 for e in ("2", "2/2", "2/4")), staged
-    assert (staged["1"] >= 2) == (types["attn_v"] == "Q6_K"), staged
-    assert staged["3"] > staged["2"], staged

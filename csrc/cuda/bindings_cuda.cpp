@@ -381,7 +381,6 @@ void register_cuda(py::module_& m, py::module_& testing) {
             d["syncs"] = k.syncs;
             d["allocs"] = k.allocs;
             d["staged"] = k.staged;
-            d["staged_early"] = k.staged_early;
             return d;
         });
     testing.def("cuda_replay_probe", [](const Plan& plan, DevPool& pool, int input_id, int reps) {

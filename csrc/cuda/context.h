@@ -31,7 +31,6 @@ struct Counters {
     uint64_t syncs = 0;           // host waits on the stream or an event
     uint64_t allocs = 0;          // cudaMalloc / cudaMallocHost calls
     uint64_t staged = 0;          // launches of the staged matvec (k_matvec_bulk), direct or captured
-    uint64_t staged_early = 0;    // launches of the matvec staging its rows before the wait (k_matvec SM)
 };
 
 struct Context {

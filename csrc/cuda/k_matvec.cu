@@ -50,10 +50,6 @@ struct MvArgs {
     // its row's units into registers before pdl_wait() (mv_row_early; one-column launches,
     // k_matvec's EW instantiations).
     int wearly;
-    // Staged early (k_matvec's SM instantiations): each warp's rows are copied whole into
-    // shared memory, slots of `stage` bytes, before pdl_wait(); a block then holds rpw
-    // groups of MV_WARPS rows as rpw one-row-a-warp blocks would (mv_vrow).
-    int stage;
 };
 
 constexpr int MV_WARPS = 4;
@@ -190,7 +186,6 @@ __device__ __forceinline__ int sum16(const uint4& v, int c = 0) {
 // K-quants, a 32-element block for the rest (Unit<T>::count), nb 32-element blocks a row.
 __host__ __device__ constexpr bool kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 __host__ __device__ constexpr int row_units(int t, int nb) { return kquant(t) ? nb / 2 : nb; }
-__host__ __device__ constexpr bool quantized(int type) { return type != T_F32 && type != T_F16; }
 
 template <int T> struct Unit;
 
@@ -418,22 +413,14 @@ template <> struct Unit<T_F32> {
     }
 };
 
-// Unit u of a row in global memory (G), else in shared memory (quantized types only).
-template <bool G, class U>
-__device__ __forceinline__ void load_unit(U& w, const uint8_t* __restrict__ row, int u, int nb) {
-    if constexpr (G) w.load(row, u, nb);
-    else w.template load<false>(row, u, nb);
-}
-
-// G: the row in global memory, else in shared memory (a staged copy).
-template <int T, int NC, bool G = true>
+template <int T, int NC>
 __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int lane, float acc[NC]) {
     const int nu = Unit<T>::count(a.nb);
     int u = lane;
     for (; u + 32 < nu; u += 64) {
         Unit<T> w0, w1;
-        load_unit<G>(w0, row, u, a.nb);
-        load_unit<G>(w1, row, u + 32, a.nb);
+        w0.load(row, u, a.nb);
+        w1.load(row, u + 32, a.nb);
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             acc[c] = fadd(acc[c], w0.dot(a, c, u));
@@ -442,7 +429,7 @@ __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const M
     }
     if (u < nu) {
         Unit<T> w0;
-        load_unit<G>(w0, row, u, a.nb);
+        w0.load(row, u, a.nb);
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[c] = fadd(acc[c], w0.dot(a, c, u));
     }
@@ -475,19 +462,11 @@ __device__ __forceinline__ void mv_dispatch(int type, F&& f) {
 
 // TT >= 0: every job of the launch has weight type TT (no switch: the kernel's register
 // count is that type's, not the most demanding type's, so more warps stay resident).
-template <int NC, int TT, bool G = true>
+template <int NC, int TT>
 __device__ __forceinline__ void row_dot_any(int type, const uint8_t* __restrict__ row, const MvArgs& a, int lane,
                                             float acc[NC]) {
-    if constexpr (TT >= 0) {
-        row_dot<TT, NC, G>(row, a, lane, acc);
-    } else if constexpr (G) {
-        mv_dispatch(type, [&] <int T>() { row_dot<T, NC>(row, a, lane, acc); });
-    } else {  // staged rows are quantized (the host stages no F32 / F16 job)
-        mv_dispatch(type, [&] <int T>() {
-            if constexpr (quantized(T)) row_dot<T, NC, false>(row, a, lane, acc);
-            else __trap();
-        });
-    }
+    if constexpr (TT >= 0) row_dot<TT, NC>(row, a, lane, acc);
+    else mv_dispatch(type, [&] <int T>() { row_dot<T, NC>(row, a, lane, acc); });
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -511,6 +490,8 @@ __device__ __forceinline__ float mv_store(const MvJob& jb, int row, int c, float
     return r;
 }
 
+__host__ __device__ constexpr bool quantized(int type) { return type != T_F32 && type != T_F16; }
+
 // A row's sums (acc, and W2's acc2) to its stored value: the warp reduction, the norm's
 // scale (rs: column 0's, loaded ahead), the epilogue. Returns column 0's (in lane 0).
 template <int NC>
@@ -529,16 +510,6 @@ __device__ __forceinline__ float mv_row(const MvArgs& a, const MvJob& jb, int ro
     row_dot_any<NC, TT>(jb.type, ra, a, lane, acc);
     if (jb.W2) row_dot_any<NC, TT>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
     return mv_finish<NC>(a, jb, row, lane, acc, acc2, rs);
-}
-
-// mv_row for a row staged in shared memory at sr (one column, no W2): the same
-// operations on the same bytes, the same bits.
-template <int TT>
-__device__ __forceinline__ float mv_row_staged(const MvArgs& a, const MvJob& jb, int row, const uint8_t* sr, int lane) {
-    float acc[1] = {0.0f}, acc2[1] = {0.0f};
-    const float rs = a.xscale ? __ldg(a.xscale) : 1.0f;
-    row_dot_any<1, TT, false>(jb.type, sr, a, lane, acc);
-    return mv_finish<1>(a, jb, row, lane, acc, acc2, rs);
 }
 
 // A row of at most 64 units held in registers: lane l's units l and l + 32.
@@ -807,42 +778,6 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
     }
 }
 
-// Bulk asynchronous copies (global to shared memory, the copy engine holding the bytes in
-// flight), completed on an mbarrier.
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// The bar's one arrival, expecting bytes more to land on it.
-__device__ __forceinline__ void bulk_expect(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-// 16-byte aligned, bytes % 16 == 0.
-__device__ __forceinline__ void bulk_copy(uint64_t* bar, uint8_t* dst, const uint8_t* src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-__device__ __forceinline__ void bulk_init(uint64_t* bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-}
-
-__device__ __forceinline__ void bulk_row(uint64_t* bar, uint8_t* dst, const uint8_t* src, uint32_t bytes,
-                                         uint8_t* dst2, const uint8_t* src2, uint32_t bytes2) {
-    bulk_expect(bar, bytes + bytes2);
-    bulk_copy(bar, dst, src, bytes);
-    if (bytes2) bulk_copy(bar, dst2, src2, bytes2);
-}
-
-__device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t phase) {
-    uint32_t done = 0;
-    while (!done)
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.b32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(smem_u32(bar)), "r"(phase)
-            : "memory");
-}
-
 // Resident blocks per SM the one-type K-quant kernels are held to: left alone, ptxas gave
 // the Q6_K kernel 96 registers (5 blocks) once the deferred norm scale was added (72
 // before); held to 7 blocks it takes 72. (The kernels without the RoPE tail fit 8 blocks
@@ -851,41 +786,15 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t phase) {
 template <int NC, int TT>
 constexpr int mv_min_blocks() { return NC == 1 && kquant(TT) ? 7 : 0; }
 
-// The int8 copy of y's 32-row group g, once every block holding rows of it is done
-// (rows % 32 == 0 and a block's rows lie in one group; every warp of the block reaches
-// the barriers). Publish y, then draw the group's ticket (threadFenceReduction's
-// pattern); the block drawing the last one reads the group through L2 and quantizes it.
-__device__ __forceinline__ void group_ticket_tail(const MvJob& jb, int g, int blocks_per_group, int lane) {
-    __shared__ int s_ticket;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) s_ticket = atomicAdd(jb.tickets + g, 1);
-    __syncthreads();
-    if (s_ticket == blocks_per_group - 1 && threadIdx.x < 32) {
-        __threadfence();
-        group_copy(jb, g, lane);
-        if (lane == 0) jb.tickets[g] = 0;
-    }
-}
-
-// A staged launch's block holds up to this many groups of MV_WARPS rows (a.rpw).
-constexpr int MV_STAGE_MAX_RPW = 4;
-
 // RT: the instantiation carries FusedQKV's RoPE + KV-store tail (one column only). The
 // launches without it take RT = false, whose registers the tail's code does not inflate:
 // with it compiled in, the one-type Q4_K / Q6_K kernels spilled (24 / 44 bytes a thread)
 // at the 72 registers they are held to, in the o and down projections too.
 // EW: the instantiation for a.wearly launches (mv_row_early), apart so that the rows held
 // across the wait cost the other launches no registers.
-// SM: the instantiation for staged launches (a.stage): a warp's rows are copied into
-// shared memory by the copy engine before the wait, whatever their types and lengths,
-// without holding registers across it; the block takes a.rpw virtual blocks b * rpw + k,
-// each the MV_WARPS rows a one-row-a-warp block b * rpw + k would take (the RoPE tail's
-// rotated pairs included), so that one wave of blocks holds a launch that would take more.
-template <int NC, int TT = -1, bool RT = false, bool EW = false, bool SM = false>
+template <int NC, int TT = -1, bool RT = false, bool EW = false>
 __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matvec(MvArgs a) {
     static_assert(!RT || NC == 1, "the rope tail takes one column");
-    static_assert(!SM || (NC == 1 && !EW), "a staged launch takes one column, no rows in registers");
     TL_BEGIN(RT ? tl::MV_ROPE : tl::MV);
     pdl_trigger();
     int j = 0;
@@ -893,125 +802,72 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     const MvJob& jb = a.job[j];
     const int lane = threadIdx.x & 31;
     const int b = blockIdx.x - a.block0[j];  // the block's index within its job
-    if constexpr (SM) {
-        const int w = threadIdx.x >> 5, nv = a.rpw;
-        const int nvb = (jb.rows + MV_WARPS - 1) / MV_WARPS;  // the job's virtual blocks
-        const bool rope_local = RT && a.rope.tickets && a.rope.local;  // the host stages no other tail
-        const bool roped = rope_local && (a.rope.role[j] == 1 || a.rope.role[j] == 2);
-        extern __shared__ __align__(16) uint8_t mv_stage_smem[];
-        __shared__ float st_vals[MV_STAGE_MAX_RPW][MV_WARPS];  // lane 0's row values, for the tail
-        uint64_t* bar = reinterpret_cast<uint64_t*>(mv_stage_smem) + w;
-        uint8_t* slots = mv_stage_smem + MV_WARPS * sizeof(uint64_t) + (size_t)w * nv * a.stage;
-        // Row k of the warp (virtual block b * nv + k), or -1.
-        auto row_of = [&](int k) {
-            const int vb = b * nv + k;
-            if (k >= nv || vb >= nvb) return -1;
-            const int r = roped ? rope_local_row(a.rope, vb, w) : vb * MV_WARPS + w;
-            return r < jb.rows ? r : -1;
-        };
-        bool any = false;
-        for (int k = 0; k < nv; ++k) any |= row_of(k) >= 0;
-        if (lane == 0 && any) {
-            bulk_init(bar);
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-            uint32_t bytes = 0;
-            for (int k = 0; k < nv; ++k)
-                if (row_of(k) >= 0) bytes += (uint32_t)jb.row_bytes;
-            bulk_expect(bar, bytes);
-            for (int k = 0; k < nv; ++k) {
-                const int r = row_of(k);
-                if (r >= 0) bulk_copy(bar, slots + (size_t)k * a.stage, jb.W + (size_t)r * jb.row_bytes, (uint32_t)jb.row_bytes);
-            }
-        }
-        __syncwarp();
-        // The tail's rotation angles, before the wait: two pairs per virtual block.
-        const float2* cs = nullptr;
-        if constexpr (RT) {
-            __shared__ float2 cs_st[2 * MV_STAGE_MAX_RPW];
-            if (roped && a.rope.early) {
-                const int k = threadIdx.x >> 1, vb = b * nv + k;
-                if (threadIdx.x < 2 * nv && vb < nvb && rope_local_pairs(a.rope, vb)) {
+    const bool rope_local = RT && a.rope.tickets && a.rope.local;
+    const bool roped = rope_local && (a.rope.role[j] == 1 || a.rope.role[j] == 2);
+    const int row0 = roped ? rope_local_row(a.rope, b, threadIdx.x >> 5) : (b * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
+    const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
+    if (a.prefetch && !EW && row0 < row1) prefetch_job_row(jb, row0, lane);
+    if (a.prefetch && !EW && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
+    // FusedQKV's tail: the rotation angles (double-precision pow, cos, sin) off the
+    // critical path, before the wait.
+    const float2* cs = nullptr;
+    if constexpr (RT) {
+        __shared__ float2 cs_smem[ROPE_CS_MAX];
+        if (roped) {
+            if (a.rope.early && rope_local_pairs(a.rope, b)) {  // the block's two pairs
+                if (threadIdx.x < 2) {
                     float c, sn;
-                    rope_cs_of(a.rope, 2 * (vb % (a.rope.hd / MV_WARPS)) + (threadIdx.x & 1), c, sn);
-                    cs_st[threadIdx.x] = make_float2(c, sn);
-                }
-                cs = cs_st;  // read in the tail, after its __syncthreads()
-            }
-        }
-        TL_MARK(1);
-        pdl_wait();
-        TL_MARK(2);
-        if (any) bulk_wait(bar, 0);
-#pragma unroll 1
-        for (int k = 0; k < nv; ++k) {
-            const int r = row_of(k);
-            if (r < 0) continue;
-            const float v = mv_row_staged<TT>(a, jb, r, slots + (size_t)k * a.stage, lane);
-            if (lane == 0) st_vals[k][w] = v;
-        }
-        TL_MARK(3);
-        if constexpr (RT) {
-            if (rope_local) {
-                for (int k = 0; k < nv && b * nv + k < nvb; ++k) {  // block-uniform bounds
-                    if (k) __syncthreads();  // the tail's exchange slots, reused
-                    rope_local_tail(a, jb, j, b * nv + k, lane == 0 ? st_vals[k][w] : 0.0f, lane,
-                                    cs ? cs + 2 * k : nullptr);
-                }
-            }
-            TL_MARK(4);
-        }
-        if (jb.q_out) group_ticket_tail(jb, b * nv * MV_WARPS / 32, 32 / (MV_WARPS * nv), lane);
-    } else {
-        const bool rope_local = RT && a.rope.tickets && a.rope.local;
-        const bool roped = rope_local && (a.rope.role[j] == 1 || a.rope.role[j] == 2);
-        const int row0 = roped ? rope_local_row(a.rope, b, threadIdx.x >> 5) : (b * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
-        const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
-        if (a.prefetch && !EW && row0 < row1) prefetch_job_row(jb, row0, lane);
-        if (a.prefetch && !EW && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
-        // FusedQKV's tail: the rotation angles (double-precision pow, cos, sin) off the
-        // critical path, before the wait.
-        const float2* cs = nullptr;
-        if constexpr (RT) {
-            __shared__ float2 cs_smem[ROPE_CS_MAX];
-            if (roped) {
-                if (a.rope.early && rope_local_pairs(a.rope, b)) {  // the block's two pairs
-                    if (threadIdx.x < 2) {
-                        float c, sn;
-                        rope_cs_of(a.rope, 2 * (b % (a.rope.hd / MV_WARPS)) + threadIdx.x, c, sn);
-                        cs_smem[threadIdx.x] = make_float2(c, sn);
-                    }
-                    cs = cs_smem;  // read in the tail, after its __syncthreads()
-                }
-            } else if (a.rope.tickets && a.rope.early && (a.rope.role[j] == 1 || a.rope.role[j] == 2) &&
-                       a.rope.n_rot / 2 <= ROPE_CS_MAX) {
-                for (int k = threadIdx.x; k < a.rope.n_rot / 2; k += blockDim.x) {
-                    float c, sn;
-                    rope_cs_of(a.rope, k, c, sn);
-                    cs_smem[k] = make_float2(c, sn);
+                    rope_cs_of(a.rope, 2 * (b % (a.rope.hd / MV_WARPS)) + threadIdx.x, c, sn);
+                    cs_smem[threadIdx.x] = make_float2(c, sn);
                 }
                 cs = cs_smem;  // read in the tail, after its __syncthreads()
             }
-        }
-        TL_MARK(1);
-        float v = 0.0f;  // the last row's value (lane 0): rope launches have one row a warp
-        if constexpr (EW) {
-            if (row0 < row1) v = mv_row_early<NC, TT>(a, jb, row0, lane);  // its wait inside
-            else pdl_wait();
-        } else {
-            pdl_wait();
-            TL_MARK(2);
-            for (int row = row0; row < row1; ++row) {
-                if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-                v = mv_row<NC, TT>(a, jb, row, lane);
+        } else if (a.rope.tickets && a.rope.early && (a.rope.role[j] == 1 || a.rope.role[j] == 2) &&
+                   a.rope.n_rot / 2 <= ROPE_CS_MAX) {
+            for (int k = threadIdx.x; k < a.rope.n_rot / 2; k += blockDim.x) {
+                float c, sn;
+                rope_cs_of(a.rope, k, c, sn);
+                cs_smem[k] = make_float2(c, sn);
             }
+            cs = cs_smem;  // read in the tail, after its __syncthreads()
         }
-        TL_MARK(3);
-        if constexpr (RT) {
-            if (rope_local) rope_local_tail(a, jb, j, b, v, lane, cs);
-            else if (a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
-            TL_MARK(4);
+    }
+    TL_MARK(1);
+    float v = 0.0f;  // the last row's value (lane 0): rope launches have one row a warp
+    if constexpr (EW) {
+        if (row0 < row1) v = mv_row_early<NC, TT>(a, jb, row0, lane);  // its wait inside
+        else pdl_wait();
+    } else {
+        pdl_wait();
+        TL_MARK(2);
+        for (int row = row0; row < row1; ++row) {
+            if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
+            v = mv_row<NC, TT>(a, jb, row, lane);
         }
-        if (NC == 1 && jb.q_out) group_ticket_tail(jb, row0 / 32, 32 / (MV_WARPS * a.rpw), lane);
+    }
+    TL_MARK(3);
+    if constexpr (RT) {
+        if (rope_local) rope_local_tail(a, jb, j, b, v, lane, cs);
+        else if (a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
+        TL_MARK(4);
+    }
+    if (NC == 1 && jb.q_out) {
+        // rows % 32 == 0 and a block's rows (MV_WARPS * rpw, a power of two <= 32) lie in
+        // one 32-row group, all warps reach the barriers. Publish y, then draw the group's
+        // ticket (threadFenceReduction's pattern); the block drawing the last one reads
+        // the group through L2 and quantizes it.
+        __shared__ int s_ticket;
+        const int blocks_per_group = 32 / (MV_WARPS * a.rpw);
+        const int g = row0 / 32;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) s_ticket = atomicAdd(jb.tickets + g, 1);
+        __syncthreads();
+        if (s_ticket == blocks_per_group - 1 && threadIdx.x < 32) {
+            __threadfence();
+            group_copy(jb, g, lane);
+            if (lane == 0) jb.tickets[g] = 0;
+        }
     }
     TL_MARK(5);
     TL_END();
@@ -1029,6 +885,33 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
 // copy of y (q_out) is made per 32-row group by the warp whose rows complete it (an
 // integer ticket per group counting rows, zero before and after every launch).
 constexpr int BULK_STAGES = 4;  // ring slots per warp, at most (the launch picks ns <= this)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void bulk_row(uint64_t* bar, uint8_t* dst, const uint8_t* src, uint32_t bytes,
+                                         uint8_t* dst2, const uint8_t* src2, uint32_t bytes2) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes + bytes2)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+    if (bytes2)
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         smem_u32(dst2)),
+                     "l"(src2), "r"(bytes2), "r"(smem_u32(bar))
+                     : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t phase) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.b32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(smem_u32(bar)), "r"(phase)
+            : "memory");
+}
 
 // XR: rows of at most 64 units, whose lanes' activation chunks (units lane, lane + 32)
 // the warp holds in registers, xr, for all its rows.
@@ -1093,7 +976,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
     };
     if (lane == 0 && n_st > 0) {
         for (int k = 0; k < ns; ++k)
-            bulk_init(bars + k);
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + k)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (int k = 0; k < ns && k < n_st; ++k) request(k, k);
     }
@@ -1286,93 +1169,6 @@ void launch_mv1(const MvArgs& a, unsigned blocks) {
     }
 }
 
-// Staged early launches (k_matvec's SM instantiations). The fewest virtual blocks a block
-// (rpw: 1, 2, 4) that fit the launch in one wave of resident blocks, most at 4.
-template <int TT, bool RT>
-bool launch_staged_t(MvArgs a, bool must_fit) {
-    auto kern = k_matvec<1, TT, RT, false, true>;
-    static size_t attr = 48 << 10;  // the dynamic shared memory this instantiation was allowed
-    unsigned blocks = 0;
-    size_t smem = 0;
-    bool fits = false;
-    // MINFER_CUDA_MV_STAGE_RPW=2 or 4 (tests): start at that many virtual blocks a block.
-    const int nv0 = env_int("MINFER_CUDA_MV_STAGE_RPW", 1);
-    for (int nv = nv0 == 2 || nv0 == 4 ? nv0 : 1; nv <= MV_STAGE_MAX_RPW; nv *= 2) {
-        smem = (size_t)MV_WARPS * (sizeof(uint64_t) + (size_t)nv * a.stage);
-        if (smem > (size_t)ctx().smem_optin) break;
-        if (smem > attr) {
-            check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
-                  "cudaFuncSetAttribute");
-            attr = smem;
-        }
-        int per_sm = 0;
-        check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, MV_WARPS * 32, smem),
-              "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-        a.rpw = nv;
-        blocks = 0;
-        for (int i = 0; i < a.njobs; ++i) {
-            a.block0[i] = (int)blocks;
-            const int vbs = (a.job[i].rows + MV_WARPS - 1) / MV_WARPS;
-            blocks += (unsigned)((vbs + nv - 1) / nv);
-        }
-        fits = (int64_t)blocks <= (int64_t)per_sm * ctx().n_sm;
-        if (fits) break;
-        if (nv * 2 > MV_STAGE_MAX_RPW ||
-            (size_t)MV_WARPS * (sizeof(uint64_t) + (size_t)nv * 2 * a.stage) > (size_t)ctx().smem_optin)
-            break;
-    }
-    if (blocks == 0 || (must_fit && !fits)) return false;
-    launch_smem(kern, blocks, MV_WARPS * 32, smem, a);
-    ++ctx().c.staged_early;
-    return true;
-}
-
-template <int TT>
-bool launch_staged_rt(const MvArgs& a, bool must_fit) {
-    return want_rt(a) ? launch_staged_t<TT, true>(a, must_fit) : launch_staged_t<TT, false>(a, must_fit);
-}
-
-// Whether a one-column launch is staged early (k_matvec's SM path): every job quantized,
-// without a W2, rows of 16-byte multiples at 16-byte addresses (bulk copies), a RoPE tail
-// only without tickets. MINFER_CUDA_MV_STAGE: 0 never; 1 (the default) FusedQKV launches
-// (a RoPE tail) whose rows mv_row_early cannot hold in registers (the 7B's layers of
-// Q4_K q, k beside a Q6_K v); 2 every FusedQKV launch; 3 every launch it can take whose
-// rows fit one wave at up to four virtual blocks a block. (Every FusedQKV launch, H200
-// tg128 side by side: 7B 471.3 / 470.6 / 475.0 against 487.1 / 479.4 / 485.3 unstaged,
-// 0.5B 1,756 / 1,738 / 1,768 against 1,845 / 1,849 / 1,846: rows in registers beat rows
-// in shared memory wherever they fit.)
-bool launch_staged(MvArgs a) {
-    const int mode = env_int("MINFER_CUDA_MV_STAGE", 1);
-    if (mode <= 0) return false;
-    const bool rope = a.rope.tickets != nullptr;
-    if (rope && !a.rope.local) return false;
-    if (mode <= 2 && !rope) return false;
-    if (mode == 1 && a.wearly) return false;
-    size_t stage = 0;
-    for (int i = 0; i < a.njobs; ++i) {
-        const MvJob& j = a.job[i];
-        if (!quantized(j.type) || j.W2 || j.row_bytes % 16 || (uintptr_t)j.W % 16) return false;
-        stage = j.row_bytes > stage ? j.row_bytes : stage;
-    }
-    if ((size_t)MV_WARPS * (sizeof(uint64_t) + stage) > (size_t)ctx().smem_optin) return false;
-    a.stage = (int)stage;
-    a.wearly = 0;
-    a.prefetch = 0;  // the copies fetch the rows
-    const int t = a.job[0].type;
-    bool same = env_int("MINFER_CUDA_MV_TYPED", 1) != 0;
-    for (int i = 0; i < a.njobs; ++i) same = same && a.job[i].type == t;
-    const bool fit = !rope;  // a RoPE launch is staged even in more than a wave
-    switch (same ? t : -1) {
-        case T_Q4_K: return launch_staged_rt<T_Q4_K>(a, fit);
-        case T_Q5_K: return launch_staged_rt<T_Q5_K>(a, fit);
-        case T_Q6_K: return launch_staged_rt<T_Q6_K>(a, fit);
-        case T_Q8_0: return launch_staged_rt<T_Q8_0>(a, fit);
-        case T_Q5_0: return launch_staged_rt<T_Q5_0>(a, fit);
-        case T_Q4_0: return launch_staged_rt<T_Q4_0>(a, fit);
-        default: return launch_staged_rt<-1>(a, fit);
-    }
-}
-
 // The staged matvec for a one-job, one-column, one-type launch of rows whose slots fit.
 // ns slots per warp: MINFER_CUDA_MV_BULK_STAGES, or by default the most (up to 4) that
 // leave room for six blocks per SM: the warps also need company to hide the latency of
@@ -1550,7 +1346,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     // MINFER_CUDA_MV_EARLYW=0: every row's weights loaded after the wait (prefetched into
     // L2 before it), as before 2026-12-02.
     a.wearly = 0;
-    a.stage = 0;
     a.rope = MvRopeStore{};
     if (rope) {
         // A head's rows in whole blocks of one row per warp; one token.
@@ -1625,8 +1420,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
                     ac.job[0].q_out = nullptr;
                     ac.job[0].tickets = nullptr;
                 }
-                if (!launch_staged(ac) && !launch_bulk(ac) && !(typed && launch_mv_typed(ac, (unsigned)b)))
-                    launch_mv1<-1>(ac, (unsigned)b);
+                if (!launch_bulk(ac) && !(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv1<-1>(ac, (unsigned)b);
                 if (qsplit) {
                     const int n = j0.rows / 32;
                     launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, (const float*)j0.y, n, j0.q_out, j0.ds_out);
