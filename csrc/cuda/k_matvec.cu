@@ -53,9 +53,6 @@ struct MvArgs {
 };
 
 constexpr int MV_WARPS = 4;
-#ifndef MV_TRIP3
-#define MV_TRIP3 1  // three-unit trips in the typed plain kernels (row_dot's L3)
-#endif
 
 __device__ __forceinline__ uint4 ldg4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 // Weight loads: G = global memory through the read-only path, else shared memory (a
@@ -416,23 +413,10 @@ template <> struct Unit<T_F32> {
     }
 };
 
-// L3: three units a lane per trip while at least three are left (one column only), for
-// more bytes in flight per warp on long rows; the same additions in the same order.
-template <int T, int NC, bool L3 = false>
+template <int T, int NC>
 __device__ __forceinline__ void row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int lane, float acc[NC]) {
     const int nu = Unit<T>::count(a.nb);
     int u = lane;
-    if constexpr (NC == 1 && L3) {
-        for (; u + 64 < nu; u += 96) {
-            Unit<T> w0, w1, w2;
-            w0.load(row, u, a.nb);
-            w1.load(row, u + 32, a.nb);
-            w2.load(row, u + 64, a.nb);
-            acc[0] = fadd(acc[0], w0.dot(a, 0, u));
-            acc[0] = fadd(acc[0], w1.dot(a, 0, u + 32));
-            acc[0] = fadd(acc[0], w2.dot(a, 0, u + 64));
-        }
-    }
     for (; u + 32 < nu; u += 64) {
         Unit<T> w0, w1;
         w0.load(row, u, a.nb);
@@ -478,10 +462,10 @@ __device__ __forceinline__ void mv_dispatch(int type, F&& f) {
 
 // TT >= 0: every job of the launch has weight type TT (no switch: the kernel's register
 // count is that type's, not the most demanding type's, so more warps stay resident).
-template <int NC, int TT, bool L3 = false>
+template <int NC, int TT>
 __device__ __forceinline__ void row_dot_any(int type, const uint8_t* __restrict__ row, const MvArgs& a, int lane,
                                             float acc[NC]) {
-    if constexpr (TT >= 0) row_dot<TT, NC, L3>(row, a, lane, acc);
+    if constexpr (TT >= 0) row_dot<TT, NC>(row, a, lane, acc);
     else mv_dispatch(type, [&] <int T>() { row_dot<T, NC>(row, a, lane, acc); });
 }
 
@@ -515,7 +499,7 @@ __device__ __forceinline__ float mv_finish(const MvArgs& a, const MvJob& jb, int
                                            float acc2[NC], float rs);
 
 // Returns column 0's stored value (in lane 0).
-template <int NC, int TT, bool L3 = false>
+template <int NC, int TT>
 __device__ __forceinline__ float mv_row(const MvArgs& a, const MvJob& jb, int row, int lane) {
     float acc[NC], acc2[NC];
 #pragma unroll
@@ -523,8 +507,8 @@ __device__ __forceinline__ float mv_row(const MvArgs& a, const MvJob& jb, int ro
     // A deferred norm copy's scale: loaded now, used after the dot products.
     const float rs = NC == 1 && a.xscale ? __ldg(a.xscale) : 1.0f;
     const uint8_t* ra = jb.W + (size_t)row * jb.row_bytes;
-    row_dot_any<NC, TT, L3>(jb.type, ra, a, lane, acc);
-    if (jb.W2) row_dot_any<NC, TT, L3>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
+    row_dot_any<NC, TT>(jb.type, ra, a, lane, acc);
+    if (jb.W2) row_dot_any<NC, TT>(jb.type2, jb.W2 + (size_t)row * jb.row_bytes2, a, lane, acc2);
     return mv_finish<NC>(a, jb, row, lane, acc, acc2, rs);
 }
 
@@ -858,7 +842,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
         TL_MARK(2);
         for (int row = row0; row < row1; ++row) {
             if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-            v = mv_row<NC, TT, !RT && TT >= 0 && MV_TRIP3>(a, jb, row, lane);
+            v = mv_row<NC, TT>(a, jb, row, lane);
         }
     }
     TL_MARK(3);
