@@ -13,7 +13,7 @@
 # AB="NAME=VAL[ NAME=VAL];..." runs `minfer bench -p 0 -n 128` on the 0.5B and 7B shapes
 # once per variant (empty = defaults; put it first: bash drops a trailing empty field),
 # ROUNDS rounds (2) alternating, side by side in one run;
-# PROBE=1 runs bench/stream_probe.cu first; HOSTBENCH=1 the CPU-side sampling and event-hop benches; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
+# PROBE=1 runs bench/stream_probe.cu and bench/tail_probe.cu first; HOSTBENCH=1 the CPU-side sampling and event-hop benches; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
 # once per variant of STAMP_AB (as AB; unset: the defaults); COSTS=1 what each launch kind
 # costs inside the replayed graph (bench/launch_costs.py, ROUNDS rounds; COSTS_KINDS narrows it);
 # GAP=1 a step's wall outside the replay (bench/host_gap.py).
@@ -35,11 +35,15 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 # PROBE=1: bench/stream_probe.cu (read-bandwidth ceilings of the matvec's access
-# patterns, standalone) into probe.txt before the build.
+# patterns, event-timed) and bench/tail_probe.cu (the same reads by the global timer inside
+# the kernel, block end times, static vs dynamic work), standalone, into probe.txt before
+# the build.
 if [ "${PROBE:-0}" = 1 ]; then
   t0=$SECONDS
   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/stream_probe bench/stream_probe.cu >"$OUT/probe.txt" 2>&1 &&
-    /tmp/stream_probe >>"$OUT/probe.txt" 2>&1
+    /tmp/stream_probe >>"$OUT/probe.txt" 2>&1 &&
+    nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/tail_probe bench/tail_probe.cu >>"$OUT/probe.txt" 2>&1 &&
+    /tmp/tail_probe >>"$OUT/probe.txt" 2>&1
   phase "probe rc $? in $((SECONDS - t0)) s -> probe.txt"
 fi
 
