@@ -1379,8 +1379,9 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     group's before q's (head dims up to 64 issue q's, then the first group's, by default),
     decode RMSNorms letting the launch after them start once their wait is over, or at
     their start, whatever that launch is (by default only before a q|k|v matvec), one
-    warp merging a one-split attention head rather than its warps side by side, and
-    matvecs loading their rows' weights after their wait rather than before it."""
+    warp merging a one-split attention head rather than its warps side by side,
+    matvecs loading their rows' weights after their wait rather than before it, and the
+    staged matvec requesting none or one of its slots before its wait rather than all."""
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
@@ -1388,7 +1389,8 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
                 {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"},
                 {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
                 {"MINFER_CUDA_NORM_EARLY": "2"},
-                {"MINFER_CUDA_MV_EARLYW": "0"}):
+                {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "0"},
+                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "1"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)

@@ -949,7 +949,7 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs&
 // n_warps, ...), so the rows in flight at any time form one band of the matrix, rather
 // than each warp a contiguous run (launch_bulk_xr says when, and what it measured).
 template <int T, bool XR>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R, int rr) {
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R, int rr, int pre) {
     TL_BEGIN(tl::MV_BULK);
     pdl_trigger();
     extern __shared__ __align__(16) uint8_t bulk_smem[];
@@ -978,12 +978,14 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
         for (int k = 0; k < ns; ++k)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + k)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int k = 0; k < ns && k < n_st; ++k) request(k, k);
+        for (int k = 0; k < pre && k < ns && k < n_st; ++k) request(k, k);
     }
     __syncwarp();
     TL_MARK(1);
     pdl_wait();
     TL_MARK(2);
+    if (lane == 0)
+        for (int k = pre; k < ns && k < n_st; ++k) request(k, k);
     // A deferred norm copy's scale (every type here is quantized).
     const float nsc = a.xscale ? __ldg(a.xscale) : 1.0f;
     typename Unit<T>::X xr[2];
@@ -1220,7 +1222,11 @@ void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
     // MINFER_CUDA_MV_BULK_RR=1 / 0: round-robin / runs for every staged launch.
     const int rr_env = env_int("MINFER_CUDA_MV_BULK_RR", -1);
     const int rr = rr_env >= 0 ? rr_env != 0 : j.q_out == nullptr;
-    launch_smem(k_matvec_bulk<T, XR>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R, rr);
+    // MINFER_CUDA_MV_BULK_EARLY=n: only the first n slots are requested before the wait
+    // (the launch before it, a norm, shares the memory with them), the rest after it.
+    const int pre = env_int("MINFER_CUDA_MV_BULK_EARLY", BULK_STAGES);
+    launch_smem(k_matvec_bulk<T, XR>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R, rr,
+                pre < 0 ? 0 : pre);
     ++ctx().c.staged;
 }
 
