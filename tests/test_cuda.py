@@ -1381,7 +1381,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     their start, whatever that launch is (by default only before a q|k|v matvec), one
     warp merging a one-split attention head rather than its warps side by side,
     matvecs loading their rows' weights after their wait rather than before it, and the
-    staged matvec requesting none or one of its slots before its wait rather than all."""
+    staged matvec requesting none or all of its slots before its wait rather than one."""
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
@@ -1390,7 +1390,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
                 {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
                 {"MINFER_CUDA_NORM_EARLY": "2"},
                 {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "0"},
-                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "1"}):
+                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)

@@ -1222,9 +1222,15 @@ void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
     // MINFER_CUDA_MV_BULK_RR=1 / 0: round-robin / runs for every staged launch.
     const int rr_env = env_int("MINFER_CUDA_MV_BULK_RR", -1);
     const int rr = rr_env >= 0 ? rr_env != 0 : j.q_out == nullptr;
-    // MINFER_CUDA_MV_BULK_EARLY=n: only the first n slots are requested before the wait
-    // (the launch before it, a norm, shares the memory with them), the rest after it.
-    const int pre = env_int("MINFER_CUDA_MV_BULK_EARLY", BULK_STAGES);
+    // A warp requests its first slot before the wait, the rest after it
+    // (MINFER_CUDA_MV_BULK_EARLY=n: the first n). The launch before a staged one is a
+    // norm, whose latency chain the early copies slow down: with all of them early, the
+    // 7B's ffn norm took 4.7 us on the timeline against the attention norm's 3.4, and
+    // gate|up's wait returned 2.9 us after it ended against q|k|v's 1.2. H200 tg128 side
+    // by side, 3 rounds: 7B 492.0 / 490.6 / 495.6 with one slot early, 480.0 / 484.7 /
+    // 484.6 with all (two for gate|up, three for the output), 480.3 / 481.5 / 480.7 with
+    // none; 0.5B 1,831 / 1,830 / 1,840, 1,815 / 1,824 / 1,806 and 1,799 / 1,782 / 1,831.
+    const int pre = env_int("MINFER_CUDA_MV_BULK_EARLY", 1);
     launch_smem(k_matvec_bulk<T, XR>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R, rr,
                 pre < 0 ? 0 : pre);
     ++ctx().c.staged;
