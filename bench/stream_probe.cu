@@ -5,23 +5,7 @@
 //   nvcc -O3 -arch=sm_90 -o /tmp/stream_probe bench/stream_probe.cu && /tmp/stream_probe
 // Each case streams a weight-sized region, rotating through a pool larger than L2 so no
 // launch finds its bytes there, and prints the median of back-to-back launches.
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <vector>
-
-#define CK(x)                                                                            \
-    do {                                                                                 \
-        cudaError_t e_ = (x);                                                            \
-        if (e_ != cudaSuccess) {                                                         \
-            std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));               \
-            std::exit(1);                                                                \
-        }                                                                                \
-    } while (0)
-
-__device__ unsigned g_sink;
+#include "probe_common.cuh"
 
 // Grid-stride 16-byte loads, U in flight per thread: the plain copy-read ceiling.
 template <int U>
@@ -138,40 +122,6 @@ __global__ void __launch_bounds__(128) k_bulk(const uint8_t* __restrict__ W, con
         }
     }
     if (acc == 0x12345678u) g_sink = acc;
-}
-
-struct Pool {
-    uint8_t* base;
-    size_t size, used = 0;
-    // The next region of n bytes, wrapping: consecutive launches read disjoint bytes.
-    uint8_t* next(size_t n) {
-        n = (n + 4095) / 4096 * 4096;
-        if (used + n > size) used = 0;
-        uint8_t* p = base + used;
-        used += n;
-        return p;
-    }
-};
-
-template <class F>
-double time_us(Pool& pool, size_t bytes, F launch, int reps = 41) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    std::vector<float> t;
-    for (int r = 0; r < reps + 3; ++r) {
-        uint8_t* p = pool.next(bytes);
-        CK(cudaEventRecord(a));
-        launch(p);
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        if (r >= 3) t.push_back(ms * 1000.0f);
-    }
-    CK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
 }
 
 void report(const char* name, size_t bytes, double us) {

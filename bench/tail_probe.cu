@@ -2,28 +2,12 @@
 // distribution for the 7B's decode matvec shapes, reads only (no arithmetic), each launch
 // alone. For each case: the median event time of back-to-back launches, and, from one
 // launch, when the blocks ended relative to the first block's start (global timer): the
-// 10th / 50th / 90th percentile and the last. Static: one warp a row (the plain matvec's
+// 10th / 50th / 90th / 99th percentile and the last. Static: one warp a row (the plain matvec's
 // pattern). Dynamic: a grid of resident blocks whose warps take work items from a counter
 // (whole rows, or a row's quarters with its four warps splitting it inside a block), so an
 // SM that starts late or reads slowly takes fewer. Standalone:
 //   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/tail_probe bench/tail_probe.cu && /tmp/tail_probe
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <vector>
-
-#define CK(x)                                                              \
-    do {                                                                   \
-        cudaError_t e_ = (x);                                              \
-        if (e_ != cudaSuccess) {                                           \
-            std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); \
-            std::exit(1);                                                  \
-        }                                                                  \
-    } while (0)
-
-__device__ unsigned g_sink;
+#include "probe_common.cuh"
 
 __device__ __forceinline__ uint64_t gtime() {
     uint64_t t;
@@ -118,39 +102,6 @@ __global__ void __launch_bounds__(128) k_dyn_quarters(const uint8_t* __restrict_
     stamp(ends, starts, t0);
 }
 
-struct Pool {
-    uint8_t* base;
-    size_t size, used = 0;
-    uint8_t* next(size_t n) {
-        n = (n + 4095) / 4096 * 4096;
-        if (used + n > size) used = 0;
-        uint8_t* p = base + used;
-        used += n;
-        return p;
-    }
-};
-
-template <class F>
-double time_us(Pool& pool, size_t bytes, F launch, int reps = 41) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    std::vector<float> t;
-    for (int r = 0; r < reps + 3; ++r) {
-        uint8_t* p = pool.next(bytes);
-        CK(cudaEventRecord(a));
-        launch(p, nullptr, nullptr);
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        if (r >= 3) t.push_back(ms * 1000.0f);
-    }
-    CK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
-
 // Block end times of one launch (after warm-up ones), relative to the first block start.
 template <class F>
 void ends_of(Pool& pool, size_t bytes, unsigned blocks, F launch, double q[5]) {
@@ -203,7 +154,7 @@ int main() {
         const size_t bytes = (size_t)sh.rows * sh.rb;
         auto report = [&](const char* how, unsigned blocks, auto launch) {
             double q[5];
-            const double us = time_us(pool, bytes, launch);
+            const double us = time_us(pool, bytes, [&](uint8_t* p) { launch(p, nullptr, nullptr); });
             ends_of(pool, bytes, blocks, launch, q);
             std::printf("%-30s %-34s %6.1f MB %7.2f us %5.0f GB/s | ends %6.2f %6.2f %6.2f %6.2f %6.2f\n", sh.name, how,
                         bytes / 1e6, us, bytes / us / 1e3, q[0], q[1], q[2], q[3], q[4]);
