@@ -257,6 +257,29 @@ int attn_early() {
     return e && *e == '0' ? 0 : e && *e == '1' ? 1 : 2;
 }
 
+// The block's warps' attention states merged: M, the largest max among the warps that
+// saw weight, then, warp by warp, the sum of weights (returned) and o[j] += the warp's
+// value of dim(j) scaled alike. Warp 0 merging a head's dims and the warps merging 32 dims each
+// call this, so both give the same bits.
+template <int HD, int N, class Dim>
+__device__ __forceinline__ float merge_warps(const float* wm, const float* wl, const float (*wacc)[HD], Dim dim,
+                                             float o[N], float& M) {
+    M = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < WARPS; ++k)
+        if (wl[k] > 0.0f) M = fmaxf(M, wm[k]);
+    float L = 0.0f;
+#pragma unroll
+    for (int k = 0; k < WARPS; ++k) {
+        if (!(wl[k] > 0.0f)) continue;
+        const float f = expf(wm[k] - M);
+        L += wl[k] * f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) o[j] += wacc[k][dim(j)] * f;
+    }
+    return L;
+}
+
 // One block per (token, head, split): its WARPS warps take the split's 32-cell groups in
 // turn (warp w: groups w, w + WARPS, ...), so a short context is one group per warp, all
 // in flight at once; the warps' states merge in shared memory in warp order.
@@ -362,24 +385,14 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     __syncthreads();
     const int64_t off = t * a.nh * HD + h * HD;
     if (s_hi - s_lo == 1 && !merge0) {
-        // The block's warps merge the head a 32-dim block each (dim 32 b + lane), each dim
-        // by warp 0's operations below, then store their block and make its int8 copy:
-        // the same bits, and the blocks' reductions side by side instead of one after the
-        // other in warp 0.
+        // The block's warps merge the head a 32-dim block each (dim 32 b + lane) by
+        // merge_warps, as warp 0 does below, then store their block and make its int8
+        // copy: the same bits, and the blocks' reductions side by side instead of one
+        // after the other in warp 0.
         for (int b = w; b < HD / 32; b += WARPS) {
             const int dim = 32 * b + lane;
-            float M = -INFINITY;
-#pragma unroll
-            for (int k = 0; k < WARPS; ++k)
-                if (wl[k] > 0.0f) M = fmaxf(M, wm[k]);
-            float L = 0.0f, o = 0.0f;
-#pragma unroll
-            for (int k = 0; k < WARPS; ++k) {
-                if (!(wl[k] > 0.0f)) continue;
-                const float f = expf(wm[k] - M);
-                L += wl[k] * f;
-                o += wacc[k][dim] * f;
-            }
+            float o = 0.0f, M;
+            const float L = merge_warps<HD, 1>(wm, wl, wacc, [&](int) { return dim; }, &o, M);
             const float inv = L > 0.0f ? 1.0f / L : 0.0f;
             const float v = o * inv;
             a.out[off + dim] = v;
@@ -392,21 +405,10 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     }
     if (w != 0) return;
     TL_MARK(7);
-    float M = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < WARPS; ++k)
-        if (wl[k] > 0.0f) M = fmaxf(M, wm[k]);
-    float L = 0.0f, o[EPL];
+    float o[EPL], M;
 #pragma unroll
     for (int j = 0; j < EPL; ++j) o[j] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < WARPS; ++k) {
-        if (!(wl[k] > 0.0f)) continue;
-        const float f = expf(wm[k] - M);
-        L += wl[k] * f;
-#pragma unroll
-        for (int j = 0; j < EPL; ++j) o[j] += wacc[k][lane * EPL + j] * f;
-    }
+    const float L = merge_warps<HD, EPL>(wm, wl, wacc, [&](int j) { return lane * EPL + j; }, o, M);
     if (s_hi - s_lo == 1) {
         const float inv = L > 0.0f ? 1.0f / L : 0.0f;
 #pragma unroll
