@@ -1283,13 +1283,18 @@ bool launch_bulk(const MvArgs& a) {
     return true;
 }
 
+// The weight type of every job (W2 too), or -1 where they differ.
+int one_type(const MvJob* jobs, int njobs) {
+    const int t = jobs[0].type;
+    for (int i = 0; i < njobs; ++i)
+        if (jobs[i].type != t || (jobs[i].W2 && jobs[i].type2 != t)) return -1;
+    return t;
+}
+
 // The one-type instantiations of one-column launches (decode), for the types the Qwen
 // Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
 bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
-    int t = a.job[0].type;
-    for (int i = 0; i < a.njobs; ++i)
-        if (a.job[i].type != t || (a.job[i].W2 && a.job[i].type2 != t)) return false;
-    switch (t) {
+    switch (one_type(a.job, a.njobs)) {
         case T_Q4_K: launch_mv1<T_Q4_K>(a, blocks); return true;
         case T_Q5_K: launch_mv1<T_Q5_K>(a, blocks); return true;
         case T_Q6_K: launch_mv1<T_Q6_K>(a, blocks); return true;
@@ -1382,10 +1387,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     if (a.rpw == 1 && env_int("MINFER_CUDA_MV_EARLYW", 1) != 0) {
         // Whether launch_mv_typed takes the launch: K-quants only then (mv_early_ok), a W2
         // only then and of a type mv_early_w2 allows.
-        const int32_t t0 = jobs[0].type;
-        bool same = typed;
-        for (int i = 0; i < njobs; ++i) same = same && jobs[i].type == t0 && (!jobs[i].W2 || jobs[i].type2 == t0);
-        const bool w2_ok = same && early_w2_type(t0);
+        const bool same = typed && one_type(jobs, njobs) >= 0;
+        const bool w2_ok = same && early_w2_type(jobs[0].type);
         a.wearly = 1;
         for (int i = 0; i < njobs; ++i) {
             const int32_t t = jobs[i].type;
