@@ -58,17 +58,19 @@ python3 -c "from minfer import _core; assert _core.HAS_CUDA" >>"$S" 2>&1 || { ph
 # /tmp/minfer-b, for A/Bs of build options (an AB variant "PYTHONPATH=/tmp/minfer-b").
 # BUILD_B_SRC=DIR builds that tree instead (e.g. an older commit, `git archive` into an
 # untracked folder that travels with the working tree): code before vs after, side by side.
-if [ -n "${BUILD_B:-}" ] || [ -n "${BUILD_B_SRC:-}" ]; then
-  t0=$SECONDS
-  bopts=()
-  for d in ${BUILD_B:-}; do bopts+=(-C "cmake.define.$d"); done
-  rm -rf /tmp/minfer-b
-  src=${BUILD_B_SRC:-.}
+# BUILD_C / BUILD_C_SRC: a third one the same way, into /tmp/minfer-c.
+build_extra() {  # NAME DEFS SRC
+  local name=$1 defs=$2 src=${3:-.} d t0=$SECONDS
+  local bopts=()
+  for d in $defs; do bopts+=(-C "cmake.define.$d"); done
+  rm -rf "/tmp/minfer-$name"
   case $src in /* | . | ./* | ../*) ;; *) src=./$src ;; esac  # pip takes a bare name for a package
-  python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/minfer-b -C cmake.define.MINFER_CUDA=ON \
-    -C build-dir=/tmp/minfer-b-build "${bopts[@]}" "$src" >"$OUT/build-b.log" 2>&1
-  phase "build B (${BUILD_B_SRC:-.} ${BUILD_B:-}) rc $? in $((SECONDS - t0)) s"
-fi
+  python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/minfer-$name" -C cmake.define.MINFER_CUDA=ON \
+    -C "build-dir=/tmp/minfer-$name-build" "${bopts[@]}" "$src" >"$OUT/build-$name.log" 2>&1
+  phase "build $name ($src $defs) rc $? in $((SECONDS - t0)) s"
+}
+if [ -n "${BUILD_B:-}" ] || [ -n "${BUILD_B_SRC:-}" ]; then build_extra b "${BUILD_B:-}" "${BUILD_B_SRC:-.}"; fi
+if [ -n "${BUILD_C:-}" ] || [ -n "${BUILD_C_SRC:-}" ]; then build_extra c "${BUILD_C:-}" "${BUILD_C_SRC:-.}"; fi
 
 if [ "${TESTS:-1}" = 1 ]; then
   t0=$SECONDS

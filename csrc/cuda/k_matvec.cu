@@ -55,26 +55,64 @@ struct MvArgs {
 constexpr int MV_WARPS = 4;
 
 __device__ __forceinline__ uint4 ldg4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// L1 eviction priority of the plain kernels' global weight loads (MINFER_CUDA_L1POL, a
+// build option for measurements): 0 the default; 1 evict_first and 2 no_allocate, so the
+// streamed weights do not push the activations, read by every warp of the SM, out of L1.
+#ifndef MINFER_CUDA_L1POL
+#define MINFER_CUDA_L1POL 0
+#endif
+#if MINFER_CUDA_L1POL == 1
+#define MV_WPOL ".L1::evict_first"
+#elif MINFER_CUDA_L1POL == 2
+#define MV_WPOL ".L1::no_allocate"
+#endif
+#ifdef MV_WPOL
+__device__ __forceinline__ uint4 ldw4_g(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc" MV_WPOL ".v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ uint32_t ldw32_g(const void* p) {
+    uint32_t v;
+    asm volatile("ld.global.nc" MV_WPOL ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ unsigned short ldw16_g(const void* p) {
+    unsigned short v;
+    asm volatile("ld.global.nc" MV_WPOL ".u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+#else
+__device__ __forceinline__ uint4 ldw4_g(const void* p) { return ldg4(p); }
+__device__ __forceinline__ uint32_t ldw32_g(const void* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
+__device__ __forceinline__ unsigned short ldw16_g(const void* p) {
+    return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+#endif
+
 // Weight loads: G = global memory through the read-only path, else shared memory (a
 // staged copy of the row, k_matvec_bulk).
 template <bool G = true>
 __device__ __forceinline__ uint4 ld4(const uint8_t* p) {
-    if constexpr (G) return ldg4(p);
+    if constexpr (G) return ldw4_g(p);
     else return *reinterpret_cast<const uint4*>(p);
 }
 template <bool G = true>
 __device__ __forceinline__ float ldh(const uint8_t* p) {
-    if constexpr (G) return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+    if constexpr (G) return __half2float(__ushort_as_half(ldw16_g(p)));
     else return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
 }
 template <bool G = true>
 __device__ __forceinline__ uint32_t ldw(const uint8_t* p) {
-    if constexpr (G) return __ldg(reinterpret_cast<const unsigned int*>(p));
+    if constexpr (G) return ldw32_g(p);
     else return *reinterpret_cast<const unsigned int*>(p);
 }
 template <bool G = true>
 __device__ __forceinline__ unsigned short ldu16(const uint8_t* p) {
-    if constexpr (G) return __ldg(reinterpret_cast<const unsigned short*>(p));
+    if constexpr (G) return ldw16_g(p);
     else return *reinterpret_cast<const unsigned short*>(p);
 }
 __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
