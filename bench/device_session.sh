@@ -12,7 +12,7 @@
 # BENCH=none|0.5b|7b|all (default all) and REPS (default 3) for bench/cuda_bench.py;
 # AB="NAME=VAL[ NAME=VAL];..." runs `minfer bench -p 0 -n 128` on the 0.5B and 7B shapes
 # once per variant (empty = defaults; put it first: bash drops a trailing empty field),
-# ROUNDS rounds (2) alternating, side by side in one run (AB_SHAPES: "7b" for one shape);
+# ROUNDS rounds (2) alternating, side by side in one run;
 # PROBE=1 runs bench/stream_probe.cu and bench/tail_probe.cu first; HOSTBENCH=1 the CPU-side sampling and event-hop benches; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
 # once per variant of STAMP_AB (as AB; unset: the defaults); COSTS=1 what each launch kind
 # costs inside the replayed graph (bench/launch_costs.py, ROUNDS rounds; COSTS_KINDS narrows it);
@@ -100,7 +100,7 @@ if [ -n "${AB:-}" ]; then
   t0=$SECONDS
   IFS=';' read -r -a variants <<<"$AB"
   for round in $(seq "${ROUNDS:-2}"); do
-    for shape in ${AB_SHAPES:-0.5b 7b}; do
+    for shape in 0.5b 7b; do
       for v in "${variants[@]}"; do
         env_args=()
         [ -n "$v" ] && read -r -a env_args <<<"$v"

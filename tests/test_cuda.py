@@ -293,61 +293,6 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
 
 
-@pytest.mark.parametrize("qtype", KQUANTS, ids=lambda t: t.name)
-def test_matvec_chunked_bitwise(qtype, monkeypatch):
-    """Rows too long for a staged slot (the 7B's down projection: 18,944 elements) stream
-    through the ring in chunks (MINFER_CUDA_MV_CHUNK=1): the plain kernel's bits, with a
-    bias and with a residual add, for chunks of 32, 64 and 128 units (296 units a row: the
-    last chunk short, the ring wrapping within a row), at 4 or 7 blocks an SM, with all,
-    one or none of a warp's slots requested before the wait, and in one block, so that each
-    warp takes many rows; direct, captured, replayed. The plain launch is within the matvec tolerance of float64."""
-    rng = np.random.default_rng(300 + int(qtype))
-    in_dim, rows = 18944, 200
-    w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
-    x = rng.standard_normal((1, in_dim)).astype(np.float32)
-    bias = rng.standard_normal(rows).astype(np.float32)
-    res = rng.standard_normal(rows).astype(np.float32)
-    monkeypatch.setenv("MINFER_CUDA_MV_BULK_MIN", "0")  # the 200-row launches count as large
-    outs, staged = {}, {}
-    chunked = ("1", "1/32", "1/128", "1/64/1", "1/32/7/0", "1/64/7/1")
-    for variant in ("0",) + chunked:
-        mode, units, sm_blocks, pre = (variant.split("/") + ["64", "4", "4"][variant.count("/"):] + ["4"])[:4]
-        monkeypatch.setenv("MINFER_CUDA_MV_CHUNK", mode)
-        monkeypatch.setenv("MINFER_CUDA_MV_CHUNK_UNITS", units)
-        monkeypatch.setenv("MINFER_CUDA_MV_CHUNK_SM_BLOCKS", sm_blocks)
-        monkeypatch.setenv("MINFER_CUDA_MV_CHUNK_PRE", pre)
-        monkeypatch.setenv("MINFER_CUDA_MV_BULK_BLOCKS", "1" if sm_blocks == "1" else "0")
-        r = Rig()
-        w = r.weight("w", w_raw, qtype, in_dim, rows)
-        b = r.weight("b", bias, Q.F32, rows, 1)
-        xi, ri = r.buf(x), r.buf(res)
-        y, yd, z = r.out(rows), r.out(rows), r.out(rows)
-        plan = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, b]),
-                       ("matmul", [yd, xi], [in_dim, rows, 1], [], [w, -1]),
-                       ("add", [z, yd, ri], [rows], [], [])])
-        plan.flags = 4
-        _core.cuda_validate(plan, r.pool, r.weights)
-        _core.cuda_sync()
-        _core.testing.cuda_reset_counters()
-        runs = []
-        for _ in range(3):
-            for k in (y, z):
-                r.pool.write(k, np.full(rows, np.nan, np.float32))
-            r.run(plan)
-            runs.append([r.read(k, rows).tobytes() for k in (y, z)])
-        assert runs[0] == runs[1] == runs[2], f"{variant}: runs differ"
-        outs[variant] = runs[0]
-        staged[variant] = _core.testing.cuda_counters()["staged"]
-    for variant in chunked:
-        assert outs[variant] == outs["0"], f"chunked {variant} vs plain bits"
-        assert staged[variant] >= 2 * 3, staged  # both matvec launches, three runs
-    assert staged["0"] == 0, staged
-    got = np.frombuffer(outs["0"][0], np.float32)
-    check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
-    z = np.frombuffer(outs["0"][1], np.float32).astype(np.float64)
-    np.testing.assert_allclose(z - res, got - bias, rtol=1e-5, atol=1e-4)
-
-
 @pytest.mark.parametrize("rows,rpw", [(5000, "0"), (9000, "0"), (60000, "0"), (3000, "8"), (3000, "1")])
 def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which

@@ -941,14 +941,6 @@ __device__ __forceinline__ void bulk_row(uint64_t* bar, uint8_t* dst, const uint
                      : "memory");
 }
 
-// One more bulk copy completing on bar (whose expected bytes the caller set).
-__device__ __forceinline__ void bulk_piece(uint64_t* bar, uint8_t* dst, const uint8_t* src, uint32_t bytes) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-
 __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t phase) {
     uint32_t done = 0;
     while (!done)
@@ -1085,110 +1077,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
             // The slot's reads (generic proxy) before the copy engine's writes (async proxy).
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             request(st + ns, k);
-        }
-    }
-    TL_MARK(5);
-    TL_END();
-}
-
-// ---- chunked staged matvec (rows longer than a slot) ----------------------------
-// k_matvec_bulk for K-quant rows too long for a ring slot (the 7B's down projection:
-// 10.4 KB Q4_K and 15.2 KB Q6_K rows, which the plain kernel streams with each trip's
-// loads behind the trip before's arithmetic). A row goes through the ring in chunks of
-// cu units (a multiple of 32): in chunk c, lane l takes units c cu + l, c cu + l + 32,
-// ..., so across a row's chunks a lane still adds units l, l + 32, ... in ascending order
-// into one sum, and the warp reduces and stores as mv_finish does: the plain kernel's
-// bits. A slot holds a chunk laid out as a row of cu units (Q6_K: its ql, qh, scales and
-// d slices, a bulk copy each), so Unit<T>::load reads it unchanged. Each warp owns a run
-// of whole rows; one job, one column, no W2, no q_out, no norm scale (rows this long
-// exceed a deferred norm copy's).
-template <int T>
-struct ChunkMap {
-    static constexpr int kSb = T == T_Q4_K ? 144 : T == T_Q5_K ? 176 : 210;  // bytes per superblock
-    // Slot bytes for chunks of cu units (cu / 4 superblocks; Q6_K's d slice padded to 16).
-    __host__ __device__ static constexpr uint32_t slot(int cu) {
-        return (uint32_t)(kSb * (cu / 4)) + (T == T_Q6_K ? 16u : 0u);
-    }
-    // Units [u0, u0 + n) of row (nsb superblocks) into dst, completing on bar.
-    __device__ static void request(uint64_t* bar, uint8_t* dst, const uint8_t* row, int nsb, int cu, int u0, int n) {
-        const int s0 = u0 / 4, m = (n + 3) / 4, mc = cu / 4;
-        if constexpr (T != T_Q6_K) {
-            bulk_row(bar, dst, row + (size_t)kSb * s0, (uint32_t)(kSb * m), nullptr, nullptr, 0);
-        } else {
-            // u0 % 32 == 0, so s0 % 8 == 0 and every slice starts 16-byte aligned; d's
-            // slice, rounded up to 16 bytes, ends at most at the row's padded end.
-            const uint32_t dbytes = (uint32_t)((2 * m + 15) / 16 * 16);
-            const uint32_t total = (uint32_t)(208 * m) + dbytes;
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(total)
-                         : "memory");
-            bulk_piece(bar, dst, row + q6k_ql(s0), 128u * m);
-            bulk_piece(bar, dst + q6k_qh(mc, 0), row + q6k_qh(nsb, s0), 64u * m);
-            bulk_piece(bar, dst + q6k_sc(mc, 0), row + q6k_sc(nsb, s0), 16u * m);
-            bulk_piece(bar, dst + q6k_d(mc, 0), row + q6k_d(nsb, s0), dbytes);
-        }
-    }
-};
-
-// Held to 7 blocks an SM (72 registers), so the 7B's 3,584 down rows fit one wave at one
-// row a warp, as in the plain kernel (the first measurement ran two rows a warp at 4
-// blocks an SM and lost: too few warps for the arithmetic).
-template <int T>
-__global__ void __launch_bounds__(MV_WARPS * 32, 7) k_matvec_chunked(MvArgs a, int n_warps, int ns, int cu, int pre) {
-    static_assert(kquant(T), "chunks of K-quant rows");
-    TL_BEGIN(tl::MV_BULK);
-    pdl_trigger();
-    extern __shared__ __align__(16) uint8_t bulk_smem[];
-    const MvJob& jb = a.job[0];
-    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
-    const int gw = blockIdx.x * MV_WARPS + wib;
-    const int nu = Unit<T>::count(a.nb), nch = (nu + cu - 1) / cu, nsb = nu / 4;
-    const int r0 = (int)((int64_t)jb.rows * gw / n_warps), r1 = (int)((int64_t)jb.rows * (gw + 1) / n_warps);
-    const int n_p = (r1 - r0) * nch;  // pieces: piece p is chunk p % nch of row r0 + p / nch
-    const uint32_t slot = ChunkMap<T>::slot(cu);
-    uint64_t* bars = reinterpret_cast<uint64_t*>(bulk_smem) + wib * BULK_STAGES;
-    uint8_t* ring = bulk_smem + MV_WARPS * BULK_STAGES * sizeof(uint64_t) + (size_t)wib * ns * slot;
-    auto request = [&](int p, int k) {
-        const int row = r0 + p / nch, u0 = (p % nch) * cu;
-        ChunkMap<T>::request(bars + k, ring + (size_t)k * slot, jb.W + (size_t)row * jb.row_bytes, nsb, cu, u0,
-                             min(cu, nu - u0));
-    };
-    if (lane == 0 && n_p > 0) {
-        for (int k = 0; k < ns; ++k)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + k)) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int k = 0; k < pre && k < ns && k < n_p; ++k) request(k, k);
-    }
-    __syncwarp();
-    TL_MARK(1);
-    pdl_wait();
-    TL_MARK(2);
-    if (lane == 0)
-        for (int k = pre; k < ns && k < n_p; ++k) request(k, k);
-    const int nb_c = 2 * cu;  // 32-element blocks of a chunk-shaped row
-    float acc = 0.0f;
-    for (int p = 0; p < n_p; ++p) {
-        const int k = p % ns, c = p % nch, u0 = c * cu, n = min(cu, nu - u0);
-        // The lane's first unit's activations, on their way while the chunk arrives.
-        typename Unit<T>::X x0;
-        if (lane < n) x0 = Unit<T>::X::load(a, 0, u0 + lane);
-        bulk_wait(bars + k, (uint32_t)(p / ns) & 1u);
-        if (p == 0) TL_MARK(3);
-        const uint8_t* sw = ring + (size_t)k * slot;
-        for (int u = lane; u < n; u += 32) {
-            Unit<T> w;
-            w.template load<false>(sw, u, nb_c);
-            acc = fadd(acc, u == lane ? w.dot(x0, u0 + u) : w.dot(a, 0, u0 + u));
-        }
-        __syncwarp();  // every lane is done with slot k
-        if (lane == 0 && p + ns < n_p) {
-            // The slot's reads (generic proxy) before the copy engine's writes (async proxy).
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            request(p + ns, k);
-        }
-        if (c == nch - 1) {
-            acc = warp_sum(acc);
-            if (lane == 0) mv_store(jb, r0 + p / nch, 0, acc, 0.0f);
-            acc = 0.0f;
         }
     }
     TL_MARK(5);
@@ -1441,56 +1329,6 @@ int one_type(const MvJob* jobs, int njobs) {
     return t;
 }
 
-// The chunked staged matvec (k_matvec_chunked) for a one-job, one-column K-quant launch
-// whose rows the staged kernel declines as too long (MINFER_CUDA_MV_CHUNK=1; 0 never):
-// chunks of MINFER_CUDA_MV_CHUNK_UNITS units (64), as many ring slots per warp (up to 4)
-// as leave room for MINFER_CUDA_MV_CHUNK_SM_BLOCKS blocks an SM (4), and every warp the
-// same number of whole rows, the fewest that fit the launch in one wave.
-bool launch_chunked(const MvArgs& a) {
-    const int mode = env_int("MINFER_CUDA_MV_CHUNK", 0);
-    if (mode == 0) return false;
-    const MvJob& j = a.job[0];
-    if (a.njobs != 1 || a.rope.tickets || a.xscale || j.W2 || j.q_out || !kquant(j.type)) return false;
-    if (j.row_bytes % 16 || (uintptr_t)j.W % 16) return false;
-    if (j.row_bytes <= (size_t)env_int("MINFER_CUDA_MV_BULK_MAX", 8192) ||
-        j.row_bytes * (size_t)j.rows <= (size_t)env_int("MINFER_CUDA_MV_BULK_MIN", 16 << 20))
-        return false;
-    int cu = env_int("MINFER_CUDA_MV_CHUNK_UNITS", 64) / 32 * 32;
-    if (cu < 32) cu = 32;
-    auto go = [&]<int T>() {
-        const size_t slot = ChunkMap<T>::slot(cu);
-        const int target = env_int("MINFER_CUDA_MV_CHUNK_SM_BLOCKS", 4);
-        int ns = BULK_STAGES;
-        while (ns > 1 && bulk_smem_bytes(slot, ns) * target > (size_t)ctx().smem_per_sm) --ns;
-        const size_t smem = bulk_smem_bytes(slot, ns);
-        static size_t attr = 0;  // the largest dynamic shared memory this instantiation was allowed
-        if (smem > attr) {
-            check(cudaFuncSetAttribute(k_matvec_chunked<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
-                  "cudaFuncSetAttribute");
-            attr = smem;
-        }
-        int per_sm = 0;
-        check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_matvec_chunked<T>, MV_WARPS * 32, smem),
-              "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-        const int64_t cap = (int64_t)ctx().n_sm * (per_sm > 0 ? per_sm : 1) * MV_WARPS;
-        const int64_t per_warp = (j.rows + cap - 1) / cap;
-        const int64_t n_warps = (j.rows + per_warp - 1) / per_warp;
-        int64_t blocks = (n_warps + MV_WARPS - 1) / MV_WARPS;
-        const int cap_b = env_int("MINFER_CUDA_MV_BULK_BLOCKS", 0);  // tests: many rows a warp
-        if (cap_b > 0 && blocks > cap_b) blocks = cap_b;
-        const int pre = env_int("MINFER_CUDA_MV_CHUNK_PRE", ns);  // slots requested before the wait
-        launch_smem(k_matvec_chunked<T>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, cu,
-                    pre < 0 ? 0 : pre);
-        ++ctx().c.staged;
-    };
-    switch (j.type) {
-        case T_Q4_K: go.template operator()<T_Q4_K>(); break;
-        case T_Q5_K: go.template operator()<T_Q5_K>(); break;
-        default: go.template operator()<T_Q6_K>(); break;
-    }
-    return true;
-}
-
 // The one-type instantiations of one-column launches (decode), for the types the Qwen
 // Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
 bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
@@ -1635,7 +1473,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
                     ac.job[0].q_out = nullptr;
                     ac.job[0].tickets = nullptr;
                 }
-                if (!launch_bulk(ac) && !launch_chunked(ac) && !(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv1<-1>(ac, (unsigned)b);
+                if (!launch_bulk(ac) && !(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv1<-1>(ac, (unsigned)b);
                 if (qsplit) {
                     const int n = j0.rows / 32;
                     launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, (const float*)j0.y, n, j0.q_out, j0.ds_out);
