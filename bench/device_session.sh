@@ -12,7 +12,7 @@
 # BENCH=none|0.5b|7b|all (default all) and REPS (default 3) for bench/cuda_bench.py;
 # AB="NAME=VAL[ NAME=VAL];..." runs `minfer bench -p 0 -n 128` on the 0.5B and 7B shapes
 # once per variant (empty = defaults; put it first: bash drops a trailing empty field),
-# ROUNDS rounds (2) alternating, side by side in one run;
+# ROUNDS rounds (2) alternating, side by side in one run (AB_SHAPES: "7b" for one shape);
 # PROBE=1 runs bench/stream_probe.cu and bench/tail_probe.cu first; HOSTBENCH=1 the CPU-side sampling and event-hop benches; STAMP=1 adds the stamped per-launch table (bench/cuda_profile.py --stamp) per shape,
 # once per variant of STAMP_AB (as AB; unset: the defaults); COSTS=1 what each launch kind
 # costs inside the replayed graph (bench/launch_costs.py, ROUNDS rounds; COSTS_KINDS narrows it);
@@ -100,7 +100,7 @@ if [ -n "${AB:-}" ]; then
   t0=$SECONDS
   IFS=';' read -r -a variants <<<"$AB"
   for round in $(seq "${ROUNDS:-2}"); do
-    for shape in 0.5b 7b; do
+    for shape in ${AB_SHAPES:-0.5b 7b}; do
       for v in "${variants[@]}"; do
         env_args=()
         [ -n "$v" ] && read -r -a env_args <<<"$v"
@@ -168,7 +168,8 @@ fi
 # worked out here: read the kernel name and grid size in the output (on the 7B, "7b:466"
 # gave a q|k|v launch and "7b:564" an o projection). NCU_KERNEL: the kernel-name regex
 # (k_matvec; k_matvec_bulk: only the staged launches, on the 7B 28 gate|up and the
-# output matvec a step, so "7b:27:3" gave three gate|up launches).
+# output matvec a step, so "7b:27:3" gave three gate|up launches). NCU_ARGS: more ncu options
+# (e.g. "--clock-control none" for the clocks as found rather than base clocks).
 if [ -n "${NCU:-}" ]; then
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -z "$ncu_bin" ]; then
@@ -176,7 +177,7 @@ if [ -n "${NCU:-}" ]; then
   else
     for spec in $NCU; do
       IFS=: read -r shape skip count <<<"$spec"
-      MINFER_NO_CUDA_GRAPH=1 timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --kernel-name "regex:${NCU_KERNEL:-k_matvec}" \
+      MINFER_NO_CUDA_GRAPH=1 timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" ${NCU_ARGS:-} --kernel-name "regex:${NCU_KERNEL:-k_matvec}" \
         --launch-skip "$skip" --launch-count "$count" --section SpeedOfLight --section WarpStateStats \
         --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
         --section InstructionStats --section SchedulerStats --section ComputeWorkloadAnalysis \
