@@ -293,6 +293,51 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
 
 
+@pytest.mark.parametrize("qtype", KQUANTS + [Q.Q8_0, Q.Q5_0, Q.Q4_0], ids=lambda t: t.name)
+def test_matvec_x4_bitwise(qtype, monkeypatch):
+    """Rows of more than 64 units four to a block, each row's 32 lanes spread over the
+    block's four warps and reduced through shared memory (MINFER_CUDA_MV_X4=1), give the
+    one-row-a-warp kernel's bits: with a bias, with a residual add, and with a row count
+    that leaves the last block short; direct, captured, replayed. The plain result is
+    within the matvec tolerance of float64."""
+    rng = np.random.default_rng(400 + int(qtype))
+    in_dim, rows = 4864, 203  # 76 K-quant units or 152 blocks a row
+    w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
+    x = rng.standard_normal((1, in_dim)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    res = rng.standard_normal(rows).astype(np.float32)
+    outs, x4 = {}, {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MINFER_CUDA_MV_X4", mode)
+        r = Rig()
+        w = r.weight("w", w_raw, qtype, in_dim, rows)
+        b = r.weight("b", bias, Q.F32, rows, 1)
+        xi, ri = r.buf(x), r.buf(res)
+        y, yd, z = r.out(rows), r.out(rows), r.out(rows)
+        plan = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, b]),
+                       ("matmul", [yd, xi], [in_dim, rows, 1], [], [w, -1]),
+                       ("add", [z, yd, ri], [rows], [], [])])
+        plan.flags = 4
+        _core.cuda_validate(plan, r.pool, r.weights)
+        _core.cuda_sync()
+        _core.testing.cuda_reset_counters()
+        runs = []
+        for _ in range(3):
+            for k in (y, z):
+                r.pool.write(k, np.full(rows, np.nan, np.float32))
+            r.run(plan)
+            runs.append([r.read(k, rows).tobytes() for k in (y, z)])
+        assert runs[0] == runs[1] == runs[2], f"x4={mode}: runs differ"
+        outs[mode] = runs[0]
+        x4[mode] = _core.testing.cuda_counters()["x4"]
+    assert outs["1"] == outs["0"], "four rows a block vs one row a warp"
+    assert x4["0"] == 0 and x4["1"] >= 2, x4  # both matvec launches of the direct runs
+    got = np.frombuffer(outs["0"][0], np.float32)
+    check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
+    z = np.frombuffer(outs["0"][1], np.float32).astype(np.float64)
+    np.testing.assert_allclose(z - res, got - bias, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("rows,rpw", [(5000, "0"), (9000, "0"), (60000, "0"), (3000, "8"), (3000, "1")])
 def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which
@@ -1390,7 +1435,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
                 {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
                 {"MINFER_CUDA_NORM_EARLY": "2"},
                 {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "0"},
-                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"}):
+                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"}, {"MINFER_CUDA_MV_X4": "1"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)

@@ -31,6 +31,7 @@ struct Counters {
     uint64_t syncs = 0;           // host waits on the stream or an event
     uint64_t allocs = 0;          // cudaMalloc / cudaMallocHost calls
     uint64_t staged = 0;          // launches of the staged matvec (k_matvec_bulk), direct or captured
+    uint64_t x4 = 0;              // launches of the four-rows-a-block matvec (k_matvec_x4)
 };
 
 struct Context {

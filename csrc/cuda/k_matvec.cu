@@ -912,6 +912,44 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
 }
 
 
+// ---- long rows, four to a block (MINFER_CUDA_MV_X4) ----------------------------------
+// k_matvec's one-row-a-warp work dealt differently: a block takes rows 4b .. 4b + 3, and
+// "virtual lane" l (0..31) of row r is thread (warp l / 8, lane 8 r + l % 8). Each thread
+// does exactly what lane l of the row's warp does in k_matvec (units l, l + 32, ... in
+// order), and the butterfly's rounds are the same sums: partners l ^ 16 and l ^ 8 sit in
+// warps w ^ 2 and w ^ 1 (through shared memory), l ^ 4, 2, 1 in the same warp. So the bits
+// are k_matvec's. What changes is what one load instruction of a warp touches: 8 units of
+// 4 rows instead of 32 units of one, so the activation pieces it reads are 8 (each read by
+// 4 lanes) instead of 32: a quarter of the L1 wavefronts for the activations, which made
+// the down projection L1-bound (Nsight Compute, H200 at 1.95 GHz: L1/TEX 79% at 48% DRAM).
+// One job, one column, no W2, no int8 copy out, no RoPE tail.
+template <int T>
+__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<1, T>()) k_matvec_x4(MvArgs a) {
+    static_assert(MV_WARPS == 4, "virtual lanes 8 w + l % 8");
+    pdl_trigger();
+    const MvJob& jb = a.job[0];
+    const int w = threadIdx.x >> 5, p = threadIdx.x & 31;
+    const int vl = 8 * w + (p & 7), row = blockIdx.x * 4 + (p >> 3);
+    __shared__ float red[MV_WARPS][32];
+    pdl_wait();
+    const float rs = a.xscale ? __ldg(a.xscale) : 1.0f;
+    float acc[1] = {0.0f};
+    if (row < jb.rows) row_dot<T, 1>(jb.W + (size_t)row * jb.row_bytes, a, vl, acc);
+    float v = acc[0];
+    red[w][p] = v;
+    __syncthreads();
+    v = fadd(v, red[w ^ 2][p]);  // round 16
+    __syncthreads();
+    red[w][p] = v;
+    __syncthreads();
+    v = fadd(v, red[w ^ 1][p]);  // round 8
+    for (int o = 4; o > 0; o >>= 1) v = fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (vl == 0 && row < jb.rows) {
+        if (a.xscale) v = fmul(v, rs);
+        mv_store(jb, row, 0, v, 0.0f);
+    }
+}
+
 // ---- staged decode matvec (MINFER_CUDA_MV_BULK) ------------------------------------
 // One job, one column, one weight type T (W2 too). Each warp owns a contiguous run of
 // rows and streams them into a ring of BULK_STAGES row slots in shared memory with bulk
@@ -1329,6 +1367,27 @@ int one_type(const MvJob* jobs, int njobs) {
     return t;
 }
 
+// k_matvec_x4 for a one-column, one-job launch of rows longer than 64 units (no early
+// rows) of one of the typed kernels' weight types, without W2, int8 copy or RoPE tail:
+// MINFER_CUDA_MV_X4=1 (0: never).
+bool launch_x4(const MvArgs& a) {
+    if (env_int("MINFER_CUDA_MV_X4", 0) == 0) return false;
+    const MvJob& j = a.job[0];
+    if (a.njobs != 1 || a.rope.tickets || a.wearly || j.W2 || j.q_out || row_units(j.type, a.nb) <= 64) return false;
+    const unsigned blocks = (unsigned)((j.rows + 3) / 4);
+    switch (j.type) {
+        case T_Q4_K: launch(k_matvec_x4<T_Q4_K>, blocks, MV_WARPS * 32, a); break;
+        case T_Q5_K: launch(k_matvec_x4<T_Q5_K>, blocks, MV_WARPS * 32, a); break;
+        case T_Q6_K: launch(k_matvec_x4<T_Q6_K>, blocks, MV_WARPS * 32, a); break;
+        case T_Q8_0: launch(k_matvec_x4<T_Q8_0>, blocks, MV_WARPS * 32, a); break;
+        case T_Q5_0: launch(k_matvec_x4<T_Q5_0>, blocks, MV_WARPS * 32, a); break;
+        case T_Q4_0: launch(k_matvec_x4<T_Q4_0>, blocks, MV_WARPS * 32, a); break;
+        default: return false;
+    }
+    ++ctx().c.x4;
+    return true;
+}
+
 // The one-type instantiations of one-column launches (decode), for the types the Qwen
 // Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
 bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
@@ -1473,7 +1532,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
                     ac.job[0].q_out = nullptr;
                     ac.job[0].tickets = nullptr;
                 }
-                if (!launch_bulk(ac) && !(typed && launch_mv_typed(ac, (unsigned)b))) launch_mv1<-1>(ac, (unsigned)b);
+                if (!launch_bulk(ac) && !(typed && launch_x4(ac)) && !(typed && launch_mv_typed(ac, (unsigned)b)))
+                    launch_mv1<-1>(ac, (unsigned)b);
                 if (qsplit) {
                     const int n = j0.rows / 32;
                     launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, (const float*)j0.y, n, j0.q_out, j0.ds_out);
