@@ -186,7 +186,8 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
     """One-column launches whose jobs share a type take that type's own kernel
     (MINFER_CUDA_MV_TYPED, on by default): bitwise the switch kernel's rows, a single
     matvec and a SwiGLU pair alike, and within the matvec tolerance of float64; a launch
-    of mixed types (q|k|v with a Q8_0 or Q6_K v) still takes the switch kernel. Either
+    of mixed types (q|k|v with a Q8_0 or Q6_K v) takes the switch kernel, or with
+    MINFER_CUDA_MV_PAIR=1 a two-type instantiation where its two types are one. Either
     kernel gives the same bits with its rows' weights loaded before its wait (rows of at
     most 64 units, the default) or after it (MINFER_CUDA_MV_EARLYW=0)."""
     rng = np.random.default_rng(int(qtype))
@@ -197,9 +198,11 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
     m_raw, _ = make_weight(vtype, rows, in_dim, rng)
     x = rng.standard_normal((1, in_dim)).astype(np.float32)
     outs = {}
-    for typed, early in (("1", "1"), ("0", "1"), ("1", "0"), ("0", "0")):
+    for typed, early, pair in (("1", "1", "0"), ("0", "1", "0"), ("1", "0", "0"), ("0", "0", "0"), ("1", "1", "1"),
+                               ("1", "0", "1")):
         monkeypatch.setenv("MINFER_CUDA_MV_TYPED", typed)
         monkeypatch.setenv("MINFER_CUDA_MV_EARLYW", early)
+        monkeypatch.setenv("MINFER_CUDA_MV_PAIR", pair)
         r = Rig()
         w = r.weight("w", w_raw, qtype, in_dim, rows)
         u = r.weight("u", u_raw, qtype, in_dim, rows)
@@ -219,12 +222,12 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
             r.run(p)
         assert _core.testing.cuda_plan_info(one)["launches"] == 2
         assert _core.testing.cuda_plan_info(mixed)["launches"] == 1
-        outs[typed, early] = [r.read(b, rows) for b in (y, sw, y2, ym)]
+        outs[typed, early, pair] = [r.read(b, rows) for b in (y, sw, y2, ym)]
     for key, got in outs.items():
-        for a, b in zip(got, outs["1", "1"]):
+        for a, b in zip(got, outs["1", "1", "0"]):
             assert a.tobytes() == b.tobytes(), key
-    assert outs["1", "1"][0].tobytes() == outs["1", "1"][2].tobytes()  # alone == beside a Q8_0 / Q6_K job
-    check_matvec(outs["1", "1"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
+    assert outs["1", "1", "0"][0].tobytes() == outs["1", "1", "0"][2].tobytes()  # alone == beside a Q8_0 / Q6_K job
+    check_matvec(outs["1", "1", "0"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
@@ -1442,6 +1445,27 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
         for k in env:
             monkeypatch.delenv(k)
         assert got.tobytes() == base.tobytes(), f"{env} changed the logits"
+
+
+@pytest.mark.parametrize("qkv", [("Q4_K", "Q6_K"), ("Q5_0", "Q8_0")], ids=lambda t: "+".join(t))
+def test_two_type_qkv_kernel_keeps_the_bits(qkv, tmp_path, monkeypatch):
+    """A q|k|v launch of two weight types (the Q4_K_M files' layers with a Q6_K or Q8_0 v)
+    takes a two-type instantiation with its rows loaded before its wait, RoPE + KV-store
+    tail included (MINFER_CUDA_MV_PAIR=1), instead of the switch kernel: the same logits,
+    bit for bit, over a prompt and decode steps."""
+    qk, v = qkv
+    path = tmp_path / "pair.gguf"
+    write_model(path, arch="qwen2", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=7,
+                types={"attn_q": qk, "attn_k": qk, "attn_v": v})
+    seq = [3, 17, 40, 99, 5]
+    outs, pairs = {}, {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MINFER_CUDA_MV_PAIR", mode)
+        _core.testing.cuda_reset_counters()
+        outs[mode] = _decode_run(path, seq, 5)
+        pairs[mode] = _core.testing.cuda_counters()["pair"]
+    assert pairs["0"] == 0 and pairs["1"] >= 2, pairs  # a q|k|v launch a layer, direct runs
+    assert outs["1"].tobytes() == outs["0"].tobytes()
 
 
 def test_diag_skip_is_loud_and_not_the_logits(synth):

@@ -382,6 +382,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             d["allocs"] = k.allocs;
             d["staged"] = k.staged;
             d["x4"] = k.x4;
+            d["pair"] = k.pair;
             return d;
         });
     testing.def("cuda_replay_probe", [](const Plan& plan, DevPool& pool, int input_id, int reps) {

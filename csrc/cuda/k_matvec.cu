@@ -498,12 +498,23 @@ __device__ __forceinline__ void mv_dispatch(int type, F&& f) {
     }
 }
 
+// Instantiation codes above the weight types: a launch whose jobs have one of two types
+// (q|k|v of mixed layers: the 7B's Q4_K q, k beside a Q6_K v, the 0.5B's Q5_0 beside Q8_0),
+// a two-way branch instead of the switch (MINFER_CUDA_MV_PAIR).
+__host__ __device__ constexpr int mv_pair(int a, int b) { return 1000 + 32 * a + b; }
+__host__ __device__ constexpr bool is_pair(int tt) { return tt >= 1000; }
+__host__ __device__ constexpr int pair_a(int tt) { return (tt - 1000) / 32; }
+__host__ __device__ constexpr int pair_b(int tt) { return (tt - 1000) % 32; }
+
 // TT >= 0: every job of the launch has weight type TT (no switch: the kernel's register
 // count is that type's, not the most demanding type's, so more warps stay resident).
 template <int NC, int TT>
 __device__ __forceinline__ void row_dot_any(int type, const uint8_t* __restrict__ row, const MvArgs& a, int lane,
                                             float acc[NC]) {
-    if constexpr (TT >= 0) row_dot<TT, NC>(row, a, lane, acc);
+    if constexpr (is_pair(TT)) {
+        if (type == pair_a(TT)) row_dot<pair_a(TT), NC>(row, a, lane, acc);
+        else row_dot<pair_b(TT), NC>(row, a, lane, acc);
+    } else if constexpr (TT >= 0) row_dot<TT, NC>(row, a, lane, acc);
     else mv_dispatch(type, [&] <int T>() { row_dot<T, NC>(row, a, lane, acc); });
 }
 
@@ -612,7 +623,10 @@ __device__ __forceinline__ float mv_row_early_t(const MvArgs& a, const MvJob& jb
 
 template <int NC, int TT>
 __device__ __forceinline__ float mv_row_early(const MvArgs& a, const MvJob& jb, int row, int lane) {
-    if constexpr (TT >= 0) {
+    if constexpr (is_pair(TT)) {
+        if (jb.type == pair_a(TT)) return mv_row_early_t<NC, TT, pair_a(TT)>(a, jb, row, lane);
+        return mv_row_early_t<NC, TT, pair_b(TT)>(a, jb, row, lane);
+    } else if constexpr (TT >= 0) {
         return mv_row_early_t<NC, TT, TT>(a, jb, row, lane);
     } else {
         float v = 0.0f;
@@ -822,7 +836,9 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
 // at 64 registers without spills, but the 7B's tg128 fell: 383 / 387 / 384 against 400 /
 // 402 / 393.)
 template <int NC, int TT>
-constexpr int mv_min_blocks() { return NC == 1 && kquant(TT) ? 7 : 0; }
+constexpr int mv_min_blocks() {
+    return NC == 1 && (is_pair(TT) ? kquant(pair_a(TT)) || kquant(pair_b(TT)) : kquant(TT)) ? 7 : 0;
+}
 
 // RT: the instantiation carries FusedQKV's RoPE + KV-store tail (one column only). The
 // launches without it take RT = false, whose registers the tail's code does not inflate:
@@ -1373,7 +1389,9 @@ int one_type(const MvJob* jobs, int njobs) {
 bool launch_x4(const MvArgs& a) {
     if (env_int("MINFER_CUDA_MV_X4", 0) == 0) return false;
     const MvJob& j = a.job[0];
-    if (a.njobs != 1 || a.rope.tickets || a.wearly || j.W2 || j.q_out || row_units(j.type, a.nb) <= 64) return false;
+    if (a.njobs != 1 || a.rope.tickets || a.wearly || j.W2 || j.q_out || row_units(j.type, a.nb) <= 64 ||
+        row_units(j.type, a.nb) < env_int("MINFER_CUDA_MV_X4_MIN_UNITS", 0))
+        return false;
     const unsigned blocks = (unsigned)((j.rows + 3) / 4);
     switch (j.type) {
         case T_Q4_K: launch(k_matvec_x4<T_Q4_K>, blocks, MV_WARPS * 32, a); break;
@@ -1388,6 +1406,22 @@ bool launch_x4(const MvArgs& a) {
     return true;
 }
 
+// The pair instantiation (mv_pair) of a launch whose jobs have exactly the two types of
+// one, no W2, or -1 (MINFER_CUDA_MV_PAIR=0: never).
+int pair_type(const MvJob* jobs, int njobs) {
+    if (env_int("MINFER_CUDA_MV_PAIR", 0) == 0) return -1;
+    for (const int tt : {mv_pair(T_Q4_K, T_Q6_K), mv_pair(T_Q5_0, T_Q8_0)}) {
+        bool ok = true, seen_a = false, seen_b = false;
+        for (int i = 0; i < njobs; ++i) {
+            ok = ok && !jobs[i].W2 && (jobs[i].type == pair_a(tt) || jobs[i].type == pair_b(tt));
+            seen_a = seen_a || jobs[i].type == pair_a(tt);
+            seen_b = seen_b || jobs[i].type == pair_b(tt);
+        }
+        if (ok && seen_a && seen_b) return tt;
+    }
+    return -1;
+}
+
 // The one-type instantiations of one-column launches (decode), for the types the Qwen
 // Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
 bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
@@ -1398,8 +1432,15 @@ bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
         case T_Q8_0: launch_mv1<T_Q8_0>(a, blocks); return true;
         case T_Q5_0: launch_mv1<T_Q5_0>(a, blocks); return true;
         case T_Q4_0: launch_mv1<T_Q4_0>(a, blocks); return true;
+        default: break;
+    }
+    switch (pair_type(a.job, a.njobs)) {
+        case mv_pair(T_Q4_K, T_Q6_K): launch_mv1<mv_pair(T_Q4_K, T_Q6_K)>(a, blocks); break;
+        case mv_pair(T_Q5_0, T_Q8_0): launch_mv1<mv_pair(T_Q5_0, T_Q8_0)>(a, blocks); break;
         default: return false;
     }
+    ++ctx().c.pair;
+    return true;
 }
 
 }  // namespace
@@ -1484,8 +1525,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     if (a.rpw == 1 && env_int("MINFER_CUDA_MV_EARLYW", 1) != 0) {
         // Whether launch_mv_typed takes the launch: K-quants only then (mv_early_ok), a W2
         // only then and of a type mv_early_w2 allows.
-        const bool same = typed && one_type(jobs, njobs) >= 0;
-        const bool w2_ok = same && early_w2_type(jobs[0].type);
+        const bool same = typed && (one_type(jobs, njobs) >= 0 || pair_type(jobs, njobs) >= 0);
+        const bool w2_ok = typed && one_type(jobs, njobs) >= 0 && early_w2_type(jobs[0].type);
         a.wearly = 1;
         for (int i = 0; i < njobs; ++i) {
             const int32_t t = jobs[i].type;
