@@ -310,6 +310,7 @@ def test_matvec_x4_bitwise(qtype, monkeypatch):
     bias = rng.standard_normal(rows).astype(np.float32)
     res = rng.standard_normal(rows).astype(np.float32)
     outs, x4 = {}, {}
+    monkeypatch.setenv("MINFER_CUDA_MV_X4_MIN_UNITS", "65")  # by default only rows of 200 units or more
     for mode in ("0", "1"):
         monkeypatch.setenv("MINFER_CUDA_MV_X4", mode)
         r = Rig()
@@ -1428,8 +1429,10 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     decode RMSNorms letting the launch after them start once their wait is over, or at
     their start, whatever that launch is (by default only before a q|k|v matvec), one
     warp merging a one-split attention head rather than its warps side by side,
-    matvecs loading their rows' weights after their wait rather than before it, and the
-    staged matvec requesting none or all of its slots before its wait rather than one."""
+    matvecs loading their rows' weights after their wait rather than before it, the
+    staged matvec requesting none or all of its slots before its wait rather than one,
+    long rows four to a block for shorter rows too or for none, and mixed-type q|k|v
+    launches on the switch kernel rather than a two-type one."""
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
@@ -1438,7 +1441,9 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
                 {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
                 {"MINFER_CUDA_NORM_EARLY": "2"},
                 {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "0"},
-                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"}, {"MINFER_CUDA_MV_X4": "1"}):
+                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"},
+                {"MINFER_CUDA_MV_X4": "1", "MINFER_CUDA_MV_X4_MIN_UNITS": "65"}, {"MINFER_CUDA_MV_X4": "0"},
+                {"MINFER_CUDA_MV_PAIR": "0"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)
@@ -1451,7 +1456,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
 def test_two_type_qkv_kernel_keeps_the_bits(qkv, tmp_path, monkeypatch):
     """A q|k|v launch of two weight types (the Q4_K_M files' layers with a Q6_K or Q8_0 v)
     takes a two-type instantiation with its rows loaded before its wait, RoPE + KV-store
-    tail included (MINFER_CUDA_MV_PAIR=1), instead of the switch kernel: the same logits,
+    tail included (the default), instead of the switch kernel (MINFER_CUDA_MV_PAIR=0): the same logits,
     bit for bit, over a prompt and decode steps."""
     qk, v = qkv
     path = tmp_path / "pair.gguf"

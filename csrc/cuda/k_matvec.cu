@@ -938,7 +938,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
 // 4 rows instead of 32 units of one, so the activation pieces it reads are 8 (each read by
 // 4 lanes) instead of 32: a quarter of the L1 wavefronts for the activations, which made
 // the down projection L1-bound (Nsight Compute, H200 at 1.95 GHz: L1/TEX 79% at 48% DRAM).
-// One job, one column, no W2, no int8 copy out, no RoPE tail.
+// One job, one column, no W2, no int8 copy out, no RoPE tail; long rows only (launch_x4).
 template <int T>
 __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<1, T>()) k_matvec_x4(MvArgs a) {
     static_assert(MV_WARPS == 4, "virtual lanes 8 w + l % 8");
@@ -1383,14 +1383,18 @@ int one_type(const MvJob* jobs, int njobs) {
     return t;
 }
 
-// k_matvec_x4 for a one-column, one-job launch of rows longer than 64 units (no early
-// rows) of one of the typed kernels' weight types, without W2, int8 copy or RoPE tail:
-// MINFER_CUDA_MV_X4=1 (0: never).
+// k_matvec_x4 for a one-column, one-job launch of rows of at least
+// MINFER_CUDA_MV_X4_MIN_UNITS units (200; never the early rows' 64 or fewer) of one of the
+// typed kernels' weight types, without W2, int8 copy or RoPE tail (MINFER_CUDA_MV_X4=0:
+// never). H200 tg128 side by side, 3 rounds: the 7B's down rows (296 units) 496.6 / 498.2
+// / 495.0 against 491.6 / 493.1 / 494.3, and with the two-type q|k|v kernel (pair_type)
+// 504.3 / 504.8 / 503.7; the 0.5B's down rows (76 and 152 units) lost: 1,775 / 1,720 /
+// 1,777 against 1,842 / 1,833 / 1,838.
 bool launch_x4(const MvArgs& a) {
-    if (env_int("MINFER_CUDA_MV_X4", 0) == 0) return false;
+    if (env_int("MINFER_CUDA_MV_X4", 1) == 0) return false;
     const MvJob& j = a.job[0];
     if (a.njobs != 1 || a.rope.tickets || a.wearly || j.W2 || j.q_out || row_units(j.type, a.nb) <= 64 ||
-        row_units(j.type, a.nb) < env_int("MINFER_CUDA_MV_X4_MIN_UNITS", 0))
+        row_units(j.type, a.nb) < env_int("MINFER_CUDA_MV_X4_MIN_UNITS", 200))
         return false;
     const unsigned blocks = (unsigned)((j.rows + 3) / 4);
     switch (j.type) {
@@ -1407,9 +1411,13 @@ bool launch_x4(const MvArgs& a) {
 }
 
 // The pair instantiation (mv_pair) of a launch whose jobs have exactly the two types of
-// one, no W2, or -1 (MINFER_CUDA_MV_PAIR=0: never).
+// one, no W2, or -1 (MINFER_CUDA_MV_PAIR=0: never, the switch kernel, whose K-quant rows
+// load after the wait). H200 tg128 side by side, 3 rounds: 7B 494.3 / 493.7 / 494.1
+// against 491.6 / 493.1 / 494.3 alone, 504.3 / 504.8 / 503.7 with k_matvec_x4 for down
+// against 496.6 / 498.2 / 495.0 without; 0.5B 1,832 / 1,829 / 1,836 against 1,831 / 1,812 /
+// 1,794.
 int pair_type(const MvJob* jobs, int njobs) {
-    if (env_int("MINFER_CUDA_MV_PAIR", 0) == 0) return -1;
+    if (env_int("MINFER_CUDA_MV_PAIR", 1) == 0) return -1;
     for (const int tt : {mv_pair(T_Q4_K, T_Q6_K), mv_pair(T_Q5_0, T_Q8_0)}) {
         bool ok = true, seen_a = false, seen_b = false;
         for (int i = 0; i < njobs; ++i) {
