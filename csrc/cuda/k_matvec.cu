@@ -942,15 +942,19 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
 template <int T>
 __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<1, T>()) k_matvec_x4(MvArgs a) {
     static_assert(MV_WARPS == 4, "virtual lanes 8 w + l % 8");
+    TL_BEGIN(tl::MV);
     pdl_trigger();
     const MvJob& jb = a.job[0];
     const int w = threadIdx.x >> 5, p = threadIdx.x & 31;
     const int vl = 8 * w + (p & 7), row = blockIdx.x * 4 + (p >> 3);
     __shared__ float red[MV_WARPS][32];
+    TL_MARK(1);
     pdl_wait();
+    TL_MARK(2);
     const float rs = a.xscale ? __ldg(a.xscale) : 1.0f;
     float acc[1] = {0.0f};
     if (row < jb.rows) row_dot<T, 1>(jb.W + (size_t)row * jb.row_bytes, a, vl, acc);
+    TL_MARK(3);
     float v = acc[0];
     red[w][p] = v;
     __syncthreads();
@@ -964,6 +968,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<1, T>()) k_matvec
         if (a.xscale) v = fmul(v, rs);
         mv_store(jb, row, 0, v, 0.0f);
     }
+    TL_MARK(5);
+    TL_END();
 }
 
 // ---- staged decode matvec (MINFER_CUDA_MV_BULK) ------------------------------------
