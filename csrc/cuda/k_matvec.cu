@@ -55,64 +55,26 @@ struct MvArgs {
 constexpr int MV_WARPS = 4;
 
 __device__ __forceinline__ uint4 ldg4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
-// L1 eviction priority of the plain kernels' global weight loads (MINFER_CUDA_L1POL, a
-// build option for measurements): 0 the default; 1 evict_first and 2 no_allocate, so the
-// streamed weights do not push the activations, read by every warp of the SM, out of L1.
-#ifndef MINFER_CUDA_L1POL
-#define MINFER_CUDA_L1POL 0
-#endif
-#if MINFER_CUDA_L1POL == 1
-#define MV_WPOL ".L1::evict_first"
-#elif MINFER_CUDA_L1POL == 2
-#define MV_WPOL ".L1::no_allocate"
-#endif
-#ifdef MV_WPOL
-__device__ __forceinline__ uint4 ldw4_g(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc" MV_WPOL ".v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-__device__ __forceinline__ uint32_t ldw32_g(const void* p) {
-    uint32_t v;
-    asm volatile("ld.global.nc" MV_WPOL ".u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ unsigned short ldw16_g(const void* p) {
-    unsigned short v;
-    asm volatile("ld.global.nc" MV_WPOL ".u16 %0, [%1];" : "=h"(v) : "l"(p));
-    return v;
-}
-#else
-__device__ __forceinline__ uint4 ldw4_g(const void* p) { return ldg4(p); }
-__device__ __forceinline__ uint32_t ldw32_g(const void* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
-__device__ __forceinline__ unsigned short ldw16_g(const void* p) {
-    return __ldg(reinterpret_cast<const unsigned short*>(p));
-}
-#endif
-
 // Weight loads: G = global memory through the read-only path, else shared memory (a
 // staged copy of the row, k_matvec_bulk).
 template <bool G = true>
 __device__ __forceinline__ uint4 ld4(const uint8_t* p) {
-    if constexpr (G) return ldw4_g(p);
+    if constexpr (G) return ldg4(p);
     else return *reinterpret_cast<const uint4*>(p);
 }
 template <bool G = true>
 __device__ __forceinline__ float ldh(const uint8_t* p) {
-    if constexpr (G) return __half2float(__ushort_as_half(ldw16_g(p)));
+    if constexpr (G) return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
     else return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
 }
 template <bool G = true>
 __device__ __forceinline__ uint32_t ldw(const uint8_t* p) {
-    if constexpr (G) return ldw32_g(p);
+    if constexpr (G) return __ldg(reinterpret_cast<const unsigned int*>(p));
     else return *reinterpret_cast<const unsigned int*>(p);
 }
 template <bool G = true>
 __device__ __forceinline__ unsigned short ldu16(const uint8_t* p) {
-    if constexpr (G) return ldw16_g(p);
+    if constexpr (G) return __ldg(reinterpret_cast<const unsigned short*>(p));
     else return *reinterpret_cast<const unsigned short*>(p);
 }
 __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
@@ -1340,6 +1302,22 @@ bool bulk_xreg(int type, int nb) {
     return row_units(type, nb) <= 64 && env_int("MINFER_CUDA_MV_BULK_XREG", 1) != 0;
 }
 
+// Calls f.template operator()<T>() for the weight types the Qwen Q4_K_M / Q8_0 files are
+// made of, which the one-type, staged and four-rows-a-block kernels are instantiated for;
+// false for another type.
+template <class F>
+bool dispatch_typed(int t, F&& f) {
+    switch (t) {
+        case T_Q4_K: f.template operator()<T_Q4_K>(); return true;
+        case T_Q5_K: f.template operator()<T_Q5_K>(); return true;
+        case T_Q6_K: f.template operator()<T_Q6_K>(); return true;
+        case T_Q8_0: f.template operator()<T_Q8_0>(); return true;
+        case T_Q5_0: f.template operator()<T_Q5_0>(); return true;
+        case T_Q4_0: f.template operator()<T_Q4_0>(); return true;
+        default: return false;
+    }
+}
+
 template <int T>
 void launch_bulk_t(const MvArgs& a, size_t row_slot, int R, int ns) {
     if (bulk_xreg(T, a.nb)) launch_bulk_xr<T, true>(a, row_slot, R, ns);
@@ -1369,16 +1347,7 @@ bool launch_bulk(const MvArgs& a) {
     const int ns = bulk_stages(slot * R);
     if (bulk_smem_bytes(slot * R, ns) > (size_t)ctx().smem_optin) return false;
     // A q_out left in the job (MINFER_CUDA_MV_QTAIL=1) is made by 32-row group tickets.
-    switch (j.type) {
-        case T_Q4_K: launch_bulk_t<T_Q4_K>(a, slot, R, ns); break;
-        case T_Q5_K: launch_bulk_t<T_Q5_K>(a, slot, R, ns); break;
-        case T_Q6_K: launch_bulk_t<T_Q6_K>(a, slot, R, ns); break;
-        case T_Q8_0: launch_bulk_t<T_Q8_0>(a, slot, R, ns); break;
-        case T_Q5_0: launch_bulk_t<T_Q5_0>(a, slot, R, ns); break;
-        case T_Q4_0: launch_bulk_t<T_Q4_0>(a, slot, R, ns); break;
-        default: return false;
-    }
-    return true;
+    return dispatch_typed(j.type, [&]<int T>() { launch_bulk_t<T>(a, slot, R, ns); });
 }
 
 // The weight type of every job (W2 too), or -1 where they differ.
@@ -1403,15 +1372,7 @@ bool launch_x4(const MvArgs& a) {
         row_units(j.type, a.nb) < env_int("MINFER_CUDA_MV_X4_MIN_UNITS", 200))
         return false;
     const unsigned blocks = (unsigned)((j.rows + 3) / 4);
-    switch (j.type) {
-        case T_Q4_K: launch(k_matvec_x4<T_Q4_K>, blocks, MV_WARPS * 32, a); break;
-        case T_Q5_K: launch(k_matvec_x4<T_Q5_K>, blocks, MV_WARPS * 32, a); break;
-        case T_Q6_K: launch(k_matvec_x4<T_Q6_K>, blocks, MV_WARPS * 32, a); break;
-        case T_Q8_0: launch(k_matvec_x4<T_Q8_0>, blocks, MV_WARPS * 32, a); break;
-        case T_Q5_0: launch(k_matvec_x4<T_Q5_0>, blocks, MV_WARPS * 32, a); break;
-        case T_Q4_0: launch(k_matvec_x4<T_Q4_0>, blocks, MV_WARPS * 32, a); break;
-        default: return false;
-    }
+    if (!dispatch_typed(j.type, [&]<int T>() { launch(k_matvec_x4<T>, blocks, MV_WARPS * 32, a); })) return false;
     ++ctx().c.x4;
     return true;
 }
@@ -1439,15 +1400,7 @@ int pair_type(const MvJob* jobs, int njobs) {
 // The one-type instantiations of one-column launches (decode), for the types the Qwen
 // Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
 bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
-    switch (one_type(a.job, a.njobs)) {
-        case T_Q4_K: launch_mv1<T_Q4_K>(a, blocks); return true;
-        case T_Q5_K: launch_mv1<T_Q5_K>(a, blocks); return true;
-        case T_Q6_K: launch_mv1<T_Q6_K>(a, blocks); return true;
-        case T_Q8_0: launch_mv1<T_Q8_0>(a, blocks); return true;
-        case T_Q5_0: launch_mv1<T_Q5_0>(a, blocks); return true;
-        case T_Q4_0: launch_mv1<T_Q4_0>(a, blocks); return true;
-        default: break;
-    }
+    if (dispatch_typed(one_type(a.job, a.njobs), [&]<int T>() { launch_mv1<T>(a, blocks); })) return true;
     switch (pair_type(a.job, a.njobs)) {
         case mv_pair(T_Q4_K, T_Q6_K): launch_mv1<mv_pair(T_Q4_K, T_Q6_K)>(a, blocks); break;
         case mv_pair(T_Q5_0, T_Q8_0): launch_mv1<mv_pair(T_Q5_0, T_Q8_0)>(a, blocks); break;

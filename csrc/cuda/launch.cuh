@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <unordered_set>
 #include <utility>
 
 #include "cuda/context.h"
@@ -37,37 +36,9 @@ inline bool pdl_enabled() {
     return on;
 }
 
-// MINFER_CUDA_CARVEOUT=P[:Q] (0..100, a measurement knob): kernels launched without
-// dynamic shared memory prefer P% of the SM's unified L1 / shared memory as shared memory,
-// those with it Q% (omitted or negative: the driver's choice). An SM changes that split
-// only once idle, so kernels of different splits cannot share an SM (programmatic
-// dependent launch overlaps them), and a kernel placed on an SM split for another runs
-// with that L1.
-inline int carveout_pref(bool dyn) {
-    static const std::pair<int, int> pq = [] {
-        std::pair<int, int> r{-1, -1};
-        const char* e = std::getenv("MINFER_CUDA_CARVEOUT");
-        if (e && *e) {
-            r.first = std::atoi(e);
-            const char* c = std::strchr(e, ':');
-            r.second = c ? std::atoi(c + 1) : -1;
-        }
-        return r;
-    }();
-    return dyn ? pq.second : pq.first;
-}
-// Whether kernel k is seen for the first time (its attribute then set once).
-inline bool carveout_first(const void* k) {
-    static std::unordered_set<const void*> seen;
-    return seen.insert(k).second;
-}
-
 // With smem bytes of dynamic shared memory (over 48 KB: once the kernel's attribute allows it).
 template <typename... KArgs, typename... Args>
 void launch_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
-    if (const int p = carveout_pref(smem > 0); p >= 0 && carveout_first((const void*)kernel))
-        check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, p),
-              "cudaFuncSetAttribute(carveout)");
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
