@@ -186,8 +186,8 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
     """One-column launches whose jobs share a type take that type's own kernel
     (MINFER_CUDA_MV_TYPED, on by default): bitwise the switch kernel's rows, a single
     matvec and a SwiGLU pair alike, and within the matvec tolerance of float64; a launch
-    of mixed types (q|k|v with a Q8_0 or Q6_K v) takes the switch kernel, or with
-    MINFER_CUDA_MV_PAIR=1 a two-type instantiation where its two types are one. Either
+    of mixed types (q|k|v with a Q8_0 or Q6_K v) takes a two-type instantiation where its
+    two types are one (the default), or the switch kernel (MINFER_CUDA_MV_PAIR=0). Either
     kernel gives the same bits with its rows' weights loaded before its wait (rows of at
     most 64 units, the default) or after it (MINFER_CUDA_MV_EARLYW=0)."""
     rng = np.random.default_rng(int(qtype))

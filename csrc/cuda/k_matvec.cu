@@ -1304,7 +1304,8 @@ bool bulk_xreg(int type, int nb) {
 
 // Calls f.template operator()<T>() for the weight types the Qwen Q4_K_M / Q8_0 files are
 // made of, which the one-type, staged and four-rows-a-block kernels are instantiated for;
-// false for another type.
+// false for another type. (quant.cuh's dispatch_type takes all ten types: through it
+// each of those kernels would be compiled for four types no launch gives it.)
 template <class F>
 bool dispatch_typed(int t, F&& f) {
     switch (t) {
