@@ -258,22 +258,25 @@ template <> struct Unit<T_Q8_0> {
     }
 };
 
-// Q4_K / Q5_K (GGUF layout): unit = sub-blocks 2p and 2p+1 of superblock sb (u = 4 sb + p):
-// the 32 quant bytes they share (low nibbles: 2p, high: 2p+1), the 16-byte header
-// (d, dmin, 12 scale bytes) and for Q5_K the 32 high-bit bytes.
+// Q4_K (packed) / Q5_K (GGUF layout): unit = sub-blocks 2p and 2p+1 of superblock sb
+// (u = 4 sb + p): the 32 quant bytes they share (low nibbles: 2p, high: 2p+1), the
+// 16-byte header (d, dmin, 12 scale bytes) and for Q5_K the 32 high-bit bytes.
 template <int T>
 struct UnitK45 {
-    static constexpr int kBlock = T == T_Q5_K ? 176 : 144;
-    static constexpr int kQs = T == T_Q5_K ? 48 : 16;
     uint4 h, q0, q1, qh0, qh1;
     __device__ static int count(int nb) { return nb / 2; }
     template <bool G = true>
-    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int) {
-        const uint8_t* b = row + (size_t)kBlock * (u >> 2);
-        h = ld4<G>(b);
-        q0 = ld4<G>(b + kQs + 32 * (u & 3));
-        q1 = ld4<G>(b + kQs + 32 * (u & 3) + 16);
-        if constexpr (T == T_Q5_K) {
+    __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
+        if constexpr (T == T_Q4_K) {  // packed (cuda/layout.h)
+            const int ns = nb >> 3;
+            h = ld4<G>(row + q4k_hdr(u >> 2));
+            q0 = ld4<G>(row + q4k_qs(ns, u, 0));
+            q1 = ld4<G>(row + q4k_qs(ns, u, 1));
+        } else {
+            const uint8_t* b = row + (size_t)176 * (u >> 2);  // GGUF block: header, qh[32], qs[128]
+            h = ld4<G>(b);
+            q0 = ld4<G>(b + 48 + 32 * (u & 3));
+            q1 = ld4<G>(b + 48 + 32 * (u & 3) + 16);
             qh0 = ld4<G>(b + 16);
             qh1 = ld4<G>(b + 32);
         }
@@ -321,11 +324,11 @@ template <> struct Unit<T_Q6_K> {
     __device__ static int count(int nb) { return nb / 2; }
     template <bool G = true>
     __device__ __forceinline__ void load(const uint8_t* __restrict__ row, int u, int nb) {
-        const int ns = nb / 8, s = u >> 2, n = (u >> 1) & 1, k1 = u & 1;
-        l0 = ld4<G>(row + q6k_ql(s) + 64 * n + 32 * k1);
-        l1 = ld4<G>(row + q6k_ql(s) + 64 * n + 32 * k1 + 16);
-        h0 = ld4<G>(row + q6k_qh(ns, s) + 32 * n);
-        h1 = ld4<G>(row + q6k_qh(ns, s) + 32 * n + 16);
+        const int ns = nb / 8, s = u >> 2;
+        l0 = ld4<G>(row + q6k_ql(u, 0));
+        l1 = ld4<G>(row + q6k_ql(u, 1));
+        h0 = ld4<G>(row + q6k_qh(ns, u, 0));
+        h1 = ld4<G>(row + q6k_qh(ns, u, 1));
         sc = ld4<G>(row + q6k_sc(ns, s));
         d = ldh<G>(row + q6k_d(ns, s));
     }

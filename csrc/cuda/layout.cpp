@@ -29,13 +29,25 @@ void pack_rows(int32_t t, const uint8_t* src, size_t row_bytes, int64_t rows, in
     for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* s = src + (size_t)r * row_bytes;
         uint8_t* d = dst + (size_t)r * stride;
-        std::memset(d + row_bytes, 0, stride - row_bytes);
+        std::memset(d, 0, stride);  // padding (zero quants of zero scale)
+        if (t == T_Q4_K) {
+            const int ns = (int)(in_dim / 256);
+            for (int b = 0; b < ns; ++b) {
+                const uint8_t* blk = s + (size_t)144 * b;
+                std::memcpy(d + q4k_hdr(b), blk, 16);
+                for (int p = 0; p < 4; ++p)
+                    for (int i = 0; i < 2; ++i) std::memcpy(d + q4k_qs(ns, 4 * b + p, i), blk + 16 + 32 * p + 16 * i, 16);
+            }
+            continue;
+        }
         if (t == T_Q6_K) {
             const int ns = (int)(in_dim / 256);
             for (int b = 0; b < ns; ++b) {
                 const uint8_t* blk = s + (size_t)210 * b;
-                std::memcpy(d + q6k_ql(b), blk, 128);
-                std::memcpy(d + q6k_qh(ns, b), blk + 128, 64);
+                for (int i = 0; i < 2; ++i) {
+                    for (int p = 0; p < 4; ++p) std::memcpy(d + q6k_ql(4 * b + p, i), blk + 32 * p + 16 * i, 16);
+                    for (int n = 0; n < 2; ++n) std::memcpy(d + q6k_qh(ns, 4 * b + 2 * n, i), blk + 128 + 32 * n + 16 * i, 16);
+                }
                 std::memcpy(d + q6k_sc(ns, b), blk + 192, 16);
                 std::memcpy(d + q6k_d(ns, b), blk + 208, 2);
             }

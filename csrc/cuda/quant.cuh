@@ -21,6 +21,12 @@ __device__ __forceinline__ void ld_bytes32_a16(const uint8_t* p, uint8_t q[32]) 
     reinterpret_cast<uint4*>(q)[1] = reinterpret_cast<const uint4*>(p)[1];
 }
 
+// 32 bytes from two 16-byte-aligned halves (the packed K-quant layout's units).
+__device__ __forceinline__ void ld_halves32(const uint8_t* p0, const uint8_t* p1, uint8_t q[32]) {
+    reinterpret_cast<uint4*>(q)[0] = *reinterpret_cast<const uint4*>(p0);
+    reinterpret_cast<uint4*>(q)[1] = *reinterpret_cast<const uint4*>(p1);
+}
+
 // A K-quant sub-block's 6-bit scale and min from the 12 scale bytes as three
 // little-endian words (no byte array, so
 // nothing lands in local memory).
@@ -56,7 +62,7 @@ __device__ __forceinline__ void k4_scale_min_pair(int p, uint32_t w0, uint32_t w
 }
 
 // Decode chunk c (elements 32c .. 32c+31) of a device row of type T (cuda/layout.h:
-// packed for the legacy types and Q6_K; nb = chunks per row) into v.
+// packed for the legacy types, Q4_K and Q6_K; nb = chunks per row) into v.
 template <int T>
 __device__ __forceinline__ void deq32(const uint8_t* __restrict__ row, int c, int nb, float v[32]);
 
@@ -156,16 +162,16 @@ __device__ __forceinline__ void deq32<T_Q8_0>(const uint8_t* __restrict__ row, i
 }
 
 template <>
-__device__ __forceinline__ void deq32<T_Q4_K>(const uint8_t* __restrict__ row, int c, int, float v[32]) {
-    const uint8_t* b = row + (size_t)(c >> 3) * 144;
-    const int j = c & 7;
+__device__ __forceinline__ void deq32<T_Q4_K>(const uint8_t* __restrict__ row, int c, int nb, float v[32]) {
+    const int ns = nb / 8, sb = c >> 3, j = c & 7, u = 4 * sb + (j >> 1);
+    const uint8_t* b = row + q4k_hdr(sb);
     const uint32_t dd = ld32(b);
     const float d = h2f(dd & 0xFFFF), dmin = h2f(dd >> 16);
     int s, m;
     k4_scale_min_w(j, ld32(b + 4), ld32(b + 8), ld32(b + 12), s, m);
     const float d1 = d * (float)s, m1 = dmin * (float)m;
     uint8_t q[32];
-    ld_bytes32_a16(b + 16 + 32 * (j >> 1), q);
+    ld_halves32(row + q4k_qs(ns, u, 0), row + q4k_qs(ns, u, 1), q);
     const int sh = (j & 1) * 4;
 #pragma unroll
     for (int l = 0; l < 32; ++l) v[l] = d1 * (float)((q[l] >> sh) & 0xF) - m1;
@@ -200,8 +206,9 @@ __device__ __forceinline__ void deq32<T_Q6_K>(const uint8_t* __restrict__ row, i
     const int8_t s0 = (int8_t)sc[8 * n + 2 * k];
     const int8_t s1 = (int8_t)sc[8 * n + 2 * k + 1];
     uint8_t ql[32], qh[32];
-    ld_bytes32_a16(row + q6k_ql(sb) + 64 * n + (k & 1) * 32, ql);
-    ld_bytes32_a16(row + q6k_qh(ns, sb) + 32 * n, qh);
+    const int u = 4 * sb + 2 * n + (k & 1);
+    ld_halves32(row + q6k_ql(u, 0), row + q6k_ql(u, 1), ql);
+    ld_halves32(row + q6k_qh(ns, u, 0), row + q6k_qh(ns, u, 1), qh);
     const int sl = (k >> 1) * 4, shh = 2 * k;
     const float d0 = d * (float)s0, d1 = d * (float)s1;
 #pragma unroll
