@@ -130,6 +130,15 @@ __device__ __forceinline__ void merge_chunks(const float* pp, int s_lo, int s_hi
     for (int j = 0; j < EPL; ++j) out[lane * EPL + j] = o[j] * inv;
 }
 
+// Block b of the int8 copy of the (token, head) output row at off: a token's row of
+// nh * HD values is one column of the next matvec's input (in its chunk order, quant.cuh).
+template <int HD>
+__device__ __forceinline__ void quant_out_block(const AttnDev& a, int64_t off, int b, float v, int lane) {
+    const int in_dim = (int)(a.nh * HD);
+    const int64_t t = off / in_dim;
+    quant_block_q8(v, lane, a.q_out + t * in_dim, (int)(off - t * in_dim) + 32 * b, in_dim, a.ds_out + off / 32 + b);
+}
+
 // The int8 copy of one (token, head) output row the warp has just written (a head is
 // whole 32-element blocks), as k_quant_q8 would make it.
 template <int HD>
@@ -137,8 +146,7 @@ __device__ __forceinline__ void quant_head(const AttnDev& a, int64_t off, int la
     if (!a.q_out) return;
     __syncwarp();
 #pragma unroll
-    for (int b = 0; b < HD / 32; ++b)
-        quant_block_q8(a.out[off + 32 * b + lane], lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
+    for (int b = 0; b < HD / 32; ++b) quant_out_block<HD>(a, off, b, a.out[off + 32 * b + lane], lane);
 }
 
 // One cell's score: q (shared memory) against its K row k (global memory, or registers
@@ -397,7 +405,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
             const float v = o * inv;
             a.out[off + dim] = v;
             if (w == 0) TL_MARK(8);
-            if (a.q_out) quant_block_q8(v, lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
+            if (a.q_out) quant_out_block<HD>(a, off, b, v, lane);
         }
         if (w == 0) TL_MARK(9);
         TL_END();
@@ -423,7 +431,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
             __syncwarp();
 #pragma unroll
             for (int b = 0; b < HD / 32; ++b)
-                quant_block_q8(wacc[0][32 * b + lane], lane, a.q_out + off + 32 * b, a.ds_out + off / 32 + b);
+                quant_out_block<HD>(a, off, b, wacc[0][32 * b + lane], lane);
         }
         TL_MARK(9);
         TL_END();

@@ -86,8 +86,9 @@ __device__ __forceinline__ int dp4us(uint32_t a, uint32_t b, int c) {
 }
 __device__ __forceinline__ uint32_t W_(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-__device__ __forceinline__ uint4 xq16(const MvArgs& a, int col, int o) {
-    return ldg4(a.xq + (size_t)col * a.in_dim + o);
+// Chunk position p (xq_chunk) of column col's int8 copy.
+__device__ __forceinline__ uint4 xq16(const MvArgs& a, int col, int p) {
+    return ldg4(a.xq + (size_t)col * a.in_dim + 16 * p);
 }
 __device__ __forceinline__ float2 xds_at(const MvArgs& a, int col, int blk) {
     return __ldg(a.xds + (size_t)col * a.nb + blk);
@@ -127,13 +128,13 @@ struct Held {
 struct X32Lazy {  // one 32-element block: its two 16-byte halves, its (d, d * sum)
     const MvArgs& a;
     int col, u;
-    __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 32 * u + 16 * i); }
+    __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, xq_chunk(2 * u + i, a.in_dim)); }
     __device__ __forceinline__ float2 ds() const { return xds_at(a, col, u); }
 };
 struct XK45Lazy {  // Q4_K / Q5_K unit u: sub-blocks 2p, 2p + 1 of superblock u / 4 (p = u % 4)
     const MvArgs& a;
     int col, u;
-    __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, 256 * (u >> 2) + 64 * (u & 3) + 16 * i); }
+    __device__ __forceinline__ uint4 q(int i) const { return xq16(a, col, xq_chunk64(4 * u + i, a.in_dim)); }
     __device__ __forceinline__ float4 ds() const {
         return __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)col * a.nb + 8 * (u >> 2) + 2 * (u & 3)));
     }
@@ -146,8 +147,12 @@ struct XQ6 {  // Q6_K unit u: chunks ja and jb = ja + 2 of superblock u / 4 (ja 
         const MvArgs& a;
         int col, u;
         __device__ __forceinline__ int ja() const { return 4 * ((u >> 1) & 1) + (u & 1); }
-        __device__ __forceinline__ uint4 qa(int i) const { return xq16(a, col, 256 * (u >> 2) + 32 * ja() + 16 * i); }
-        __device__ __forceinline__ uint4 qb(int i) const { return xq16(a, col, 256 * (u >> 2) + 32 * (ja() + 2) + 16 * i); }
+        __device__ __forceinline__ uint4 qa(int i) const {
+            return xq16(a, col, xq_chunk64(16 * (u >> 2) + 2 * ja() + i, a.in_dim));
+        }
+        __device__ __forceinline__ uint4 qb(int i) const {
+            return xq16(a, col, xq_chunk64(16 * (u >> 2) + 2 * ja() + 4 + i, a.in_dim));
+        }
         __device__ __forceinline__ float da() const { return xds_at(a, col, 8 * (u >> 2) + ja()).x; }
         __device__ __forceinline__ float db() const { return xds_at(a, col, 8 * (u >> 2) + ja() + 2).x; }
     };
@@ -639,7 +644,7 @@ __device__ __forceinline__ void group_copy(const MvJob& jb, int g, int lane) {
         if (lane == 0) jb.q_ss[g] = s;
         if (jb.q_w) v = fmul(v, jb.q_w[32 * g + lane]);
     }
-    quant_block_q8(v, lane, jb.q_out + 32 * g, jb.ds_out + g);
+    quant_block_q8(v, lane, jb.q_out, 32 * g, jb.rows, jb.ds_out + g);
     if (!jb.q_ss) return;
     // The warp finishing the last group: the norm's scale from every group's sum.
     const int ng = jb.rows / 32;
@@ -1118,7 +1123,8 @@ __global__ void k_rope_table(float2* __restrict__ t, int64_t rows, int n_rot, fl
 }
 
 // The int8 copy of n_blocks blocks of 32 (any number of tokens' rows back to back).
-__global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __restrict__ q, float2* __restrict__ ds) {
+__global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int in_dim, int8_t* __restrict__ q,
+                           float2* __restrict__ ds) {
     TL_BEGIN(tl::QUANT);
     pdl_wait();
     TL_MARK(1);
@@ -1126,7 +1132,8 @@ __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int8_t* __
     const int blk = (int)((blockIdx.x * (int64_t)blockDim.x + threadIdx.x) / 32);
     const int lane = threadIdx.x % 32;
     if (blk >= n_blocks) return;
-    quant_block_q8(x[blk * 32 + lane], lane, q + blk * 32, ds + blk);
+    const int nb = in_dim / 32, col = blk / nb;
+    quant_block_q8(x[blk * 32 + lane], lane, q + (int64_t)col * in_dim, 32 * (blk - col * nb), in_dim, ds + blk);
     TL_MARK(2);
     TL_END();
 }
@@ -1163,7 +1170,7 @@ __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __rest
         if (i >= d) break;  // whole warps leave together: d and T are multiples of 32
         const double s = group_ss(xv[k]);
         if (lane == 0) red[g] = s;
-        quant_block_q8(w ? __fmul_rn(xv[k], wv[k]) : xv[k], lane, q + r * d + 32 * g, ds + r * nb + g);
+        quant_block_q8(w ? __fmul_rn(xv[k], wv[k]) : xv[k], lane, q + r * d, 32 * g, d, ds + r * nb + g);
     }
     TL_MARK(3);
     __syncthreads();
@@ -1437,7 +1444,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     if (quant && !scratch) throw std::invalid_argument("matvec_multi: quantized weights need the activation scratch");
     if (quant && !xq_ready) {
         const int n = nb * ncols;
-        launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int8_t*)a.xq, (float2*)a.xds);
+        launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int)in_dim, (int8_t*)a.xq, (float2*)a.xds);
     }
     a.njobs = njobs;
     int64_t total = 0;
@@ -1548,7 +1555,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
                     launch_mv1<-1>(ac, (unsigned)b);
                 if (qsplit) {
                     const int n = j0.rows / 32;
-                    launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, (const float*)j0.y, n, j0.q_out, j0.ds_out);
+                    launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, (const float*)j0.y, n, j0.rows, j0.q_out,
+                           j0.ds_out);
                 }
                 break;
             }

@@ -221,14 +221,45 @@ __device__ __forceinline__ void deq32<T_Q6_K>(const uint8_t* __restrict__ row, i
 // ---- the decode matvec's int8 activations -----------------------------------------
 // Whoever writes a matvec input's int8 copy (the quantize kernel, RMSNorm, attention,
 // gate|up + SwiGLU) quantizes each 32-element block with this one function.
+// The copy's byte order within a column of in_dim elements: the column's 16-byte chunk c
+// lies at chunk (c % 4) * (in_dim / 64) + c / 4 when in_dim % 64 == 0 (always so under
+// K-quant rows), else at (c % 2) * (in_dim / 32) + c / 2. The lanes of a matvec warp read
+// chunk i of consecutive units at once (a K-quant unit is four chunks, a 32-element
+// block two): in row order one chunk every 64 (or 32) bytes, here one run (two for the
+// 32-element blocks and Q6_K, whose units take chunks 2 apart). The values, and so every
+// sum, are the same in either order; a CMake build with MINFER_CUDA_XQ_PERM=OFF keeps
+// row order, for A/Bs.
+#ifndef MINFER_CUDA_XQ_PERM
+#define MINFER_CUDA_XQ_PERM 1
+#endif
+__host__ __device__ __forceinline__ int xq_chunk(int c, int in_dim) {
+#if MINFER_CUDA_XQ_PERM
+    return in_dim % 64 == 0 ? (c & 3) * (in_dim >> 6) + (c >> 2) : (c & 1) * (in_dim >> 5) + (c >> 1);
+#else
+    (void)in_dim;
+    return c;
+#endif
+}
+// The same where in_dim % 64 == 0 is known (rows of whole K-quant superblocks).
+__host__ __device__ __forceinline__ int xq_chunk64(int c, int in_dim) {
+#if MINFER_CUDA_XQ_PERM
+    return (c & 3) * (in_dim >> 6) + (c >> 2);
+#else
+    (void)in_dim;
+    return c;
+#endif
+}
+
 // One warp quantizes 32 consecutive values (v from lane) to int8: d = amax / 127 (0 for
 // an all-zero block), q = rint(v / d); ds = (d, d * sum(q)).
 // Both reductions are one redux.sync on sm_80+ (five shuffle rounds each before): a
 // non-negative float orders as its bits, and an integer sum is exact in any order, so the
 // results are the butterflies' for every finite block. A NaN now makes amax NaN (fmaxf
 // dropped it), so the block's scale carries it to the matvec's output instead of the
-// lane quietly quantizing to 0.
-__device__ __forceinline__ void quant_block_q8(float v, int lane, int8_t* __restrict__ q, float2* __restrict__ ds) {
+// lane quietly quantizing to 0. col: the column's copy, of in_dim elements; the block is
+// its elements e0 .. e0 + 31 (placed by xq_chunk).
+__device__ __forceinline__ void quant_block_q8(float v, int lane, int8_t* __restrict__ col, int e0, int in_dim,
+                                               float2* __restrict__ ds) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     const float amax = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
 #else
@@ -243,7 +274,7 @@ __device__ __forceinline__ void quant_block_q8(float v, int lane, int8_t* __rest
     int sum = qi;
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
 #endif
-    q[lane] = (int8_t)qi;
+    col[16 * xq_chunk((e0 + lane) >> 4, in_dim) + (lane & 15)] = (int8_t)qi;
     if (lane == 0) *ds = make_float2(d, d * (float)sum);
 }
 
