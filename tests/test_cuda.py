@@ -1441,7 +1441,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     for env in ({"MINFER_CUDA_MV_PREFETCH": "0"}, {"MINFER_CUDA_MV_BULK": "1"}, {"MINFER_CUDA_MV_QTAIL": "1"},
                 {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"},
                 {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
-                {"MINFER_CUDA_NORM_EARLY": "2"},
+                {"MINFER_CUDA_NORM_EARLY": "2"}, {"MINFER_CUDA_NORM_EARLY": "3"},
                 {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "0"},
                 {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"},
                 {"MINFER_CUDA_MV_X4": "1", "MINFER_CUDA_MV_X4_MIN_UNITS": "65"}, {"MINFER_CUDA_MV_X4": "0"},

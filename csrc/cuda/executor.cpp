@@ -124,7 +124,7 @@ struct CudaPlanState : PlanState {
         int rope[3] = {-1, -1, -1};
         int role[4] = {0, 0, 0, 0};
         int norm = -1;          // L_MV_ADD: the one-row RMSNorm whose deferred copy its group tails make (FUSE_NORM)
-        bool qkv_next = false;  // L_NORM_Q: the launch after it is a q|k|v matvec
+        int qkv_next = 0;  // L_NORM_Q: the launch after it is a q|k|v matvec of at most (1) or over (2) one wave
     };
     std::vector<Launch> program;
     // Per step: the decode RMSNorm whose deferred copy (xn) a matvec step reads, else -1
@@ -450,8 +450,13 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         L.norm = N.s[0];
         st.program.erase(st.program.begin() + (long)(k + 1));
     }
-    for (size_t k = 0; k + 1 < st.program.size(); ++k)
-        st.program[k].qkv_next = st.program[k].kind == L_NORM_Q && st.program[k + 1].kind == L_MV;
+    for (size_t k = 0; k + 1 < st.program.size(); ++k) {
+        const auto& nx = st.program[k + 1];
+        if (st.program[k].kind != L_NORM_Q || nx.kind != L_MV) continue;
+        int64_t rows = 0;
+        for (int j = 0; j < nx.n; ++j) rows += S[nx.s[j]].ip[1];
+        st.program[k].qkv_next = mv_blocks_one_wave(rows) ? 1 : 2;
+    }
     // The greedy pick last (after the passes above, which read entries' steps).
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
     st.flags = plan.flags;

@@ -1571,19 +1571,27 @@ void rope_table(float2* table, int64_t rows, int n_rot, float freq_base) {
     note_launch();
 }
 
+bool mv_blocks_one_wave(int64_t rows) {
+    return (rows + MV_WARPS - 1) / MV_WARPS <= (int64_t)ctx().n_sm * mv_min_blocks<1, T_Q4_K>();
+}
+
 void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch,
-                   bool qkv_next) {
+                   int qkv_next) {
     if (d % 32 || d > kNormCopyMaxRow || nt < 1) throw std::invalid_argument("rms_norm_copy: d % 32 == 0, d <= 4096");
-    // When the norm lets the launch after it start: once its own wait is over (0), or at
-    // its start when that launch is a q|k|v matvec (1, the default), whose blocks then
-    // prefetch their rows and load their RoPE angles while the down projection before
-    // finishes; at its start always (2). H200 tg128 side by side, 1 / 0 / 2: 0.5B 1,604 /
-    // 1,568 / 1,625 against 1,436 / 1,516 / 1,600 and 1,543 / 1,541 / 1,475; 7B 473 / 472 /
-    // 465 against 464 / 460 / 457 and 477 / 480 / 467. (2 lets gate|up's 1,216 blocks
-    // launch while the o projection runs on the 0.5B.)
+    // When the norm lets the launch after it start: once its own wait is over (0); at its
+    // start when that launch is a q|k|v matvec of one wave (1, the default), whose blocks
+    // then load their rows and RoPE angles while the down projection before finishes; at
+    // its start when it is a q|k|v matvec of any size (3); at its start always (2).
+    // H200 tg128 side by side, 3 / 0 / 2 (when 3 was the default): 0.5B 1,604 / 1,568 /
+    // 1,625 against 1,436 / 1,516 / 1,600 and 1,543 / 1,541 / 1,475; 7B 473 / 472 / 465
+    // against 464 / 460 / 457 and 477 / 480 / 467. With the chunk-ordered activations
+    // (e47f1fc) the 7B's q|k|v (a wave and a quarter) took 0 in five rounds of two calls:
+    // 547.3 / 546.8 / 548.8 / 547.3 / 547.2 against 537.9 / 544.4 / 545.4 / 545.3 / 544.7.
+    // (2 lets gate|up's 1,216 blocks launch while the o projection runs on the 0.5B.)
     const int e = env_int("MINFER_CUDA_NORM_EARLY", 1);
+    const bool early = e == 2 || (e == 1 && qkv_next == 1) || (e == 3 && qkv_next != 0);
     launch(k_rms_norm_copy, (unsigned)nt, rms_threads(d), x, w, y, (int)d, eps, (int8_t*)scratch,
-           (float2*)((uint8_t*)scratch + nt * d), norm_copy_scale(scratch, d, nt), (e == 2 || (e == 1 && qkv_next)) ? 1 : 0);
+           (float2*)((uint8_t*)scratch + nt * d), norm_copy_scale(scratch, d, nt), early ? 1 : 0);
 }
 
 }  // namespace minfer::cuda

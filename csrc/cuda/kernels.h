@@ -106,8 +106,14 @@ inline double* norm_copy_ss(void* scratch, int64_t d, int64_t nt) {
 inline float* norm_copy_scale(void* scratch, int64_t d, int64_t nt) {
     return (float*)(norm_copy_ss(scratch, d, nt) + nt * (d / 32));
 }
+// qkv_next: the launch after the norm is a q|k|v matvec that fits one wave (1; see
+// mv_blocks_one_wave) or not (2), or neither (0); it decides when the norm lets it start.
 void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch,
-                   bool qkv_next = false);
+                   int qkv_next = 0);
+// Whether a one-column decode matvec of `rows` rows, one a warp, fits one wave of the
+// K-quant kernels (7 blocks of 4 warps an SM): the 0.5B's q|k|v (288 blocks) does, the
+// 7B's (1,152) does not.
+bool mv_blocks_one_wave(int64_t rows);
 
 // W (rows x in_dim of wtype, device layout) -> f16 rows (prefill GEMM operand), on
 // `stream` (the context stream when null; the executor's side stream dequantizes the
