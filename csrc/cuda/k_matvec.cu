@@ -141,6 +141,33 @@ struct XK45Lazy {  // Q4_K / Q5_K unit u: sub-blocks 2p, 2p + 1 of superblock u 
 };
 using X32 = Held<X32Lazy, 2, float2>;
 using XK45 = Held<XK45Lazy, 4, float4>;
+// Q6_K's pieces come from two chunks, each with its own d: a view of its own.
+struct XQ6 {  // Q6_K unit u: chunks ja and jb = ja + 2 of superblock u / 4 (ja = 4 n + k1)
+    struct Lazy {
+        const MvArgs& a;
+        int col, u;
+        __device__ __forceinline__ int ja() const { return 4 * ((u >> 1) & 1) + (u & 1); }
+        __device__ __forceinline__ uint4 qa(int i) const {
+            return xq16(a, col, xq_chunk64(16 * (u >> 2) + 2 * ja() + i, a.in_dim));
+        }
+        __device__ __forceinline__ uint4 qb(int i) const {
+            return xq16(a, col, xq_chunk64(16 * (u >> 2) + 2 * ja() + 4 + i, a.in_dim));
+        }
+        __device__ __forceinline__ float da() const { return xds_at(a, col, 8 * (u >> 2) + ja()).x; }
+        __device__ __forceinline__ float db() const { return xds_at(a, col, 8 * (u >> 2) + ja() + 2).x; }
+    };
+    uint4 a_[2], b_[2];
+    float da_, db_;
+    __device__ __forceinline__ uint4 qa(int i) const { return a_[i]; }
+    __device__ __forceinline__ uint4 qb(int i) const { return b_[i]; }
+    __device__ __forceinline__ float da() const { return da_; }
+    __device__ __forceinline__ float db() const { return db_; }
+    __device__ __forceinline__ static XQ6 load(const MvArgs& a, int col, int u) {
+        const Lazy l{a, col, u};
+        return {{l.qa(0), l.qa(1)}, {l.qb(0), l.qb(1)}, l.da(), l.db()};
+    }
+};
+
 // Bits j..j+3 of qh to bit 4 of bytes 0..3 (the fifth bit of four 5-bit quants). The
 // multiply adds b, b << 7, b << 14 and b << 21: bit i of b lands at bit 8i in the copy
 // shifted by 7i, and the copies take disjoint bits (0-3, 7-10, 14-17, 21-24), so nothing
@@ -293,11 +320,9 @@ struct UnitK45 {
 template <> struct Unit<T_Q4_K> : UnitK45<T_Q4_K> {};
 template <> struct Unit<T_Q5_K> : UnitK45<T_Q5_K> {};
 
-// Q6_K (packed, cuda/layout.h): unit u = 4 sb + p covers chunks 2p and 2p + 1 (elements
-// 64p .. 64p + 63 of superblock sb, as a Q4_K unit): the low nibbles of its 32 ql bytes
-// are chunk 2p's, the high nibbles chunk 2p + 1's, their fifth and sixth bits qh bits
-// 4 (p & 1) .. 4 (p & 1) + 3 of the 32 qh bytes it shares with unit 4 sb + (p ^ 1); each
-// chunk's 16-element halves have their own int8 scale (scales 4p .. 4p + 3).
+// Q6_K (packed): unit u = 4 sb + 2 n + k1 covers chunks 4n + k1 (low nibbles of its 32
+// ql bytes, qh bits 2k1) and 4n + k1 + 2 (high nibbles, qh bits 2k1 + 4); each chunk's
+// halves have their own int8 scale.
 template <> struct Unit<T_Q6_K> {
     uint4 l0, l1, h0, h1, sc;
     float d;
@@ -315,22 +340,22 @@ template <> struct Unit<T_Q6_K> {
     __device__ __forceinline__ static int sbyte(const uint4& v, int i) {
         return (int)(int8_t)((W_(v, i >> 2) >> (8 * (i & 3))) & 0xFF);
     }
-    using X = XK45;
+    using X = XQ6;
     __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int u) const {
-        const int p = u & 3, sh = 4 * (p & 1);
+        const int n = (u >> 1) & 1, k1 = u & 1;
         uint32_t wa[8], wb[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const uint32_t l = i < 4 ? W_(l0, i) : W_(l1, i - 4);
             const uint32_t hb = i < 4 ? W_(h0, i) : W_(h1, i - 4);
             // 0..63, offset by 32 below (sum16)
-            wa[i] = (l & 0x0F0F0F0Fu) | (((hb >> sh) & 0x03030303u) << 4);
-            wb[i] = ((l >> 4) & 0x0F0F0F0Fu) | (((hb >> (sh + 2)) & 0x03030303u) << 4);
+            wa[i] = (l & 0x0F0F0F0Fu) | (((hb >> (2 * k1)) & 0x03030303u) << 4);
+            wb[i] = ((l >> 4) & 0x0F0F0F0Fu) | (((hb >> (2 * k1 + 4)) & 0x03030303u) << 4);
         }
-        const uint4 xa0 = x.q(0), xa1 = x.q(1);
-        const uint4 xb0 = x.q(2), xb1 = x.q(3);
+        const uint4 xa0 = x.qa(0), xa1 = x.qa(1);
+        const uint4 xb0 = x.qb(0), xb1 = x.qb(1);
         int sa0 = 0, sa1 = 0, sb0 = 0, sb1 = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -343,11 +368,10 @@ template <> struct Unit<T_Q6_K> {
         sa1 -= 32 * sum16(xa1);
         sb0 -= 32 * sum16(xb0);
         sb1 -= 32 * sum16(xb1);
-        const int ia = sbyte(sc, 4 * p) * sa0 + sbyte(sc, 4 * p + 1) * sa1;
-        const int ib = sbyte(sc, 4 * p + 2) * sb0 + sbyte(sc, 4 * p + 3) * sb1;
-        const float4 ds = x.ds();
-        const float fa = fmul(ds.x, (float)ia);
-        const float fb = fmul(ds.z, (float)ib);
+        const int ia = sbyte(sc, 8 * n + 2 * k1) * sa0 + sbyte(sc, 8 * n + 2 * k1 + 1) * sa1;
+        const int ib = sbyte(sc, 8 * n + 2 * k1 + 4) * sb0 + sbyte(sc, 8 * n + 2 * k1 + 5) * sb1;
+        const float fa = fmul(x.da(), (float)ia);
+        const float fb = fmul(x.db(), (float)ib);
         return fmul(d, fadd(fa, fb));
     }
 };

@@ -44,18 +44,10 @@ void pack_rows(int32_t t, const uint8_t* src, size_t row_bytes, int64_t rows, in
             const int ns = (int)(in_dim / 256);
             for (int b = 0; b < ns; ++b) {
                 const uint8_t* blk = s + (size_t)210 * b;
-                // Unit p = 2n + h takes chunks 4n + 2h and 4n + 2h + 1, whose low 4 bits GGUF
-                // keeps in nibble h of ql[64n + l] and of ql[64n + 32 + l].
-                for (int p = 0; p < 4; ++p) {
-                    const uint8_t* a = blk + 64 * (p >> 1);
-                    const int sh = 4 * (p & 1);
-                    uint8_t q[32];
-                    for (int l = 0; l < 32; ++l)
-                        q[l] = (uint8_t)(((a[l] >> sh) & 0xF) | (((a[32 + l] >> sh) & 0xF) << 4));
-                    for (int i = 0; i < 2; ++i) std::memcpy(d + q6k_ql(4 * b + p, i), q + 16 * i, 16);
-                }
-                for (int i = 0; i < 2; ++i)
+                for (int i = 0; i < 2; ++i) {
+                    for (int p = 0; p < 4; ++p) std::memcpy(d + q6k_ql(4 * b + p, i), blk + 32 * p + 16 * i, 16);
                     for (int n = 0; n < 2; ++n) std::memcpy(d + q6k_qh(ns, 4 * b + 2 * n, i), blk + 128 + 32 * n + 16 * i, 16);
+                }
                 std::memcpy(d + q6k_sc(ns, b), blk + 192, 16);
                 std::memcpy(d + q6k_d(ns, b), blk + 208, 2);
             }

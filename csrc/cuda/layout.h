@@ -36,13 +36,9 @@ MC_HD bool packed_layout(int32_t t) {
 //   Q4_K: the 16-byte headers (d, dmin, 12 scale bytes) of all superblocks, then the
 //         quants by 8-unit groups (kq_half)
 //   Q6_K: ql by 8-unit groups (kq_half), then qh (32 bytes a unit pair, by 4-pair
-//         groups the same way), then scales[16] per superblock, then d (f16); a unit's
-//         32 ql bytes hold chunks 2p (low nibbles) and 2p + 1 (high) of its superblock
-//         (GGUF pairs chunks j and j + 2 in a byte), so a unit covers 64 consecutive
-//         elements, as a Q4_K unit does, and reads its activations as one run
+//         groups the same way), then scales[16] per superblock, then d (f16)
 // (Q4_K / Q6_K: groups of zeros pad an odd superblock count, kq_ns_pad.)
-// The bytes of each field are those of the GGUF block (Q6_K's ql nibbles regrouped), so
-// decoding formulas stay ggml's.
+// The bytes of each field are those of the GGUF block, so decoding formulas stay ggml's.
 struct Packed {
     int qs_bytes;   // quant bytes per 32-element block (legacy types)
     int qh_at;      // offset of the qh array / nb (0: none), in bytes per block

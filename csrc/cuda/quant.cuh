@@ -199,17 +199,17 @@ __device__ __forceinline__ void deq32<T_Q5_K>(const uint8_t* __restrict__ row, i
 
 template <>
 __device__ __forceinline__ void deq32<T_Q6_K>(const uint8_t* __restrict__ row, int c, int nb, float v[32]) {
-    // Chunk j of superblock sb: nibble j & 1 of unit 4 sb + j / 2's ql bytes, qh bits
-    // 4 (j / 2 & 1) + 2 (j & 1) (cuda/layout.h).
-    const int ns = nb / 8, sb = c >> 3, j = c & 7, u = 4 * sb + (j >> 1);
+    const int ns = nb / 8, sb = c >> 3, j = c & 7;
+    const int n = j >> 2, k = j & 3;
     const float d = h2f(ld16(row + q6k_d(ns, sb)));
     const uint8_t* sc = row + q6k_sc(ns, sb);
-    const int8_t s0 = (int8_t)sc[2 * j];
-    const int8_t s1 = (int8_t)sc[2 * j + 1];
+    const int8_t s0 = (int8_t)sc[8 * n + 2 * k];
+    const int8_t s1 = (int8_t)sc[8 * n + 2 * k + 1];
     uint8_t ql[32], qh[32];
+    const int u = 4 * sb + 2 * n + (k & 1);
     ld_halves32(row + q6k_ql(u, 0), row + q6k_ql(u, 1), ql);
     ld_halves32(row + q6k_qh(ns, u, 0), row + q6k_qh(ns, u, 1), qh);
-    const int sl = (j & 1) * 4, shh = 4 * ((j >> 1) & 1) + 2 * (j & 1);
+    const int sl = (k >> 1) * 4, shh = 2 * k;
     const float d0 = d * (float)s0, d1 = d * (float)s1;
 #pragma unroll
     for (int l = 0; l < 32; ++l) {
