@@ -54,6 +54,7 @@ PYBIND11_MODULE(_core, m) {
     py::module_ testing = m.def_submodule("testing", "hooks for tests and benchmarks only");
     register_cpu(m);
     register_cpu_testing(testing);
+    register_cuda_layout_testing(testing);
 #ifdef MINFER_HAS_CUDA
     m.attr("HAS_CUDA") = true;
     register_cuda(m, testing);

@@ -8,6 +8,9 @@ namespace minfer {
 
 void register_cpu(pybind11::module_& m);
 void register_cpu_testing(pybind11::module_& testing);
+// csrc/cuda/bindings_layout.cpp (every build): the CUDA weight-row layout's packing, for
+// tests that need no GPU.
+void register_cuda_layout_testing(pybind11::module_& testing);
 #ifdef MINFER_HAS_CUDA
 // csrc/cuda/bindings_cuda.cpp: CudaPool, cuda_validate/cuda_run, device argmax, copies
 // between host and device pools; counters and profiles into _core.testing.
