@@ -7,8 +7,9 @@
 // (a unit is a quarter superblock, 32 quant bytes: what a matvec lane decodes per trip):
 // a group holds its units' first 16-byte halves, then their second halves, so the
 // 8 lanes that decode a group's units read 128 contiguous bytes per load instead of
-// 16 bytes every 32 (the 7B's down projection is bound by L1 wavefronts, and a load's
-// wavefronts grow with the lines it touches). Q5_K blocks (176 bytes) are aligned as
+// 16 bytes every 32 (a load's L1 wavefronts grow with the lines and sectors it touches;
+// the 7B's down projection was bound by them: with this and the activations' chunk order,
+// quant.cuh, its L1 throughput fell from 82% to 44% of peak and tg128 rose 7%). Q5_K blocks (176 bytes) are aligned as
 // they are and stay in their GGUF layout, as do F32 and F16.
 #pragma once
 #include <cstddef>
