@@ -1503,8 +1503,9 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     if (a.rpw == 1 && env_int("MINFER_CUDA_MV_EARLYW", 1) != 0) {
         // Whether launch_mv_typed takes the launch: K-quants only then (mv_early_ok), a W2
         // only then and of a type mv_early_w2 allows.
-        const bool same = typed && (one_type(jobs, njobs) >= 0 || pair_type(jobs, njobs) >= 0);
-        const bool w2_ok = typed && one_type(jobs, njobs) >= 0 && early_w2_type(jobs[0].type);
+        const bool one = typed && one_type(jobs, njobs) >= 0;
+        const bool same = one || (typed && pair_type(jobs, njobs) >= 0);
+        const bool w2_ok = one && early_w2_type(jobs[0].type);
         a.wearly = 1;
         for (int i = 0; i < njobs; ++i) {
             const int32_t t = jobs[i].type;

@@ -29,7 +29,11 @@ void pack_rows(int32_t t, const uint8_t* src, size_t row_bytes, int64_t rows, in
     for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* s = src + (size_t)r * row_bytes;
         uint8_t* d = dst + (size_t)r * stride;
-        std::memset(d, 0, stride);  // padding (zero quants of zero scale)
+        // Padding is zero. The packed fields fill the first row_bytes densely, but for an
+        // odd superblock count the K-quants' last 8-unit groups are half padding.
+        const bool gaps = (t == T_Q4_K || t == T_Q6_K) && (in_dim / 256) % 2;
+        if (gaps) std::memset(d, 0, stride);
+        else std::memset(d + row_bytes, 0, stride - row_bytes);
         if (t == T_Q4_K) {
             const int ns = (int)(in_dim / 256);
             for (int b = 0; b < ns; ++b) {
