@@ -169,7 +169,8 @@ fi
 # gave a q|k|v launch and "7b:564" an o projection). NCU_KERNEL: the kernel-name regex
 # (k_matvec; k_matvec_bulk: only the staged launches, on the 7B 28 gate|up and the
 # output matvec a step, so "7b:27:3" gave three gate|up launches). NCU_ARGS: more ncu options
-# (e.g. "--clock-control none" for the clocks as found rather than base clocks).
+# (e.g. "--clock-control none" for the clocks as found rather than base clocks). NCU_SRC=1
+# adds a per-SASS-instruction listing (executed counts, stall samples) of the same launches.
 if [ -n "${NCU:-}" ]; then
   ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -z "$ncu_bin" ]; then
@@ -183,6 +184,13 @@ if [ -n "${NCU:-}" ]; then
         --section InstructionStats --section SchedulerStats --section ComputeWorkloadAnalysis \
         python3 bench/cuda_profile.py "$models/qwen2-$shape-q4km-shape.gguf" 1 >"$OUT/ncu-$shape-$skip.txt" 2>&1
       phase "ncu $shape $skip rc $?"
+      # NCU_SRC=1: the same launches' per-instruction counts and stall samples (SASS).
+      if [ "${NCU_SRC:-0}" = 1 ]; then
+        MINFER_NO_CUDA_GRAPH=1 timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" ${NCU_ARGS:-} --kernel-name "regex:${NCU_KERNEL:-k_matvec}" \
+          --launch-skip "$skip" --launch-count "$count" --section SourceCounters --page source --print-source sass --csv \
+          python3 bench/cuda_profile.py "$models/qwen2-$shape-q4km-shape.gguf" 1 >"$OUT/ncu-src-$shape-$skip.csv" 2>&1
+        phase "ncu source $shape $skip rc $?"
+      fi
     done
   fi
 fi

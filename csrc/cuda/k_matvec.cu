@@ -289,8 +289,11 @@ struct UnitK45 {
     using X = XK45;
     __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
-    __device__ __forceinline__ float dot(const XV& x, int u) const {
-        const int p = u & 3, j0 = 2 * p, j1 = j0 + 1;
+    __device__ __forceinline__ float dot(const XV& x, int u) const { return dot_sel(x, u, u & 3); }
+    // sel: the scale selection, u % 4 or its K4Sel (quant.cuh).
+    template <class XV, class Sel>
+    __device__ __forceinline__ float dot_sel(const XV& x, int u, const Sel& sel) const {
+        const int j0 = 2 * (u & 3), j1 = j0 + 1;
         uint32_t wl[8], wh[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -309,7 +312,7 @@ struct UnitK45 {
         const int s1 = T == T_Q4_K ? dot32<true>(wh, x.q(2), x.q(3)) >> 4 : dot32(wh, x.q(2), x.q(3));
         const float4 ds = x.ds();
         int sc0, m0, sc1, m1;
-        k4_scale_min_pair(p, h.y, h.z, h.w, sc0, m0, sc1, m1);
+        k4_scale_min(sel, h.y, h.z, h.w, sc0, m0, sc1, m1);
         const float d = __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFF)));
         const float dmin = __half2float(__ushort_as_half((unsigned short)(h.x >> 16)));
         const float fs = fadd(fmul((float)(sc0 * s0), ds.x), fmul((float)(sc1 * s1), ds.z));
@@ -981,23 +984,66 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t phase) {
             : "memory");
 }
 
+__device__ __forceinline__ uint4 lds4(uint32_t a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+
+// A lane's units l and l + 32 (k = 0, 1) in the staged rows of the XR path: by default
+// placed from u for every row, as the other kernels place them.
+template <int T>
+struct StagedLane {
+    int lane, nb;
+    __device__ StagedLane(int l, int nb_) : lane(l), nb(nb_) {}
+    __device__ __forceinline__ float dot(const uint8_t* srow, uint32_t, int k, const typename Unit<T>::X& x) const {
+        const int u = lane + 32 * k;
+        Unit<T> w;
+        w.template load<false>(srow, u, nb);
+        return w.dot(x, u);
+    }
+};
+// Q4_K: unit l + 32 k's header lies 128 k bytes after unit l's (4 superblocks), its quants
+// 1024 k after (4 groups): the offsets and the scale selection are the lane's constants,
+// and the loads take 32-bit shared addresses (from a generic pointer the compiler rebuilt
+// the shared window's base for every unit). The same loads and arithmetic as Unit's.
+// (The selection passes through a shuffle, each lane reading its own: computed from the
+// lane in sight, ptxas recomputed it for every unit, 8 instructions, rather than hold it;
+// from a table in memory, its constant-cache miss after the kernel's wait cost 9% of the
+// gate|up launch's warp time.)
+template <>
+struct StagedLane<T_Q4_K> {
+    uint32_t h, q;
+    K4Sel sel;
+    int lane;
+    __device__ StagedLane(int l, int nb) : h((uint32_t)q4k_hdr(l >> 2)), q((uint32_t)q4k_qs(nb >> 3, l, 0)), lane(l) {
+        const uint32_t hi = ((uint32_t)l >> 1) & 1u, sh = 16u * ((uint32_t)l & 1u);
+        sel.sh = __shfl_sync(0xffffffffu, sh, l);
+        sel.s01 = __shfl_sync(0xffffffffu, sh + 2u * hi, l);
+        sel.k01 = __shfl_sync(0xffffffffu, hi ? 0x3030u : 0x3F3Fu, l);
+        sel.k2 = __shfl_sync(0xffffffffu, hi ? 0x0F0Fu : 0u, l);
+    }
+    __device__ __forceinline__ float dot(const uint8_t*, uint32_t srow, int k, const XK45& x) const {
+        static_assert(q4k_hdr(8) == 128 && q4k_qs(0, 32, 0) == 1024 && q4k_qs(0, 0, 1) == 128, "cuda/layout.h");
+        Unit<T_Q4_K> w;
+        w.h = lds4(srow + h + 128 * k);
+        w.q0 = lds4(srow + q + 1024 * k);
+        w.q1 = lds4(srow + q + 1024 * k + 128);
+        return w.dot_sel(x, lane + 32 * k, sel);
+    }
+};
+
 // XR: rows of at most 64 units, whose lanes' activation chunks (units lane, lane + 32)
-// the warp holds in registers, xr, for all its rows.
+// the warp holds in registers, xr, for all its rows. srow_s: srow's shared address.
 template <int T, bool XR>
-__device__ __forceinline__ float row_dot_smem(const uint8_t* srow, const MvArgs& a, int lane,
-                                              const typename Unit<T>::X* xr) {
+__device__ __forceinline__ float row_dot_smem(const uint8_t* srow, uint32_t srow_s, const MvArgs& a, int lane,
+                                              const StagedLane<T>& sl, const typename Unit<T>::X* xr) {
     const int nu = Unit<T>::count(a.nb);
     float acc = 0.0f;
     if constexpr (XR) {
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const int u = lane + 32 * k;
-            if (u < nu) {
-                Unit<T> w;
-                w.template load<false>(srow, u, a.nb);
-                acc = fadd(acc, w.dot(xr[k], u));
-            }
-        }
+        for (int k = 0; k < 2; ++k)
+            if (lane + 32 * k < nu) acc = fadd(acc, sl.dot(srow, srow_s, k, xr[k]));
     } else {
         for (int u = lane; u < nu; u += 32) {
             Unit<T> w;
@@ -1049,6 +1095,8 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
         for (int k = 0; k < pre && k < ns && k < n_st; ++k) request(k, k);
     }
     __syncwarp();
+    const uint32_t ring_s = smem_u32(ring);
+    const StagedLane<T> sl(lane, a.nb);
     TL_MARK(1);
     pdl_wait();
     TL_MARK(2);
@@ -1063,15 +1111,17 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
             if (lane + 32 * k < Unit<T>::count(a.nb)) xr[k] = Unit<T>::X::load(a, 0, lane + 32 * k);
     }
     int g_done = 0;  // rows of the current 32-row group this warp has written
-    for (int st = 0; st < n_st; ++st) {
-        const int k = st % ns;
-        bulk_wait(bars + k, (uint32_t)(st / ns) & 1u);
+    for (int st = 0, k = 0, phase = 0; st < n_st; ++st) {  // k = st % ns, phase = st / ns % 2
+        bulk_wait(bars + k, (uint32_t)phase);
         if (st == 0) TL_MARK(3);
         const uint8_t* sw = ring + (size_t)k * slot;
         const int rs = slot_row(st), cnt = min(R, r1 - rs);
         for (int q = 0; q < cnt; ++q) {
-            float acc = row_dot_smem<T, XR>(sw + (size_t)q * rb, a, lane, xr), acc2 = 0.0f;
-            if (rb2) acc2 = row_dot_smem<T, XR>(sw + (size_t)R * rb + (size_t)q * rb2, a, lane, xr);
+            const uint32_t ss = ring_s + (uint32_t)k * slot;
+            float acc = row_dot_smem<T, XR>(sw + (size_t)q * rb, ss + q * rb, a, lane, sl, xr), acc2 = 0.0f;
+            if (rb2)
+                acc2 = row_dot_smem<T, XR>(sw + (size_t)R * rb + (size_t)q * rb2, ss + R * rb + q * rb2, a, lane, sl,
+                                           xr);
             acc = warp_sum(acc);
             if (rb2) acc2 = warp_sum(acc2);
             if (a.xscale) {
@@ -1107,6 +1157,10 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
             // The slot's reads (generic proxy) before the copy engine's writes (async proxy).
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             request(st + ns, k);
+        }
+        if (++k == ns) {
+            k = 0;
+            phase ^= 1;
         }
     }
     TL_MARK(5);

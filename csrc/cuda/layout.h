@@ -20,9 +20,9 @@
 namespace minfer::cuda {
 
 #if defined(__CUDACC__)
-#define MC_HD __host__ __device__ __forceinline__
+#define MC_HD __host__ __device__ __forceinline__ constexpr
 #else
-#define MC_HD inline
+#define MC_HD constexpr inline
 #endif
 
 // Rearranged in the device copy (offsets below); the others keep their GGUF bytes.

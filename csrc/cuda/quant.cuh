@@ -61,6 +61,33 @@ __device__ __forceinline__ void k4_scale_min_pair(int p, uint32_t w0, uint32_t w
     m1 = (int)((m >> 8) & 0xFF);
 }
 
+// The same from a lane's constants (K4Sel, chosen once: the staged matvec's lanes keep
+// one p for every row). Both halves of the branch above in one expression: for p < 2 the
+// masks take w0 / w1's low 6 bits and nothing of w2; for p >= 2 their top two bits and
+// w2's nibbles.
+struct K4Sel {
+    uint32_t sh, s01, k01, k2;  // 16 (p & 1), sh + 2 (p >> 1), masks
+};
+__device__ __forceinline__ void k4_scale_min_sel(const K4Sel& s, uint32_t w0, uint32_t w1, uint32_t w2, int& d0,
+                                                 int& m0, int& d1, int& m1) {
+    const uint32_t t = w2 >> s.sh;
+    const uint32_t d = ((w0 >> s.s01) & s.k01) | (t & s.k2);
+    const uint32_t m = ((w1 >> s.s01) & s.k01) | ((t >> 4) & s.k2);
+    d0 = (int)(d & 0xFF);
+    d1 = (int)(d >> 8);
+    m0 = (int)(m & 0xFF);
+    m1 = (int)(m >> 8);
+}
+// Overloads for UnitK45: p (decided per unit) or a lane's K4Sel.
+__device__ __forceinline__ void k4_scale_min(int p, uint32_t w0, uint32_t w1, uint32_t w2, int& d0, int& m0, int& d1,
+                                             int& m1) {
+    k4_scale_min_pair(p, w0, w1, w2, d0, m0, d1, m1);
+}
+__device__ __forceinline__ void k4_scale_min(const K4Sel& s, uint32_t w0, uint32_t w1, uint32_t w2, int& d0, int& m0,
+                                             int& d1, int& m1) {
+    k4_scale_min_sel(s, w0, w1, w2, d0, m0, d1, m1);
+}
+
 // Decode chunk c (elements 32c .. 32c+31) of a device row of type T (cuda/layout.h:
 // packed for the legacy types, Q4_K and Q6_K; nb = chunks per row) into v.
 template <int T>
