@@ -16,12 +16,9 @@ import functools
 import json
 from collections.abc import Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from minfer.errors import MinferError
-
-if TYPE_CHECKING:
-    from minfer.tokenizer import Tokenizer
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -85,23 +82,20 @@ def _check_messages(messages: Any) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer: "Tokenizer", messages: list[dict], add_generation_prompt: bool = True,
-                template: str | None = None, **kwargs: Any) -> str:
-    """Render `messages` with `template` (default: the model's, else ChatML).
+def render_chat(messages: list[dict], add_generation_prompt: bool = True, template: str | None = None,
+                **kwargs: Any) -> str:
+    """Render `messages` with `template` (None: CHATML_TEMPLATE).
 
-    Extra keyword arguments (tools=..., enable_thinking=...) are passed to the template, as
-    transformers' apply_chat_template does; bos_token/eos_token default to the model's.
+    Extra keyword arguments (tools=..., enable_thinking=..., bos_token=..., eos_token=...)
+    are passed to the template, as transformers' apply_chat_template does. This module
+    knows no tokenizer: `Tokenizer.render_chat` passes the model's template and its
+    bos/eos spellings.
     """
     from jinja2.exceptions import TemplateError
 
     msgs = _check_messages(messages)
-    source = template if template is not None else (tokenizer.chat_template or CHATML_TEMPLATE)
-    compiled = _compile(source)
+    compiled = _compile(template if template is not None else CHATML_TEMPLATE)
     ctx: dict[str, Any] = {"tools": None, "documents": None}
-    if tokenizer.bos_id is not None:
-        ctx["bos_token"] = tokenizer.token_to_piece(tokenizer.bos_id)
-    if tokenizer.eos_id is not None:
-        ctx["eos_token"] = tokenizer.token_to_piece(tokenizer.eos_id)
     ctx.update(kwargs)
     try:
         return compiled.render(messages=msgs, add_generation_prompt=bool(add_generation_prompt), **ctx)

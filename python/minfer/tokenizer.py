@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from minfer.chat import render_chat as _render_chat
 from minfer.errors import GGUFError, MinferError, UnsupportedModelError
 
 TOKEN_TYPE_NORMAL = 1
@@ -346,10 +347,16 @@ class Tokenizer:
 
     # -- chat ------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The model's chat template applied to `messages` (see minfer.chat)."""
-        from minfer.chat import render_chat
-
-        return render_chat(self, messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        """The model's chat template (else ChatML; template=... overrides) applied to
+        `messages` (see minfer.chat); bos_token / eos_token default to the model's."""
+        template = kwargs.pop("template", None)
+        if template is None:
+            template = self.chat_template or None
+        if self.bos_id is not None:
+            kwargs.setdefault("bos_token", self.token_to_piece(self.bos_id))
+        if self.eos_id is not None:
+            kwargs.setdefault("eos_token", self.token_to_piece(self.eos_id))
+        return _render_chat(messages, add_generation_prompt=add_generation_prompt, template=template, **kwargs)
 
 
 class StreamDecoder:
