@@ -417,18 +417,3 @@ def test_from_gguf_path_synthetic_model(synth_model_path):
     t = Tokenizer.from_gguf_path(synth_model_path)
     assert t.decode(t.encode("the cat sat<|im_end|>")) == "the cat sat<|im_end|>"
     assert t.encode("<|im_end|>") == [t.eos_id]
-
-
-def test_gguf_reader_fallback_reads_same_metadata(synth_model_path):
-    from minfer.tokenizer import _read_with_gguf_reader, read_gguf_metadata
-
-    a = read_gguf_metadata(synth_model_path)
-    b = _read_with_gguf_reader(str(synth_model_path))
-    keys = [k for k in a if k.startswith("tokenizer.")]
-    assert keys and set(keys) == {k for k in b if k.startswith("tokenizer.")}
-    for k in keys:
-        va, vb = a[k], b[k]
-        assert (list(va) if hasattr(va, "tolist") else va) == vb, k
-    ta, tb = Tokenizer.from_metadata(a), Tokenizer.from_metadata(b)
-    s = "the cat<|im_end|>"
-    assert ta.encode(s) == tb.encode(s)

@@ -28,6 +28,7 @@ from typing import Any
 
 from minfer.chat import render_chat as _render_chat
 from minfer.errors import GGUFError, MinferError, UnsupportedModelError
+from minfer.io.gguf_file import GGUFFile
 
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_UNKNOWN = 2
@@ -392,50 +393,7 @@ def format_tokens(tokenizer: Tokenizer, ids: list[int], pieces: bool = False) ->
     return json.dumps([[int(i), tokenizer.token_to_piece(i)] for i in ids], ensure_ascii=False)
 
 
-_TOKENIZER_KEYS_PREFIX = "tokenizer."
-
-
 def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The tokenizer.* and general.* metadata of a GGUF file as a plain dict."""
-    p = os.fspath(path)
-    try:
-        from minfer.io.gguf_file import GGUFFile
-    except ImportError:
-        GGUFFile = None  # noqa: N806
-    if GGUFFile is not None:
-        f = GGUFFile.open(p)
-        try:
-            return dict(f.metadata)
-        finally:
-            close = getattr(f, "close", None)
-            if close is not None:
-                close()
-    return _read_with_gguf_reader(p)
-
-
-def _read_with_gguf_reader(path: str) -> dict[str, Any]:
-    from gguf import GGUFReader, GGUFValueType
-
-    try:
-        reader = GGUFReader(path, "r")
-    except FileNotFoundError:
-        raise GGUFError(f"{path}: no such file") from None
-    except Exception as e:  # the reader raises bare ValueError/struct errors on corruption
-        raise GGUFError(f"{path}: cannot read GGUF metadata: {e}") from None
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if not (key.startswith(_TOKENIZER_KEYS_PREFIX) or key.startswith("general.")):
-            continue
-        types = field.types
-        if not types:
-            continue
-        if types[0] == GGUFValueType.ARRAY:
-            if len(types) > 1 and types[1] == GGUFValueType.STRING:
-                out[key] = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-            else:
-                out[key] = [field.parts[i].tolist()[0] for i in field.data]
-        elif types[0] == GGUFValueType.STRING:
-            out[key] = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-        else:
-            out[key] = field.parts[field.data[0]].tolist()[0]
-    return out
+    """The metadata of a GGUF file as a plain dict (minfer.io.gguf_file's checked parser)."""
+    with GGUFFile.open(os.fspath(path)) as f:
+        return dict(f.metadata)
