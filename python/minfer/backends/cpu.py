@@ -45,7 +45,6 @@ def supports_op(node, weight_types: frozenset = WEIGHT_TYPES) -> bool:
         return node.meta.style is RopeStyle.Neox
     if op is Op.Attn:
         return node.meta.mode in (AttnMode.Gqa, AttnMode.Flash) and (not node.meta.explicit_span or supports_attn_span())
-    # Scale/Softmax/layout ops are vocabulary only; the fused decode ops are GPU kernels.
     return False
 
 

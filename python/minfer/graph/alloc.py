@@ -28,7 +28,7 @@ from minfer.graph.ir import KV_BOUND, KV_WRITERS, ComputeGraph, DType, GraphErro
 
 # Ops that may write their output over their first input (same shape, elementwise
 # per position), saving a buffer and keeping kernel-order execution correct.
-ALIASING = frozenset({Op.Silu, Op.RoPE, Op.QkvBiasRopeStore})
+ALIASING = frozenset({Op.Silu, Op.RoPE})
 
 _INF = 1 << 62
 

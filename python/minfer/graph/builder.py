@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from minfer.graph.ir import (
-    AttnMeta, CNode, ComputeGraph, DType, EmbedMeta, FusedFfnMeta, FusedQkvMeta, FusedQkvNormMeta,
-    GraphError, KvcacheMeta, MatMulMeta, NormMeta, Op, QkvBiasRopeStoreMeta, RoPEMeta,
+    AttnMeta, CNode, ComputeGraph, DType, EmbedMeta, GraphError, KvcacheMeta, MatMulMeta, NormMeta, Op, RoPEMeta,
 )
 
 
@@ -216,37 +215,3 @@ class GraphBuilder:
                      kv_type: DType = DType.F32) -> int:
         return self.node(name or self._auto(f"kv_load.{layer}"), Op.KvcacheLoad, [], (kv_dim, n_ctx),
                          meta=_kv_meta(layer, kv_dim, n_ctx, kv_type))
-
-    # ---- decode fused constructors (built, not pattern-matched) ----
-
-    def fused_qkv(self, x: int, pos: int, meta: FusedQkvMeta, name: Optional[str] = None) -> int:
-        """Output is the q|k|v concat [nqt + 2*nkt, nt]; attention reads its first nqt rows."""
-        self._check_f32("fused_qkv", x)
-        self._check_i32("fused_qkv", pos, self._rows(x))
-        if self._shape(x)[0] != meta.in_dim:
-            raise GraphError(f"fused_qkv: input width {self._shape(x)[0]} != {meta.in_dim}")
-        return self.node(name or self._auto(f"fused_qkv.{meta.layer}"), Op.FusedQKV, [x, pos],
-                         (meta.nqt + 2 * meta.nkt, self._rows(x)), meta=meta)
-
-    def qkv_bias_rope_store(self, q: int, k: int, v: int, pos: int, meta: QkvBiasRopeStoreMeta,
-                            name: Optional[str] = None) -> int:
-        """In place on q: q gets bias + rope, k/v get bias (+ rope on k) and go to the KV regions."""
-        self._check_f32("qkv_bias_rope_store", q, k, v)
-        self._check_i32("qkv_bias_rope_store", pos, self._rows(q))
-        return self.node(name or self._auto(f"qkv_brs.{meta.layer}"), Op.QkvBiasRopeStore, [q, k, v, pos],
-                         self._shape(q), meta=meta)
-
-    def fused_ffn(self, x: int, meta: FusedFfnMeta, name: Optional[str] = None) -> int:
-        """Output is [2*nf, nt]: the swiglu result in rows 0..nf (in place over gate|up)."""
-        self._check_f32("fused_ffn", x)
-        if self._shape(x)[0] != meta.in_dim:
-            raise GraphError(f"fused_ffn: input width {self._shape(x)[0]} != {meta.in_dim}")
-        return self.node(name or self._auto("fused_ffn"), Op.FusedFFN, [x], (2 * meta.nf, self._rows(x)), meta=meta)
-
-    def fused_qkv_norm(self, x: int, pos: int, meta: FusedQkvNormMeta, name: Optional[str] = None) -> int:
-        self._check_f32("fused_qkv_norm", x)
-        self._check_i32("fused_qkv_norm", pos, self._rows(x))
-        if self._shape(x)[0] != meta.in_dim:
-            raise GraphError(f"fused_qkv_norm: input width {self._shape(x)[0]} != {meta.in_dim}")
-        return self.node(name or self._auto(f"fused_qkv_norm.{meta.layer}"), Op.FusedQkvNorm, [x, pos],
-                         (meta.nqt + 2 * meta.nkt, self._rows(x)), meta=meta)

@@ -89,9 +89,7 @@ _DETAIL = {
     Op.Input: lambda n: f"input {n.out_dtype.value}",
     Op.Add: lambda n: "a + b",
     Op.Mul: lambda n: "a * b",
-    Op.Scale: lambda n: f"x * {n.meta.scale:g}",
     Op.Silu: lambda n: "silu(x)",
-    Op.Softmax: lambda n: f"softmax over dim {n.meta.dim}",
     Op.RmsNorm: lambda n: f"rms_norm eps={n.meta.eps:g}" + (f" * {n.meta.weight_name}" if n.meta.weight_name else ""),
     Op.QkNorm: lambda n: f"per-head rms_norm hd={n.meta.hd} nh={n.meta.nh} eps={n.meta.eps:g}",
     Op.MatMul: lambda n: (f"{n.meta.weight_name} [{_wtype_name(n.meta.wtype)}] {n.meta.in_dim}->{n.meta.out_dim}"
@@ -103,22 +101,11 @@ _DETAIL = {
                         f"hd={n.meta.hd} ctx={n.meta.n_ctx}{' span' if n.meta.explicit_span else ''}"),
     Op.KvcacheStore: lambda n: f"store K,V of layer {n.meta.layer} (kv_dim={n.meta.kv_dim})",
     Op.KvcacheLoad: lambda n: f"K/V region of layer {n.meta.layer} (n_ctx={n.meta.n_ctx})",
-    Op.View: lambda n: f"view at {n.meta.offset} as {list(n.meta.shape)}",
-    Op.Reshape: lambda n: f"reshape to {list(n.meta.shape)}",
-    Op.Permute: lambda n: f"permute {list(n.meta.dims)}",
     Op.SwiGLU: lambda n: "silu(gate) * up (fused)",
-    Op.BatchMatMul: lambda n: "batched a @ b",
-    Op.FusedQKV: lambda n: (f"fused q|k|v {n.meta.weight_name} [{_wtype_name(n.meta.wtype)}] {n.meta.in_dim}->"
-                            f"{n.meta.nqt}+{2 * n.meta.nkt}{_bias(n.meta.bias_name)}, {_rope(n.meta.rope)}, "
-                            f"KV store layer {n.meta.layer}"),
-    Op.QkvBiasRopeStore: lambda n: (f"fused bias + {_rope(n.meta.rope)} + KV store layer {n.meta.layer}"),
-    Op.FusedFFN: lambda n: f"fused gate|up {n.meta.weight_name} [{_wtype_name(n.meta.wtype)}] {n.meta.in_dim}->2x{n.meta.nf} + swiglu",
-    Op.FusedQkvNorm: lambda n: (f"fused q|k|v {n.meta.weight_name} [{_wtype_name(n.meta.wtype)}] + qk_norm "
-                                f"eps={n.meta.eps:g}, {_rope(n.meta.rope)}, KV store layer {n.meta.layer}"),
 }
 
-# Ops that stand for several unfused ones (built fused, or rewritten by FusionPass).
-FUSED_OPS = frozenset({Op.SwiGLU, Op.FusedQKV, Op.QkvBiasRopeStore, Op.FusedFFN, Op.FusedQkvNorm})
+# Ops that stand for several unfused ones (rewritten by FusionPass).
+FUSED_OPS = frozenset({Op.SwiGLU})
 
 
 def op_detail(node: CNode) -> str:

@@ -26,9 +26,7 @@ class Op(enum.Enum):
     Input = "Input"
     Add = "Add"
     Mul = "Mul"
-    Scale = "Scale"
     Silu = "Silu"
-    Softmax = "Softmax"
     RmsNorm = "RmsNorm"
     QkNorm = "QkNorm"
     MatMul = "MatMul"
@@ -37,15 +35,7 @@ class Op(enum.Enum):
     Attn = "Attn"
     KvcacheStore = "KvcacheStore"
     KvcacheLoad = "KvcacheLoad"
-    View = "View"
-    Reshape = "Reshape"
-    Permute = "Permute"
     SwiGLU = "SwiGLU"
-    BatchMatMul = "BatchMatMul"
-    FusedQKV = "FusedQKV"
-    QkvBiasRopeStore = "QkvBiasRopeStore"
-    FusedFFN = "FusedFFN"
-    FusedQkvNorm = "FusedQkvNorm"
 
     def __str__(self) -> str:
         return self.value
@@ -81,32 +71,6 @@ class AttnMode(enum.Enum):
 
 
 # ---- node metadata: frozen so equality and hashing cover every payload field ----
-
-@dataclass(frozen=True)
-class ScaleMeta:
-    scale: float
-
-
-@dataclass(frozen=True)
-class SoftmaxMeta:
-    dim: int
-
-
-@dataclass(frozen=True)
-class ViewMeta:
-    offset: int
-    shape: tuple
-
-
-@dataclass(frozen=True)
-class ReshapeMeta:
-    shape: tuple
-
-
-@dataclass(frozen=True)
-class PermuteMeta:
-    dims: tuple
-
 
 @dataclass(frozen=True)
 class MatMulMeta:
@@ -163,62 +127,10 @@ class EmbedMeta:
     wtype: int = 0
 
 
-@dataclass(frozen=True)
-class FusedQkvMeta:
-    """Decode QKV: one concat matmul, then bias + rope + KV store in one epilogue."""
-    layer: int
-    weight_name: str
-    bias_name: Optional[str]
-    wtype: int
-    in_dim: int
-    nqt: int                # q width (n_head * hd)
-    nkt: int                # k (= v) width (n_head_kv * hd)
-    rope: RoPEMeta
-    kv_dim: int
-    n_ctx: int
-
-
-@dataclass(frozen=True)
-class QkvBiasRopeStoreMeta:
-    layer: int
-    q_bias: Optional[str]
-    k_bias: Optional[str]
-    v_bias: Optional[str]
-    rope: RoPEMeta
-    kv_dim: int
-    n_ctx: int
-
-
-@dataclass(frozen=True)
-class FusedFfnMeta:
-    weight_name: str        # the gate|up concat weight
-    wtype: int
-    in_dim: int
-    nf: int
-
-
-@dataclass(frozen=True)
-class FusedQkvNormMeta:
-    layer: int
-    weight_name: str
-    wtype: int
-    in_dim: int
-    nqt: int
-    nkt: int
-    q_norm: Optional[str]
-    k_norm: Optional[str]
-    eps: float
-    rope: RoPEMeta
-    kv_dim: int
-    n_ctx: int
-
-
-NodeMeta = Union[None, ScaleMeta, SoftmaxMeta, ViewMeta, ReshapeMeta, PermuteMeta, MatMulMeta, NormMeta,
-                 RoPEMeta, AttnMeta, KvcacheMeta, EmbedMeta, FusedQkvMeta, QkvBiasRopeStoreMeta,
-                 FusedFfnMeta, FusedQkvNormMeta]
+NodeMeta = Union[None, MatMulMeta, NormMeta, RoPEMeta, AttnMeta, KvcacheMeta, EmbedMeta]
 
 # Ops whose kernels write the layer's persistent K/V regions (the allocator ensures them).
-KV_WRITERS = frozenset({Op.KvcacheStore, Op.FusedQKV, Op.QkvBiasRopeStore, Op.FusedQkvNorm})
+KV_WRITERS = frozenset({Op.KvcacheStore})
 # Ops whose node buffer *is* the layer's K region rather than a pooled buffer.
 KV_BOUND = frozenset({Op.KvcacheStore, Op.KvcacheLoad})
 
@@ -226,7 +138,7 @@ KV_BOUND = frozenset({Op.KvcacheStore, Op.KvcacheLoad})
 def node_layer(node: "CNode") -> Optional[int]:
     """The KV layer a node touches, if any."""
     m = node.meta
-    if isinstance(m, (KvcacheMeta, AttnMeta, FusedQkvMeta, QkvBiasRopeStoreMeta, FusedQkvNormMeta)):
+    if isinstance(m, (KvcacheMeta, AttnMeta)):
         return m.layer
     return None
 
