@@ -2,8 +2,8 @@
 
 Runs after backend assignment, because a rewrite is only made where the mul's
 backend says it has the fused kernel. The folded Silu becomes a dead node (no
-buffer, never executed). Build-time fused ops (FusedQKV, FusedFFN, ...) are not
-matched here: the builder emits them directly.
+buffer, never executed). The CUDA decode fusions (q|k|v, gate|up + SwiGLU, ...) are
+not IR rewrites: its executor merges plan steps.
 """
 
 from __future__ import annotations
