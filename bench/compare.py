@@ -32,15 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    import minfer  # noqa: F401
-except ImportError:  # run from a source checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-
-from minfer.tools.bench import (  # noqa: E402
+from minfer.tools.bench import (
     BenchArgumentError, parse_int_list, peak_rss_bytes, random_tokens, time_pp, time_tg,
 )
-from minfer.errors import MinferError  # noqa: E402
+from minfer.errors import MinferError
 
 
 class LlamaPeer:

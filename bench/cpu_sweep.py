@@ -104,8 +104,7 @@ def prepare(dst: Path, model: Path | None) -> None:
     (dst / "llama-src.version").write_text(sdist.name + "\n")
     shutil.rmtree(dl)
     if model is None:
-        sys.path.insert(0, str(ROOT / "python"))
-        from minfer.io.model_cache import default_model_path  # type: ignore
+        from minfer.io.model_cache import default_model_path  # the installed minfer's cache
         model = Path(default_model_path())
     sh([py, str(ROOT / "bench" / "shaped_model.py"), "extract", str(model), str(dst / "meta.json.gz")])
     say(f"prepared {dst}: " + ", ".join(f"{p.name} {p.stat().st_size >> 10} KiB" for p in sorted(dst.iterdir())))
@@ -197,6 +196,8 @@ def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, 
         sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
             "--target", str(site), *wheels])
         sys.path.insert(0, str(site))
+    # The sweep measures this checkout, not an installed minfer: its own build of csrc/
+    # (MINFER_CORE_DIR, below) with the checkout's python/, in the child processes only.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(site), env.get("PYTHONPATH", "")])
     pm = build_minfer(work, env)
     pl = build_llama(inputs, work, llama_flags)

@@ -152,8 +152,7 @@ def run_load(name: str, url: str, concs: list[int], n: int, rounds: int) -> list
 def edit_prompts(workload: str = "edit") -> list[str]:
     """edit: the type-hints prompt of bench/speculate.py over its two functions; other:
     its from-scratch and prose prompts (little for prompt lookup to copy)."""
-    here = Path(__file__).resolve()
-    sys.path[:0] = [str(here.parents[1] / "python"), str(here.parent)]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for bench/speculate.py
     from speculate import FUNC2, PROMPTS  # bench/speculate.py's second function and prompts
     from minfer.tools.bench import SPEC_FUNC, SPEC_PROMPT
 
@@ -223,7 +222,6 @@ def run_spec_compare(url: str, concs: list[int], n: int, rounds: int, workload: 
 def engine_ref(model: str, n: int, threads: int) -> dict:
     """Greedy generation of n tokens by a plain Session in this process: the engine's
     rate in the same window (prompt: a short chat message, like the load's)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     from minfer.sampling import SamplingParams
     from minfer.session import Session
 
@@ -277,7 +275,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("concurrency, tokens and rounds must be >= 1")
     model = a.model
     if model is None and (a.url is None or not a.no_llama):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
         from minfer.io.model_cache import default_model_path
 
         model = str(default_model_path(pull=False))

@@ -9,14 +9,8 @@ The measurement lives in minfer.tools.membw (bench/ is not shipped in the wheel,
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-try:
-    from minfer.tools.membw import measure, measure_bandwidth
-except ImportError:  # run from a source checkout without an install
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-    from minfer.tools.membw import measure, measure_bandwidth
+from minfer.tools.membw import measure, measure_bandwidth
 
 __all__ = ["measure_bandwidth", "main"]
 
