@@ -3,14 +3,12 @@
 // it touches anything an earlier kernel writes (every input, and every output an
 // earlier kernel may still read); what it does before that (index math, loading
 // weights, which no kernel writes) overlaps the previous kernel's tail. pdl_trigger()
-// lets the next kernel launch once every block of this one has started.
-// MINFER_CUDA_PDL=0 launches plainly (the waits then return at once).
+// lets the next kernel launch once every block of this one has started. (Plain launches
+// measured slower: H200 tg128 0.5B 747 / 7B 239 tok/s against 802 / 256 with PDL.)
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "cuda/context.h"
@@ -28,14 +26,6 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-inline bool pdl_enabled() {
-    static const bool on = [] {
-        const char* e = std::getenv("MINFER_CUDA_PDL");
-        return !(e && std::strcmp(e, "0") == 0);
-    }();
-    return on;
-}
-
 // With smem bytes of dynamic shared memory (over 48 KB: once the kernel's attribute allows it).
 template <typename... KArgs, typename... Args>
 void launch_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
@@ -48,7 +38,7 @@ void launch_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, A
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
-    cfg.numAttrs = pdl_enabled() ? 1 : 0;
+    cfg.numAttrs = 1;
     check(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...), "cudaLaunchKernelEx");
     note_launch();
 }
