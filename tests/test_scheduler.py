@@ -160,16 +160,16 @@ def test_a_failing_step_fails_its_jobs_and_the_loop_goes_on(model, monkeypatch):
     """Not a forward fault (those are isolated per sequence) but a bug past it: the
     jobs of that step get a 500 and the scheduler keeps serving."""
     sched = Scheduler(model, n_slots=2, n_ctx=CTX)
-    real = sched._advance
+    real = sched.engine._pick_singles
     calls = {"n": 0}
 
-    def advance(*a):
+    def picks(*a):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("boom")
         return real(*a)
 
-    monkeypatch.setattr(sched, "_advance", advance)
+    monkeypatch.setattr(sched.engine, "_pick_singles", picks)
     sched.start()
     try:
         q: queue.Queue = queue.Queue()

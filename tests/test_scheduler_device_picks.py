@@ -295,15 +295,23 @@ def test_speculating_steps_keep_the_host_path(model):
 
 def test_the_device_path_is_only_taken_where_it_can_be(model):
     """Nothing before the context's first forward (its device is unknown), never on a
-    device without top_k_rows (the CPU), never past MAX_ROWS rows or with drafts."""
+    device without top_k_rows (the CPU), never past MAX_ROWS rows, with drafts only when
+    every pick is a plain argmax, never for a sequence that reads whole rows."""
+    from minfer.engine import Sequence
+
     sched = Scheduler(model, n_slots=2, n_ctx=CTX)
-    s0, s1 = sched.slots
+    eng = sched.engine
+    s0, s1 = (Sequence([1], 4) for _ in range(2))
     items = [(s0, [1], 1), (s1, [2], 1)]
-    assert not sched._picks_on_device(items)          # no forward yet
-    s0.session.forward([1, 2, 3], copy=None)
-    assert hasattr(sched.ctx._out[0], "argmax_rows") and not sched._picks_on_device(items)  # the CPU
+    assert eng._copy_mode(items) is False             # no forward yet
+    sched.slots[0].session.forward([1, 2, 3], copy=None)
+    assert hasattr(sched.ctx._out[0], "argmax_rows") and eng._copy_mode(items) is False  # the CPU
     sched.ctx._out = (PickingCpu(sched.ctx._out[0]),) + sched.ctx._out[1:]
-    assert sched._picks_on_device(items)
-    assert not sched._picks_on_device([(s0, list(range(65)), DeviceRows.MAX_ROWS + 1)])
+    assert eng._copy_mode(items) is None
+    assert eng._copy_mode([(s0, list(range(65)), DeviceRows.MAX_ROWS + 1)]) is False
     s0.draft = [4]
-    assert not sched._picks_on_device(items)
+    assert eng._copy_mode(items) is None              # greedy drafts: argmax_rows
+    sampled = Sequence([1], 4, SamplingParams(temperature=0.9))
+    sampled.draft = [4]
+    assert eng._copy_mode([(sampled, [1, 4], 2), (s1, [2], 1)]) is False
+    assert eng._copy_mode([(Sequence([1], 4, logprobs=2), [1], 1), (s1, [2], 1)]) is False

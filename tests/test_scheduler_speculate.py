@@ -17,7 +17,8 @@ import pytest
 from minfer.errors import MinferError
 from minfer.model import Model
 from minfer.sampling import SamplingParams
-from minfer.server.scheduler import Job, Scheduler, SlotSpec, SpecRequest
+from minfer.engine import SeqSpec
+from minfer.server.scheduler import Job, Scheduler, SpecRequest
 from minfer.session import Session
 from minfer.testing import write_model
 
@@ -125,7 +126,7 @@ def test_the_same_job_alone_or_batched_with_speculating_neighbours(model):
     assert lone["ids"] == crowd[0]["ids"] == alone(model, p, 40).ids
 
 
-class Oracle(SlotSpec):
+class Oracle(SeqSpec):
     """Proposes the job's true greedy continuation (so every draft is accepted), past
     max_tokens when `ignore_limit`; `wrong_every` k: every k-th draft is corrupted."""
 
@@ -133,28 +134,29 @@ class Oracle(SlotSpec):
     ignore_limit = False
     wrong_every = 0
 
-    def __init__(self, req, prompt_ids):
-        super().__init__(req, prompt_ids)
-        self.prompt = list(prompt_ids)
-        self.ref = self.refs[tuple(prompt_ids)]
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
         self.n = 0
 
     def propose(self, limit):
-        picks = self.drafter.toks[len(self.prompt):]  # what was handed out so far
+        # The sequence's tokens are its prompt, then what was handed out so far.
+        prompt = next(p for p in self.refs if tuple(self.toks[:len(p)]) == p)
+        picks = self.toks[len(prompt):]
+        ref = self.refs[prompt]
         k = self.draft_max if self.ignore_limit else min(limit, self.draft_max)
-        draft = list(self.ref[len(picks):len(picks) + k])
+        draft = list(ref[len(picks):len(picks) + k])
         for i in range(len(draft)):
             self.n += 1
             if self.wrong_every and self.n % self.wrong_every == 0:
                 draft[i] = (draft[i] + 1) % 250
-        return draft, 1
+        return draft
 
 
 @pytest.fixture
 def oracle(monkeypatch):
     import minfer.server.scheduler as sch
 
-    monkeypatch.setattr(sch, "SlotSpec", Oracle)
+    monkeypatch.setattr(sch, "SeqSpec", Oracle)
     Oracle.refs, Oracle.ignore_limit, Oracle.wrong_every = {}, False, 0
     return Oracle
 

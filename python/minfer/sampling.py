@@ -1,7 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p and repetition penalty.
+"""Token sampling, the one sampler every caller uses: greedy, temperature, top-k, top-p,
+min-p, repetition / presence / frequency penalties, logit bias and seeds; logprobs.
 
-The order of the filters follows llama.cpp's default chain (penalties, top-k, top-p,
-min-p, temperature, draw) so the knobs mean what users of llama.cpp expect.
+The order follows llama.cpp's default chain (logit bias, penalties, top-k, top-p, min-p,
+temperature, draw) so the knobs mean what users of llama.cpp expect. The repetition
+penalty looks at the last `repeat_last_n` tokens, prompt included (llama.cpp); the
+presence and frequency penalties at the tokens generated so far (OpenAI's definition:
+`logit - frequency * count - presence * (count > 0)`).
 Candidates come from a top-k selection in the compiled core (a NumPy sort of a 152k
 vocabulary took milliseconds, more than a GPU decode step); the filters are NumPy on
 the few that survive.
@@ -28,6 +32,20 @@ class SamplingParams:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple = ()      # ((token id, bias), ...): added to the logit before anything else
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether some logits are changed before the pick (penalties, bias)."""
+        return (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The pick is the raw row's argmax: the device that holds the row takes it."""
+        return self.temperature <= 0.0 and not self.adjusts
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -40,6 +58,33 @@ class SamplingParams:
             raise MinferError(f"--min-p must be in [0, 1), got {self.min_p}")
         if self.repeat_penalty <= 0:
             raise MinferError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:
+                raise MinferError(f"--{name.replace('_', '-')} must be in [-2, 2], got {v}")
+        for item in self.logit_bias:
+            if len(item) != 2 or not isinstance(item[0], (int, np.integer)) or item[0] < 0:
+                raise MinferError(f"a logit bias must map a token id (>= 0) to a number, got {item!r}")
+            if not -100.0 <= float(item[1]) <= 100.0:
+                raise MinferError(f"a logit bias must be in [-100, 100], got {item[1]} for token {item[0]}")
+
+
+class History:
+    """What the penalties look at: the recent tokens (prompt included) and the counts of
+    the generated ones. A speculative verifier scores a block on a copy, as if the
+    drafted tokens before each row had been accepted."""
+
+    __slots__ = ("recent", "counts")
+
+    def __init__(self, last_n: int):
+        self.recent: deque[int] = deque(maxlen=max(last_n, 0) or None)
+        self.counts: dict[int, int] = {}
+
+    def copy(self) -> "History":
+        h = History.__new__(History)
+        h.recent = deque(self.recent, maxlen=self.recent.maxlen)
+        h.counts = dict(self.counts)
+        return h
 
 
 class Sampler:
@@ -50,28 +95,39 @@ class Sampler:
         params.validate()
         self.params = params
         self.rng = np.random.default_rng(params.seed)
-        self.recent: deque[int] = deque(maxlen=max(params.repeat_last_n, 0) or None)
+        self.history = History(params.repeat_last_n)
+        self._bias = (np.array([t for t, _ in params.logit_bias], dtype=np.int64),
+                      np.array([b for _, b in params.logit_bias], dtype=np.float64))
+
+    @property
+    def recent(self) -> deque:
+        return self.history.recent
+
+    def accept_prompt(self, tokens) -> None:
+        """The prompt's tokens: seen by the repetition penalty, not counted as generated."""
+        if self.params.repeat_last_n != 0:
+            self.history.recent.extend(int(t) for t in tokens)
 
     def accept(self, token: int) -> None:
-        if self.params.repeat_last_n != 0:
-            self.recent.append(int(token))
+        """A generated token."""
+        accept(self.params, self.history, int(token))
 
     def sample(self, logits: np.ndarray) -> int:
         return _pick(self, self.candidates(logits))
 
-    def distribution(self, logits, recent=None):
+    def distribution(self, logits, hist: History | None = None):
         """What `sample` draws from: (ids, probs) over the surviving candidates, or
         (argmax id, None) at temperature 0. `logits` is a row, or a source that keeps the
         row where it was computed (a device) and answers for its best candidates (see
-        HostRow). `recent` replaces the penalty history (the speculative verifier scores
+        HostRow). `hist` replaces the penalty history (the speculative verifier scores
         a row as if the drafted tokens before it had been accepted)."""
-        got = self.candidates(logits, recent)
+        got = self.candidates(logits, hist)
         if isinstance(got, int):
             return got, None
         order, w = _weights(*got, self.params)
         return order, w / w.sum()
 
-    def candidates(self, logits, recent=None):
+    def candidates(self, logits, hist: History | None = None):
         """The first half of `distribution`: the argmax id (temperature 0), or (ids,
         values, total) best first before top-p, min-p and temperature, total None for a
         top-k's candidates (their softmax is their own), without top-k the whole row's sum
@@ -81,17 +137,18 @@ class Sampler:
         # place; the penalized values travel beside them.
         src = logits if hasattr(logits, "best") else HostRow(logits)
         n = src.n
-        k, pen_ids = self.needs(n, recent)
+        hist = self.history if hist is None else hist
+        k, pen_ids = self.needs(n, hist)
         if k == 0:
             return src.argmax()
         extra = 0 if pen_ids is None else pen_ids.size
         if k > 0 and src.takes(min(k + extra, n)):
             ids, vals, raw = src.best(min(k + extra, n), pen_ids)
-            pen = None if pen_ids is None else (pen_ids, self._penalize(raw))
+            pen = None if pen_ids is None else (pen_ids, self._adjust(pen_ids, raw, hist))
             order, vals = _merge(ids, vals, k, pen)
         else:  # no top-k, or more candidates than the source selects at once
             row = src.row()
-            pen = None if pen_ids is None else (pen_ids, self._penalize(row[pen_ids].astype(np.float64)))
+            pen = None if pen_ids is None else (pen_ids, self._adjust(pen_ids, row[pen_ids].astype(np.float64), hist))
             if k > 0:
                 order, vals = _best(row, k, pen)
             else:
@@ -100,26 +157,46 @@ class Sampler:
             return int(order[0])
         return order, vals, None
 
-    def needs(self, n: int, recent=None) -> tuple[int, np.ndarray | None]:
+    def needs(self, n: int, hist: History | None = None) -> tuple[int, np.ndarray | None]:
         """What `distribution` reads of a row of n: (k, pen_ids). k = 0: the argmax alone;
         k > 0: the row's k + len(pen_ids) best candidates and its values at pen_ids (the
-        penalized ids, ascending, or None); k = -1: the whole row (no top-k). A device
-        selecting candidates for several rows at once plans with it (session.DeviceRows)."""
+        adjusted ids: penalized or biased, ascending, or None); k = -1: the whole row (no
+        top-k). A device selecting candidates for several rows at once plans with it
+        (rows.DeviceRows)."""
         p = self.params
-        recent = self.recent if recent is None else recent
-        pen_ids = None
-        if p.repeat_penalty != 1.0 and recent:
-            pen_ids = np.array(sorted(set(recent)), dtype=np.int64)
+        hist = self.history if hist is None else hist
+        ids: set[int] = set()
+        if p.repeat_penalty != 1.0:
+            ids.update(hist.recent)
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            ids.update(hist.counts)
+        if p.logit_bias:
+            ids.update(int(t) for t in self._bias[0] if t < n)
+        pen_ids = np.array(sorted(ids), dtype=np.int64) if ids else None
         if p.temperature <= 0.0:
             return (0 if pen_ids is None else 1), pen_ids
         return (p.top_k if 0 < p.top_k < n else -1), pen_ids
 
-    def _penalize(self, vals: np.ndarray) -> np.ndarray:
-        # llama.cpp's rule: shrink positive logits, grow negative ones. An extreme penalty
-        # can push a value past float64: kept finite so the softmax never computes inf - inf.
-        r = self.params.repeat_penalty
-        with np.errstate(over="ignore", under="ignore"):
-            vals = np.where(vals > 0, vals / r, vals * r)
+    def _adjust(self, ids: np.ndarray, vals: np.ndarray, hist: History) -> np.ndarray:
+        """The values at `ids` (ascending) after the logit bias and the penalties."""
+        p = self.params
+        vals = np.array(vals, dtype=np.float64)
+        if p.logit_bias:
+            bid, bval = self._bias
+            at = np.searchsorted(ids, bid)
+            ok = (at < ids.size) & (ids[np.minimum(at, ids.size - 1)] == bid)
+            np.add.at(vals, at[ok], bval[ok])
+        if p.repeat_penalty != 1.0 and hist.recent:
+            # llama.cpp's rule: shrink positive logits, grow negative ones.
+            r = p.repeat_penalty
+            hit = np.isin(ids, np.fromiter(hist.recent, dtype=np.int64))
+            with np.errstate(over="ignore", under="ignore"):
+                vals = np.where(hit, np.where(vals > 0, vals / r, vals * r), vals)
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and hist.counts:
+            c = np.array([hist.counts.get(int(t), 0) for t in ids], dtype=np.float64)
+            vals = vals - p.frequency_penalty * c - p.presence_penalty * (c > 0)
+        # An extreme penalty can push a value past float64: kept finite so the softmax
+        # never computes inf - inf.
         return np.minimum(np.maximum(vals, -_BIG), _BIG)
 
 
@@ -293,6 +370,36 @@ def _sample_batch(batch) -> list[int]:
     u = np.array([[s.rng.random()] for _, s, _, _ in batch])
     at = np.argmax(cdf > u, axis=1)
     return ids[np.arange(m), at].tolist()
+
+
+def accept(params: SamplingParams, hist: History, token: int) -> None:
+    """A generated token into a penalty history."""
+    if params.repeat_last_n != 0:
+        hist.recent.append(token)
+    hist.counts[token] = hist.counts.get(token, 0) + 1
+
+
+def logprob(row: np.ndarray, t: int) -> float:
+    """log softmax(row)[t], in float64."""
+    x = row.astype(np.float64)
+    m = x.max()
+    return float(x[t] - m - np.log(np.exp(x - m).sum()))
+
+
+def top_logprobs(row: np.ndarray, t: int, n: int) -> tuple[float, list | None]:
+    """The pick's logprob and the n most likely tokens' (id, logprob), best first, of the
+    raw row (the model's distribution, before any sampling filter)."""
+    x = np.asarray(row).astype(np.float64)
+    m = x.max()
+    log_sum = np.log(np.exp(x - m).sum())
+    lp = float(x[t] - m - log_sum)
+    if not n:
+        return lp, None
+    top = _core.top_k(np.ascontiguousarray(row, dtype=np.float32), min(n, x.size))
+    if top is None:
+        check_logits_finite(np.asarray(row), None)
+        raise NumericsError("top_k flagged a row that checks finite")
+    return lp, [(int(i), float(x[i] - m - log_sum)) for i in top]
 
 
 def draw(rng: np.random.Generator, probs: np.ndarray) -> int:

@@ -24,20 +24,25 @@ import functools
 import os
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from minfer.engine import Engine, SeqSpec, Sequence, TextState, Timings, TokenEvent, run_one
 from minfer.errors import ContextError, MinferError, NumericsError
 from minfer.graph.cache import GraphCache
 from minfer.graph.params import KV_TYPES, CParams, GraphParams, GraphType
 from minfer.graph.trace import trace_enabled, trace_summary
 from minfer.limits import check_context
 from minfer.logits_check import check_logits_finite
-from minfer.sampling import HostRow, Sampler, SamplingParams
+from minfer.rows import BatchedRow, DeviceRow, DeviceRows
+from minfer.sampling import HostRow, SamplingParams
+
+# Re-exported: callers name these through the session module.
+__all__ = ["BatchedRow", "Context", "DeviceRow", "DeviceRows", "GenerationResult", "Session", "TextState",
+           "Timings", "TokenEvent"]
 
 
 def _cuda_fusions() -> frozenset:
@@ -319,6 +324,15 @@ class Context:
             it[0].tokens.extend(int(t) for t in it[1])
         return logits
 
+    def copy_cells(self, src: int, dst: int, n: int) -> None:
+        """Copy KV cells [src, src + n) to [dst, dst + n) in every layer (a prompt's
+        cells shared by the sequences of an n > 1 request: no second prefill)."""
+        alloc = self.cache.alloc
+        with self.lock:
+            for layer in sorted(alloc.kv):
+                k, v = alloc.read_kv_rows(layer, src, n)
+                alloc.write_kv_rows(layer, dst, n, k, v)
+
     def session(self, seq: int) -> "Session":
         return Session(self.model, context=self, seq=seq)
 
@@ -338,56 +352,12 @@ class Context:
 
 
 @dataclass
-class Timings:
-    prompt_tokens: int = 0      # tokens of the prompt as given
-    cached_tokens: int = 0      # of those, reused from the session's KV (not processed)
-    prompt_ms: float = 0.0      # processing the uncached prompt tokens (to the first pick)
-    generated_tokens: int = 0
-    gen_ms: float = 0.0         # from the first pick to the end
-    drafted: int | None = None  # speculative streams: tokens drafted, and of those accepted
-    accepted: int | None = None
-
-    @property
-    def prompt_tps(self) -> float:
-        n = self.prompt_tokens - self.cached_tokens
-        return n / (self.prompt_ms / 1000) if self.prompt_ms > 0 else 0.0
-
-    @property
-    def gen_tps(self) -> float:
-        # The first generated token comes out of the prefill; the rest are decode steps.
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / (self.gen_ms / 1000) if self.gen_ms > 0 and steps else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-            "prompt_ms": round(self.prompt_ms, 2), "prompt_tps": round(self.prompt_tps, 2),
-            "generated_tokens": self.generated_tokens, "gen_ms": round(self.gen_ms, 2),
-            "gen_tps": round(self.gen_tps, 2),
-            **({"drafted": self.drafted, "accepted": self.accepted} if self.drafted is not None else {}),
-        }
-
-
-@dataclass
-class TokenEvent:
-    """One step of a stream. `text` is the text released by this event: stop strings
-    never appear, and text that could still grow into one is held back. The last event
-    has done=True, id None, the final text flush, the stop reason and the timings."""
-
-    id: int | None
-    text: str
-    logprob: float | None = None
-    done: bool = False
-    stop_reason: str | None = None
-    timings: Timings | None = None
-
-
-@dataclass
 class GenerationResult:
     ids: list[int] = field(default_factory=list)
     text: str = ""
     stop_reason: str = "length"
     timings: Timings = field(default_factory=Timings)
+    logprobs: list = field(default_factory=list)
 
     # Kept for callers that read the flat fields.
     @property
@@ -579,120 +549,56 @@ class Session:
 
     # -- generation ----------------------------------------------------------------
     def stream(self, prompt_ids: list[int], n_predict: int, sampling: SamplingParams | None = None,
-               stop: list[str] | None = None, stop_at_eog: bool = True, logprobs: bool = False,
-               reuse_prefix: bool = True, speculate=None) -> Iterator[TokenEvent]:
-        """Generate up to n_predict tokens after prompt_ids. Closing the generator (or
-        cancel()) stops it between steps; the KV then holds what was processed.
-        speculate: a minfer.speculate.Speculation; the picks then come from verified
-        draft blocks (speculate.py), everything else here is unchanged."""
-        sampling = sampling or SamplingParams(temperature=0.0)
-        sampler = Sampler(sampling)
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not reuse_prefix:
-            self.reset()
-        # The KV ends up holding the prompt and the generated tokens: check before work.
-        self.check_fits(len(prompt_ids), n_predict)
-        self._cancel.clear()
-        for t in prompt_ids:
-            sampler.accept(t)
-        tm = Timings(prompt_tokens=len(prompt_ids))
-        if n_predict == 0:
-            yield TokenEvent(None, "", done=True, stop_reason="length", timings=tm)
-            return
-        text = TextState(self.tokenizer, stop=stop, stop_at_eog=stop_at_eog)
-        # Greedy without penalties needs only the argmax, which the backend holding the
-        # logits takes in place (checking them for NaN/Inf as it goes): nothing else is
-        # read back, so forwards pass copy=None and pick(None) asks the context.
-        greedy = sampling.temperature <= 0.0 and sampling.repeat_penalty == 1.0 and not logprobs
-        # Sampling on a GPU likewise: the device selects the candidates (last_row), so a
-        # step reads back those, not the 600 KB row.
-        on_device = not greedy and not logprobs and self.context.cparams.gpu
-        copy = None if greedy or on_device else False
-
-        step = 0  # 0 = the prompt, then one per decode step
-
-        def pick(logits) -> tuple[int, float | None]:
-            nonlocal step
-            if logits is None:
-                if greedy:
-                    t = self.context.argmax_last(step)  # never the argmax of NaNs
-                else:
-                    t = sampler.sample(self.context.last_row(step))  # never from NaNs either
-                step += 1
-                return t, None
-            check_logits_finite(logits[-1], step)  # never the argmax of NaNs
-            step += 1
-            if greedy:
-                return self.context.argmax_last(), None
-            return pick_token(logits[-1], sampler, logprobs)
-
-        t0 = time.perf_counter()
-        logits, tm.cached_tokens = self.prefill(prompt_ids, copy=copy)
-        nxt, lp = pick(logits)
-        tm.prompt_ms = (time.perf_counter() - t0) * 1000
-        t1 = time.perf_counter()
-        reason = "length"
-        picks = 1
-        source = None
+               stop: list[str] | None = None, stop_at_eog: bool = True, logprobs: bool | int = False,
+               reuse_prefix: bool = True, speculate=None, mask=None) -> Iterator[TokenEvent]:
+        """Generate up to n_predict tokens after prompt_ids, one TokenEvent a token and a
+        final one (done=True). Drives the engine (engine.py) over this session alone.
+        Closing the generator (or cancel()) stops it between steps; the KV then holds
+        the prompt and every token but the last. logprobs: True (the pick's) or N (and
+        the N most likely alternatives). speculate: a minfer.speculate.Speculation.
+        mask: a token-mask hook (engine.Sequence)."""
+        lp = None if logprobs is False or logprobs is None else (0 if logprobs is True else int(logprobs))
+        seq = Sequence(prompt_ids, n_predict, sampling, stop=stop, stop_at_eog=stop_at_eog, logprobs=lp,
+                       mask=mask, one_at_a_time=True)
         if speculate is not None:
-            from minfer.speculate import Runner
-
-            source = Runner(speculate, self, sampler, pick, prompt_ids, n_predict, logprobs, tm)
-        # The forward of a token goes out before its text work and its consumer (the
-        # yield): a device runs the step meanwhile, and a greedy step reads nothing back
-        # until the next pick. Not for a token that ends the output by itself (an
-        # end-of-generation id, the last of n_predict, a cancelled stream); a stop string
-        # or a consumer that stops the stream take the token back. `ahead`: the context's
-        # run count after that forward, until its pick.
-        ahead = None
+            seq.spec = self._seq_spec(speculate, seq.sampling)
+        self._cancel.clear()
+        engine = self._engine()
+        gen = run_one(engine, seq, 0, reuse_prefix=reuse_prefix)
         try:
-            while True:
-                sampler.accept(nxt)
-                out = None
-                if (source is None and nxt not in text.eog and len(text.ids) + 1 < n_predict
-                        and not self._cancel.is_set()):
-                    out = self.forward([nxt], n_out=1, copy=copy)
-                    ahead = self.context.runs
-                piece, end = text.push(nxt)
-                if end is not None:
-                    reason = end
-                    break
-                yield TokenEvent(nxt, piece, lp)
-                if len(text.ids) >= n_predict:
+            for ev in gen:
+                yield ev
+                if ev.done:
                     break
                 if self._cancel.is_set():
-                    reason = "cancelled"
-                    break
-                if source:
-                    nxt, lp = source.next(nxt)
-                else:  # the forward went ahead: every other case has left the loop
-                    stale, ahead = self.context.runs != ahead, None
-                    if stale:
-                        # Another sequence of this context ran meanwhile: its logits
-                        # replaced ours. The KV row is ours; the same step again.
-                        self.truncate(len(self.tokens) - 1)
-                        out = self.forward([nxt], n_out=1, copy=copy)
-                    nxt, lp = pick(out)
-                picks += 1
-            rest, reason = text.finish(reason)
+                    engine.abort(seq)
         finally:
-            if ahead is not None:
-                self.truncate(len(self.tokens) - 1)  # its output ended before it
-            if source:
-                source.finish(picks)  # drop verified cells a plain stream would not hold
-            tm.generated_tokens = len(text.ids)
-            tm.gen_ms = (time.perf_counter() - t1) * 1000
-            self.last_timings = tm
-        yield TokenEvent(None, rest, done=True, stop_reason=reason, timings=tm)
+            gen.close()
+            self.last_timings = seq.timings
+
+    def _engine(self) -> Engine:
+        """This session's engine (itself its only slot), kept for the next stream."""
+        eng = getattr(self, "_own_engine", None)
+        if eng is None:
+            eng = self._own_engine = Engine(self.context, [self])
+        return eng
+
+    def _seq_spec(self, spec, sampling: SamplingParams) -> SeqSpec:
+        # A greedy stream's output does not depend on the depth: it may follow the clock.
+        measured = sampling.temperature <= 0.0
+        if spec.mode == "draft":
+            return SeqSpec("draft", spec.draft_max, spec.policy, draft_session=spec.draft_session(self),
+                           measured=measured)
+        return SeqSpec("ngram", spec.draft_max, spec.policy, drafter=spec.drafter(self), measured=measured)
 
     def generate(self, prompt_ids: list[int], n_predict: int, sampling: SamplingParams | None = None,
                  stop: list[str] | None = None, on_text=None, stop_at_eog: bool = True,
-                 reuse_prefix: bool = False, speculate=None) -> GenerationResult:
+                 reuse_prefix: bool = False, speculate=None, logprobs: bool | int = False) -> GenerationResult:
         """The whole stream as one result; on_text gets each released text piece."""
         res = GenerationResult()
         parts = []
         for ev in self.stream(prompt_ids, n_predict, sampling, stop=stop, stop_at_eog=stop_at_eog,
-                              reuse_prefix=reuse_prefix, speculate=speculate):
+                              reuse_prefix=reuse_prefix, speculate=speculate, logprobs=logprobs):
             if ev.text:
                 parts.append(ev.text)
                 if on_text:
@@ -701,6 +607,7 @@ class Session:
                 res.stop_reason, res.timings = ev.stop_reason, ev.timings
             else:
                 res.ids.append(ev.id)
+                res.logprobs.append(ev.logprob)
         res.text = "".join(parts)
         return res
 
@@ -719,231 +626,3 @@ class Session:
         return graph_json(g, self.model_name, "decode" if decode else "prefill", self.context.cache.name_of)
 
 
-class TextState:
-    """The text side of one generating sequence: ids in, released text out.
-
-    Stop strings never appear in the released text, text that could still grow into
-    one is held back, and a character split across tokens waits for its last byte.
-    Session.stream and the server's scheduler both drive one of these per sequence."""
-
-    def __init__(self, tokenizer, stop: list[str] | None = None, stop_at_eog: bool = True):
-        from minfer.tokenizer import StreamDecoder
-
-        self.eog = tokenizer.eot_ids if stop_at_eog else frozenset()
-        self.decoder = StreamDecoder(tokenizer)
-        self.stops = [s for s in (stop or []) if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""
-        self.emitted = 0
-        self.ids: list[int] = []
-
-    def push(self, tid: int) -> tuple[str, str | None]:
-        """Take one generated id; returns the text it releases and, when it ends the
-        generation, the reason ("eos" or "stop"; the id is then not part of the output)."""
-        if tid in self.eog:
-            return "", "eos"
-        self.ids.append(tid)
-        self.text += self.decoder.push(tid)
-        hit = _find_stop(self.text, self.stops)
-        if hit is not None:
-            self.text = self.text[:hit]
-            return "", "stop"
-        upto = max(self.emitted, len(self.text) - self.hold)
-        out = self.text[self.emitted:upto]
-        self.emitted = upto
-        return out, None
-
-    def finish(self, reason: str) -> tuple[str, str]:
-        """The last text (what was held back) and the final stop reason."""
-        if reason != "stop":
-            self.text += self.decoder.flush()
-            hit = _find_stop(self.text, self.stops)
-            if hit is not None:
-                self.text, reason = self.text[:hit], "stop"
-        out = self.text[self.emitted:]
-        self.emitted = len(self.text)
-        return out, reason
-
-
-class DeviceRow:
-    """The one logits row of a context's last forward, left on the device that wrote it:
-    the sampler's candidates (the best k, the penalized ids' values) come back from the
-    device's selection in one call; a filter that needs the whole row (no top-k) reads it
-    back. Same ids and values as HostRow on that row, so the same picks."""
-
-    def __init__(self, ctx: Context, step: int | None):
-        self.ctx, self.step = ctx, step
-        self.dev, self.buf, self.n, _ = ctx._out
-
-    def argmax(self) -> int:
-        return self.ctx.argmax_last(self.step)
-
-    def takes(self, k: int) -> bool:
-        return k <= getattr(self.dev, "top_k_max", 0)
-
-    def best(self, k: int, ids: np.ndarray | None):
-        gather = np.zeros((1, 0), dtype=np.int32) if ids is None else np.asarray(ids, dtype=np.int32).reshape(1, -1)
-        got = self.dev.top_k_rows(self.buf, self.n, 1, k, gather)[0]
-        if got is None:  # NaN or Inf in the row: the row words the error
-            self.row()
-            raise NumericsError(f"the device flagged non-finite logits (step {self.step}) that read back finite")
-        top, vals, at = got
-        return top, vals.astype(np.float64), None if ids is None else at.astype(np.float64)
-
-    def row(self) -> np.ndarray:
-        row = self.ctx.cache.alloc.host_view(self.ctx.cache.graph.outputs[0])[-1]
-        check_logits_finite(row, self.step)
-        return row
-
-
-class DeviceRows:
-    """Every logits row of a context's last forward (a batched step, one row per
-    sequence), left on the device that wrote them, for the picks of all rows at once.
-    Reading the rows back costs n_vocab * 4 bytes each (600 KB for a 152k vocabulary,
-    per sequence per step) where a pick needs an int, or a sampler's few hundred
-    candidates: the greedy rows' picks come from ONE argmax_rows call and the sampled
-    rows' candidates from ONE top_k_rows call over the rows, each call made only when a
-    row first asks for it. A device takes at most MAX_ROWS rows per call; the caller
-    keeps to that (`usable`).
-
-    One top_k_rows call serves every row, so what the sampled rows will ask is planned
-    (`plan`) before any asks: k is the most candidates a planned row takes, and each
-    row gathers its penalized ids. A request outside the plan, a filter that needs the
-    whole row (no top-k) or a device without the calls reads the rows back (once a
-    step), so the plan only decides what is read back, never what is picked: each row
-    (`source`) answers as HostRow on that row would."""
-
-    MAX_ROWS = 64  # rows one argmax_rows / top_k_rows call takes (kArgmaxMaxRows in csrc/cuda)
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-        self.dev, self.buf, self.n, self.rows = ctx._out
-        self.on_device = self.rows <= self.MAX_ROWS and self.usable_device(self.dev)
-        self.k_max = min(getattr(self.dev, "top_k_max", 0), self.n) if self.on_device else 0
-        self.k = 0                     # candidates the one top_k_rows call selects per row
-        self.gather: dict[int, np.ndarray] = {}  # row -> its penalized ids (int64)
-        self._argmax = None            # argmax_rows' answers, once a row asked
-        self._top = None               # top_k_rows' answers, once a row asked
-        self._host = None              # the rows read back, once a row needed them
-
-    @staticmethod
-    def usable_device(dev) -> bool:
-        return hasattr(dev, "argmax_rows") and hasattr(dev, "top_k_rows")
-
-    @classmethod
-    def usable(cls, ctx: Context, rows: int) -> bool:
-        """Whether a forward of `rows` logits rows can leave them on the device: its
-        device (the last forward's; none before the first) picks in place."""
-        return rows <= cls.MAX_ROWS and ctx._out is not None and cls.usable_device(ctx._out[0])
-
-    def plan(self, r: int, sampler: Sampler) -> None:
-        """Row r will be picked from by `sampler`: note the candidates its distribution
-        will ask for (Sampler.distribution's rule). Before any row asks for candidates."""
-        if not self.on_device:
-            return
-        k, pen = sampler.needs(self.n)
-        if k <= 0:
-            return                     # the argmax, or the whole row (read back)
-        want = min(k + (0 if pen is None else pen.size), self.n)
-        if want > self.k_max:
-            return                     # more than one call selects: read back
-        self.k = max(self.k, want)
-        if pen is not None:
-            self.gather[r] = pen
-
-    def source(self, r: int, step: int | None) -> "BatchedRow":
-        return BatchedRow(self, r, step)
-
-    def argmax(self, r: int, step: int | None) -> int:
-        if not self.on_device:
-            return int(np.argmax(self.host_row(r, step)))
-        if self._argmax is None:
-            self._argmax = [int(t) for t in self.dev.argmax_rows(self.buf, self.n, self.rows)]
-        t = self._argmax[r]
-        if t < 0:
-            self._broken(r, step)
-        return t
-
-    def takes(self, k: int) -> bool:
-        return 0 < k <= self.k
-
-    def best(self, r: int, k: int, ids: np.ndarray | None, step: int | None):
-        if not self.takes(k):
-            return HostRow(self.host_row(r, step)).best(k, ids)
-        if self._top is None:
-            g = max((v.size for v in self.gather.values()), default=0)
-            gather = np.full((self.rows, g), -1, dtype=np.int32)
-            for i, v in self.gather.items():
-                gather[i, :v.size] = v
-            self._top = self.dev.top_k_rows(self.buf, self.n, self.rows, self.k, gather)
-        got = self._top[r]
-        if got is None:
-            self._broken(r, step)
-        top, vals, at = got
-        if k > top.size:               # planned after the call: more than it selected
-            return HostRow(self.host_row(r, step)).best(k, ids)
-        if ids is None:
-            return top[:k], vals[:k].astype(np.float64), None
-        # By id, not by position: the ids come as the sampler's set iterates them.
-        mine = self.gather.get(r)
-        where = {} if mine is None else {int(i): j for j, i in enumerate(mine)}
-        pos = [where.get(int(i), -1) for i in ids]
-        if min(pos, default=0) < 0:    # an id the plan did not gather
-            return HostRow(self.host_row(r, step)).best(k, ids)
-        return top[:k], vals[:k].astype(np.float64), at[pos].astype(np.float64)
-
-    def host_row(self, r: int, step: int | None) -> np.ndarray:
-        """Row r read back (all rows are, once), checked for NaN/Inf."""
-        if self._host is None:
-            self._host = self.ctx.cache.alloc.host_view(self.ctx.cache.graph.outputs[0])
-        row = self._host[r]
-        check_logits_finite(row, step)
-        return row
-
-    def _broken(self, r: int, step: int | None):
-        """The device flagged NaN/Inf in row r: the row read back words the error."""
-        self.host_row(r, step)
-        raise NumericsError(f"the device flagged non-finite logits (step {step}) that read back finite")
-
-
-class BatchedRow:
-    """Row r of a DeviceRows, as Sampler.distribution reads a row (see HostRow); `step`
-    names the decode step in a NumericsError."""
-
-    def __init__(self, rows: DeviceRows, r: int, step: int | None):
-        self.rows, self.r, self.step = rows, r, step
-        self.n = rows.n
-
-    def argmax(self) -> int:
-        return self.rows.argmax(self.r, self.step)
-
-    def takes(self, k: int) -> bool:
-        return self.rows.takes(k)
-
-    def best(self, k: int, ids: np.ndarray | None):
-        return self.rows.best(self.r, k, ids, self.step)
-
-    def row(self) -> np.ndarray:
-        return self.rows.host_row(self.r, self.step)
-
-
-def pick_token(row: np.ndarray, sampler: Sampler, logprobs: bool = False) -> tuple[int, float | None]:
-    """The next id from one logits row (argmax when greedy without penalties)."""
-    sp = sampler.params
-    t = int(np.argmax(row)) if sp.temperature <= 0.0 and sp.repeat_penalty == 1.0 else sampler.sample(row)
-    return t, (_logprob(row, t) if logprobs else None)
-
-
-def _logprob(row: np.ndarray, t: int) -> float:
-    x = row.astype(np.float64)
-    m = x.max()
-    return float(x[t] - m - np.log(np.exp(x - m).sum()))
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    best = None
-    for s in stops:
-        i = text.find(s)
-        if i >= 0 and (best is None or i < best):
-            best = i
-    return best

@@ -7,8 +7,13 @@ Drafters:
   context does proposes what followed it. No second model; strong on editing tasks,
   where the answer copies long stretches of the prompt.
 - `draft`: a smaller GGUF with the same vocabulary, decoded greedily in a Session of
-  its own (its own Model, so its own WeightRegistry and backend stores: names never collide with the
-  target's).
+  its own (its own Model, so its own WeightRegistry and backend stores: names never
+  collide with the target's); the engine drafts for all such sequences of a step in
+  batched forwards.
+
+Speculation is a property of a sequence inside the engine (engine.SeqSpec), not a
+loop of its own: this module holds the drafters, the depth policy and the
+verification rule.
 
 Acceptance. Greedy: a drafted token is kept while it equals the target's pick for
 that row, so the output is the plain greedy output token for token (the kernels are
@@ -32,15 +37,12 @@ loss on text that does not repeat itself to a few percent.
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from minfer.errors import MinferError
-from minfer.sampling import draw
+from minfer.sampling import accept, draw, logprob
 
 MODES = ("ngram", "draft")
 
@@ -83,8 +85,12 @@ class Speculation:
         return cls(mode, draft_max=draft_max, draft_model=dm, **kw)
 
     def drafter(self, session) -> "Drafter":
-        if self.mode == "ngram":
-            return NgramDrafter(*self.ngram)
+        """An n-gram sequence's drafter (prompt lookup over its own tokens)."""
+        return NgramDrafter(*self.ngram)
+
+    def draft_session(self, session):
+        """The draft model's session for a target session: kept between streams, so its
+        KV prefix is reused across turns like the target's."""
         check_same_vocab(session.model, self.draft_model)
         # A decode step reads every weight once: the weight bytes' ratio is a draft step's
         # cost relative to a target step until timings (greedy streams) refine it.
@@ -92,10 +98,9 @@ class Speculation:
                           / max(1, session.model.defn.weight_bytes_per_token()))
         ds = self._draft_session
         if ds is None or ds.n_ctx < session.n_ctx:
-            # The target's own Session class: this module never imports session.py,
-            # which dispatches into it.
+            # The target's own Session class: this module never imports session.py.
             ds = self._draft_session = type(session)(self.draft_model, n_ctx=session.n_ctx)
-        return DraftModelDrafter(ds)
+        return ds
 
 
 def check_same_vocab(target, draft) -> None:
@@ -113,8 +118,6 @@ def check_same_vocab(target, draft) -> None:
 
 class Drafter:
     """Sees the context grow (prompt, then every pick) and proposes continuations."""
-
-    extra_ms = 0.0  # time the last propose() spent in forwards of its own
 
     def extend(self, tokens) -> None:
         raise NotImplementedError
@@ -150,32 +153,6 @@ class NgramDrafter(Drafter):
             if p is not None:
                 return toks[p:p + k], n
         return [], 0
-
-
-class DraftModelDrafter(Drafter):
-    """Greedy continuation by a second model in its own session; its KV keeps the
-    longest prefix it shares with the context, so each round processes only the
-    target's correction (and whatever it had not seen) before drafting."""
-
-    def __init__(self, session):
-        self.s = session
-        self.ctx: list[int] = []
-
-    def extend(self, tokens) -> None:
-        self.ctx.extend(int(t) for t in tokens)
-
-    def propose(self, k: int) -> tuple[list[int], int]:
-        t0 = time.perf_counter()
-        s = self.s
-        if len(self.ctx) + k > s.n_ctx:
-            return [], 0
-        s.prefill(self.ctx)
-        out = [s.argmax_last()]
-        while len(out) < k:
-            s.forward([out[-1]], n_out=1, copy=False)
-            out.append(s.argmax_last())
-        self.extra_ms = (time.perf_counter() - t0) * 1000
-        return out, 1
 
 
 # ----------------------------------------------------------------------------- policy
@@ -254,95 +231,13 @@ class Policy:
                 self.q = q if self.q is None else 0.7 * self.q + 0.3 * q
 
 
-# ----------------------------------------------------------------------------- runner
+# ----------------------------------------------------------------------------- verification
 
 
 @dataclass
 class Pick:
     id: int
     logprob: float | None
-
-
-class Runner:
-    """One stream's speculative token source. `next(prev)` feeds the pick just made and
-    returns the next one; picks verified in one block are handed out one at a time,
-    so the stream's stop strings, EOG and cancel act between tokens as usual.
-    `finish(n_picks)` rolls the KV back to exactly what a plain stream would hold."""
-
-    def __init__(self, spec: Speculation, session, sampler, pick: Callable, prompt_ids: list[int],
-                 n_predict: int, logprobs: bool, timings):
-        self.spec, self.s, self.sampler, self.pick = spec, session, sampler, pick
-        self.n_predict, self.logprobs, self.tm = n_predict, logprobs, timings
-        self.n_prompt = len(prompt_ids)
-        self.drafter = spec.drafter(session)
-        self.drafter.extend(prompt_ids)
-        self.queue: deque = deque()
-        self.produced = 1  # the prefill's pick
-        p = sampler.params
-        self.greedy = p.temperature <= 0.0
-        self.plain_argmax = self.greedy and p.repeat_penalty == 1.0
-        self.fast_argmax = self.plain_argmax and not logprobs
-        timings.drafted = timings.accepted = 0
-
-    def next(self, prev: int) -> tuple[int, float | None]:
-        self.drafter.extend([prev])
-        if not self.queue:
-            self._round(prev)
-        self.produced += 1
-        pk = self.queue.popleft()
-        return pk.id, pk.logprob
-
-    def finish(self, n_picks: int) -> None:
-        keep = self.n_prompt + n_picks - 1
-        if self.s.n_past > keep:
-            self.s.truncate(keep)
-
-    # one verify ------------------------------------------------------------------
-    def _round(self, prev: int) -> None:
-        s, pol = self.s, self.spec.policy
-        limit = min(self.spec.draft_max, self.n_predict - self.produced - 1,
-                    s.n_ctx - s.n_past - 1)
-        draft, bucket = [], 0
-        if limit > 0 and isinstance(self.drafter, NgramDrafter):
-            # Look first (a dict read), then choose the depth for that match's bucket.
-            draft, bucket = self.drafter.propose(limit)
-            draft = draft[:pol.depth(bucket, len(draft), self.greedy)] if draft else []
-        elif limit > 0:
-            # A draft model costs a forward per token: choose the depth before drafting.
-            d = pol.depth(1, limit, self.greedy)
-            draft, bucket = self.drafter.propose(d) if d else ([], 1)
-        n = len(draft) + 1
-        builds = s.builds
-        t0 = time.perf_counter()
-        if self.fast_argmax:
-            # Picks only: the device takes each row's argmax in place (one readback of n
-            # ints on CUDA instead of n rows of logits), a plain step its in-graph pick.
-            s.forward([prev] + draft, n_out=n, copy=None)
-            if not draft:
-                self.queue.append(Pick(*self.pick(None)))
-            else:
-                picks, j = accept_picks(s.context.argmax_rows(self.produced), draft)
-                self.queue.extend(picks)
-        else:
-            rows = s.forward([prev] + draft, n_out=n, copy=False)
-            if not draft:
-                self.queue.append(Pick(*self.pick(rows)))
-            else:
-                j = self._accept(rows, draft)
-        if draft:
-            s.truncate(s.n_past - (len(draft) - j))
-            pol.record(bucket, len(draft), j)
-            self.tm.drafted += len(draft)
-            self.tm.accepted += j
-        ms = (time.perf_counter() - t0) * 1000
-        if self.greedy and s.builds == builds:  # a graph build is not what a block of n costs
-            pol.timed(n, ms, getattr(self.drafter, "extra_ms", 0.0), len(draft))
-
-    def _accept(self, rows: np.ndarray, draft: list[int]) -> int:
-        """Queue the picks of a verified block; returns how many drafts were kept."""
-        picks, j = verify(rows, draft, self.sampler, self.logprobs, self.plain_argmax)
-        self.queue.extend(picks)
-        return j
 
 
 def accept_picks(picks: list[int], draft: list[int]) -> tuple[list[Pick], int]:
@@ -366,18 +261,18 @@ def verify(rows: np.ndarray, draft: list[int], sampler, logprobs: bool = False,
     pick as it hands it out (and may stop before the last)."""
     if plain_argmax is None:
         p = sampler.params
-        plain_argmax = p.temperature <= 0.0 and p.repeat_penalty == 1.0
+        plain_argmax = p.plain_greedy
     if plain_argmax:
         out, j = accept_picks([int(np.argmax(rows[i])) for i in range(len(draft) + 1)], draft)
         if logprobs:
             for i, pk in enumerate(out):
-                pk.logprob = _logprob(rows[i], pk.id)
+                pk.logprob = logprob(rows[i], pk.id)
         return out, j
     out: list[Pick] = []
-    recent = deque(sampler.recent, maxlen=sampler.recent.maxlen)
+    hist = sampler.history.copy()
     rng = sampler.rng
     for j in range(len(draft) + 1):
-        ids, probs = sampler.distribution(rows[j], recent)
+        ids, probs = sampler.distribution(rows[j], hist)
         x = draft[j] if j < len(draft) else None
         if probs is None:                      # temperature 0 with a penalty
             t = int(ids)
@@ -393,15 +288,9 @@ def verify(rows: np.ndarray, draft: list[int], sampler, logprobs: bool = False,
                 if hit.size:
                     res[hit[0]] = 0.0
                 t = int(ids[draw(rng, res / res.sum())])
-        out.append(Pick(t, _logprob(rows[j], t) if logprobs else None))
+        out.append(Pick(t, logprob(rows[j], t) if logprobs else None))
         if t != x:
             return out, j
-        if sampler.params.repeat_last_n != 0:  # as Sampler.accept
-            recent.append(t)
+        accept(sampler.params, hist, t)  # as Sampler.accept
     return out, len(draft)
 
-
-def _logprob(row: np.ndarray, t: int) -> float:
-    x = row.astype(np.float64)
-    m = x.max()
-    return float(x[t] - m - np.log(np.exp(x - m).sum()))

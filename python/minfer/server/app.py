@@ -214,18 +214,29 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
         except (asyncio.CancelledError, Exception):  # noqa: BLE001
             return
 
+    def check_sampling(req: GenRequest) -> None:
+        n_vocab = model.hp.n_vocab
+        for t, _ in req.sampling.logit_bias:
+            if t >= n_vocab:
+                raise bad(f"'logit_bias' names token {t}, outside the vocabulary [0, {n_vocab})", param="logit_bias")
+        if req.n > len(scheduler.slots):
+            raise bad(f"'n' = {req.n} choices need as many slots; this server has {len(scheduler.slots)} "
+                      f"(minfer serve --slots)", param="n")
+
     async def generate(request: Request, kind: str) -> Response:
         endpoint = request.url.path
         try:
             check_auth(request)
             obj = parse_json(await read_body(request))
             req = parse_chat(obj) if kind == "chat" else parse_completion(obj)
+            check_sampling(req)
             ids = await run_in_threadpool(tokenize, req)
             n_predict = plan(req, ids)
             spec = speculation(req)
             relay = _Relay(asyncio.get_running_loop())
             job = Job(prompt_ids=ids, n_predict=n_predict, sampling=req.sampling, emit=relay.emit,
-                      stop=req.stop, stop_at_eog=not req.ignore_eos, speculate=spec)
+                      stop=req.stop, stop_at_eog=not req.ignore_eos, speculate=spec, n=req.n,
+                      logprobs=req.logprobs)
             try:
                 scheduler.submit(job)
             except QueueFull:
@@ -249,6 +260,7 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
             raise
         if first.kind == "error" or (first.kind == "done" and first.reason == "cancelled"):
             watcher.cancel()
+            job.cancel()
             if job.client_gone:
                 metrics.on_request(endpoint, 499)
                 return Response(status_code=499)
@@ -257,72 +269,96 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
             metrics.on_request(endpoint, 200)
             return StreamingResponse(sse(kind, rid, req, job, relay, first, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        choices = [_Choice() for _ in range(req.n)]
         try:
-            parts, ev = [], first
-            while ev.kind == "token":
-                parts.append(ev.text)
+            ev, left = first, req.n
+            while True:
+                if ev.kind == "error" or (ev.kind == "done" and ev.reason == "cancelled"):
+                    break
+                c = choices[ev.index]
+                if ev.kind == "token":
+                    c.parts.append(ev.text)
+                    if req.logprobs is not None:
+                        c.lps.append(ev)
+                else:
+                    c.parts.append(ev.text)
+                    c.done = ev
+                    left -= 1
+                    if left == 0:
+                        break
                 ev = await relay.get(scheduler)
         finally:
-            job.cancel()     # no-op when finished; frees the slot when this task was cancelled
+            job.cancel()     # no-op when finished; frees the slots when this task was cancelled
             watcher.cancel()
         if job.client_gone:
             metrics.on_request(endpoint, 499)  # nginx's "client closed request": nobody to answer
             return Response(status_code=499)
         if ev.kind == "error" or ev.reason == "cancelled":
             return respond_error(endpoint, _event_error(ev))
-        parts.append(ev.text)
-        text = "".join(parts)
         metrics.on_request(endpoint, 200)
-        finish = _finish_reason(ev.reason)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-            obj_name = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj_name = "text_completion"
-        return JSONResponse({"id": rid, "object": obj_name, "created": int(time.time()), "model": model_id,
-                             "choices": [choice], "usage": ev.usage, "system_fingerprint": "minfer"})
+        out = []
+        for i, c in enumerate(choices):
+            text = "".join(c.parts)
+            finish = _finish_reason(c.done.reason)
+            lp = _logprobs_doc(kind, c.lps, tok) if req.logprobs is not None else None
+            if kind == "chat":
+                out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                            "finish_reason": finish})
+            else:
+                out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
+        usage = _sum_usage([c.done.usage for c in choices])
+        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                             "created": int(time.time()), "model": model_id, "choices": out, "usage": usage,
+                             "system_fingerprint": "minfer"})
 
     async def sse(kind, rid, req, job, relay, first, watcher):
         chat = kind == "chat"
         created_now = int(time.time())
         obj_name = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(i: int, text: str | None, finish: str | None, role: bool = False, ev: Event | None = None) -> str:
+            lp = _logprobs_doc(kind, [ev], tok) if ev is not None and req.logprobs is not None else None
             if chat:
                 delta = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
             doc = {"id": rid, "object": obj_name, "created": created_now, "model": model_id, "choices": [choice],
                    "system_fingerprint": "minfer"}
             if req.include_usage:
                 doc["usage"] = None
             return _sse(doc)
 
+        usages = []
         try:
             if chat:
-                yield chunk("", None, role=True)
-            ev = first
-            while ev.kind == "token":
-                if ev.text:
-                    yield chunk(ev.text, None)
+                for i in range(req.n):
+                    yield chunk(i, "", None, role=True)
+            ev, left = first, req.n
+            while True:
+                if ev.kind == "error" or (ev.kind == "done" and ev.reason == "cancelled"):
+                    err = _event_error(ev)
+                    yield _sse(err.body())
+                    return
+                if ev.kind == "token":
+                    if ev.text or req.logprobs is not None:
+                        yield chunk(ev.index, ev.text, None, ev=ev)
+                else:
+                    if ev.text:
+                        yield chunk(ev.index, ev.text, None)
+                    yield chunk(ev.index, None if chat else "", _finish_reason(ev.reason))
+                    usages.append(ev.usage)
+                    left -= 1
+                    if left == 0:
+                        break
                 ev = await relay.get(scheduler)
-            if ev.kind == "error" or ev.reason == "cancelled":
-                err = _event_error(ev)
-                yield _sse(err.body())
-                return
-            if ev.text:
-                yield chunk(ev.text, None)
-            yield chunk(None if chat else "", _finish_reason(ev.reason))
             if req.include_usage:
                 yield _sse({"id": rid, "object": obj_name, "created": created_now, "model": model_id,
-                            "choices": [], "usage": ev.usage, "system_fingerprint": "minfer"})
+                            "choices": [], "usage": _sum_usage(usages), "system_fingerprint": "minfer"})
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()
@@ -388,12 +424,56 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
     )
 
 
+class _Choice:
+    def __init__(self):
+        self.parts: list[str] = []
+        self.lps: list[Event] = []
+        self.done: Event | None = None
+
+
+def _sum_usage(usages: list[dict]) -> dict:
+    """One request's usage over its choices: the prompt once, the completions summed."""
+    u = dict(usages[0])
+    if len(usages) > 1:
+        done = sum(x["completion_tokens"] for x in usages)
+        u["completion_tokens"] = done
+        u["total_tokens"] = u["prompt_tokens"] + done
+    return u
+
+
+def _token_entry(tok, t: int, lp: float) -> dict:
+    b = tok.token_bytes(t)
+    return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
+
+def _logprobs_doc(kind: str, evs: list, tok) -> dict:
+    """OpenAI's logprobs object for token events: chat's `content` list, or the
+    completions API's parallel arrays."""
+    if kind == "chat":
+        content = []
+        for ev in evs:
+            e = _token_entry(tok, ev.id, ev.logprob)
+            e["top_logprobs"] = [_token_entry(tok, t, lp) for t, lp in (ev.top_logprobs or [])]
+            content.append(e)
+        return {"content": content, "refusal": None}
+    tokens, lps, tops, offsets, at = [], [], [], [], 0
+    for ev in evs:
+        piece = tok.token_bytes(ev.id).decode("utf-8", errors="replace")
+        tokens.append(piece)
+        lps.append(ev.logprob)
+        tops.append({tok.token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in (ev.top_logprobs or [])})
+        offsets.append(at)
+        at += len(piece)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
 def _sse(doc: dict) -> str:
     return "data: " + json.dumps(doc, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 def _finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
+
 
 
 def _event_error(ev: Event) -> ApiError:

@@ -71,6 +71,8 @@ class GenRequest:
     model: str | None = None
     speculate: str | None = None       # "off" | "ngram" | "draft"; None: the server's default
     draft_max: int | None = None       # None: the server's default
+    n: int = 1                         # choices
+    logprobs: int | None = None        # None: off; N >= 0: each token's logprob and N alternatives
 
 
 def parse_json(body: bytes) -> dict:
@@ -94,7 +96,9 @@ def parse_json(body: bytes) -> dict:
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
            "stream_options", "n", "user", "ignore_eos", "repeat_penalty", "presence_penalty",
-           "frequency_penalty", "logprobs", "speculate", "draft_max"}
+           "frequency_penalty", "logprobs", "logit_bias", "speculate", "draft_max"}
+MAX_N = 16            # choices per request (each takes a slot)
+MAX_LOGPROBS = 20     # OpenAI's bound on top_logprobs
 SPECULATE = ("off", "ngram", "draft")   # the request extension's values
 DRAFT_MAX_LIMIT = 64
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -114,8 +118,18 @@ def parse_chat(obj: dict) -> GenRequest:
     mct = obj.get("max_completion_tokens")
     if mct is not None:
         req.max_tokens = _max_tokens(mct, "max_completion_tokens")
-    if obj.get("top_logprobs") is not None:
-        raise bad("'top_logprobs' is not supported", param="top_logprobs", code="unsupported_parameter")
+    # Chat: "logprobs": true turns them on, "top_logprobs": N (0-20) asks for alternatives.
+    lp = obj.get("logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise bad("'logprobs' must be a boolean", param="logprobs", code="invalid_type")
+    top = obj.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+            raise bad(f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}]", param="top_logprobs",
+                      code="invalid_type")
+        if not lp:
+            raise bad("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    req.logprobs = (int(top) if top is not None else 0) if lp else None
     return req
 
 
@@ -139,11 +153,40 @@ def parse_completion(obj: dict) -> GenRequest:
                   "(one prompt per request)", param="prompt", code="invalid_type")
     else:
         raise bad("'prompt' must be a string or a list of token ids", param="prompt", code="invalid_type")
+    # Completions: "logprobs": N (0-5 in OpenAI's API; up to 20 here) alternatives per token.
+    lp = obj.get("logprobs")
+    if lp is not None:
+        if isinstance(lp, bool) or not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS:
+            raise bad(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}]", param="logprobs", code="invalid_type")
+        req.logprobs = int(lp)
     if obj.get("echo"):
         raise bad("'echo' is not supported", param="echo", code="unsupported_parameter")
     if obj.get("suffix") is not None:
         raise bad("'suffix' is not supported", param="suffix", code="unsupported_parameter")
     return req
+
+
+def _logit_bias(v) -> tuple:
+    """OpenAI's logit_bias: an object mapping token ids (as strings) to a bias in
+    [-100, 100]. Ids beyond the vocabulary are refused later, where it is known."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad("'logit_bias' must be an object mapping token ids to numbers", param="logit_bias",
+                  code="invalid_type")
+    out = []
+    for k, b in v.items():
+        try:
+            t = int(k)
+        except ValueError:
+            raise bad(f"'logit_bias' keys must be token ids, got {k!r}", param="logit_bias") from None
+        if t < 0 or str(t) != str(k).strip():
+            raise bad(f"'logit_bias' keys must be token ids, got {k!r}", param="logit_bias")
+        val = _number(b, "logit_bias")
+        if not -100.0 <= val <= 100.0:
+            raise bad(f"'logit_bias' values must be in [-100, 100], got {b} for token {t}", param="logit_bias")
+        out.append((t, val))
+    return tuple(sorted(out))
 
 
 def _no_unknown(obj: dict, allowed: set[str]) -> None:
@@ -160,17 +203,14 @@ def _common(obj: dict, req: GenRequest) -> None:
     if obj.get("max_tokens") is not None:
         req.max_tokens = _max_tokens(obj["max_tokens"], "max_tokens")
     n = obj.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad("only 'n': 1 is supported", param="n", code="unsupported_parameter")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+        raise bad(f"'n' must be an integer in [1, {MAX_N}]", param="n", code="invalid_type")
+    req.n = int(n) if n is not None else 1
     if obj.get("user") is not None and not isinstance(obj["user"], str):
         raise bad("'user' must be a string", param="user", code="invalid_type")
-    for k in ("presence_penalty", "frequency_penalty"):
-        v = obj.get(k)
-        if v is not None and (_number(v, k) != 0.0):
-            raise bad(f"'{k}' is not supported (only 0)", param=k, code="unsupported_parameter")
-    lp = obj.get("logprobs")
-    if lp not in (None, False, 0):
-        raise bad("'logprobs' is not supported", param="logprobs", code="unsupported_parameter")
+    presence = _opt_number(obj, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _opt_number(obj, "frequency_penalty", 0.0, -2.0, 2.0)
+    bias = _logit_bias(obj.get("logit_bias"))
 
     temp = _opt_number(obj, "temperature", DEFAULTS["temperature"], 0.0, 2.0)
     top_p = _opt_number(obj, "top_p", DEFAULTS["top_p"], 0.0, 1.0)
@@ -193,7 +233,8 @@ def _common(obj: dict, req: GenRequest) -> None:
     if seed is not None and seed < 0:
         seed &= (1 << 64) - 1
     req.sampling = SamplingParams(temperature=temp, top_k=int(top_k), top_p=top_p, min_p=min_p,
-                                  repeat_penalty=rp, seed=seed)
+                                  repeat_penalty=rp, seed=seed, presence_penalty=presence,
+                                  frequency_penalty=frequency, logit_bias=bias)
 
     stop = obj.get("stop")
     if stop is None:
