@@ -17,4 +17,16 @@ if _os.environ.get("MINFER_CORE_DIR"):
 
 from minfer.errors import MinferError  # noqa: E402
 
-__all__ = ["MinferError", "__version__"]
+__all__ = ["LLM", "Completion", "MinferError", "Token", "__version__", "load"]
+
+
+def __getattr__(name: str):
+    # The API pulls in numpy and the compiled core: only when it is asked for, so that
+    # `import minfer` stays cheap for the CLI's argument checks. Imported by name: every
+    # module imports this package, and a static import here would put the API (the top
+    # layer) under each of them in the layering contract.
+    if name in ("load", "LLM", "Completion", "Token"):
+        import importlib
+
+        return getattr(importlib.import_module("minfer.api"), name)
+    raise AttributeError(f"module 'minfer' has no attribute {name!r}")

@@ -43,6 +43,10 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely to
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold (1 = off).")]
 MinPOpt = Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p x the top probability (0 = off).")]
 RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", help="Penalty for recently seen tokens (1 = off).")]
+PresenceOpt = Annotated[float, typer.Option("--presence-penalty", help="Subtract this from the logit of every token already generated, in [-2, 2] (0 = off).")]
+FrequencyOpt = Annotated[float, typer.Option("--frequency-penalty", help="Subtract this times its count from the logit of a generated token, in [-2, 2] (0 = off).")]
+LogitBiasOpt = Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS: add BIAS (in [-100, 100]) to token ID's logit (repeatable).")]
+LogprobsOpt = Annotated[Optional[int], typer.Option("--logprobs", help="Report each token's log-probability and its N most likely alternatives (0-20; with --json).")]
 CTX0 = "0 = the model's trained context, as in llama.cpp"
 SEED_HELP = "Random seed (same seed, same output); -1 = random, as in llama.cpp."
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help=SEED_HELP)]
@@ -128,6 +132,10 @@ def generate(
     top_p: TopPOpt = 0.95,
     min_p: MinPOpt = 0.05,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
+    presence_penalty: PresenceOpt = 0.0,
+    frequency_penalty: FrequencyOpt = 0.0,
+    logit_bias: LogitBiasOpt = None,
+    logprobs: LogprobsOpt = None,
     seed: SeedOpt = None,
     ctx: Annotated[int, typer.Option("--ctx", "-c", help=f"Context size in tokens ({CTX0}).")] = 4096,
     threads: ThreadsOpt = None,
@@ -147,7 +155,9 @@ def generate(
     """Generate a continuation of PROMPT, streamed to stdout; timings go to stderr."""
     model, prompt = _split_model_and_text(args, "PROMPT")
     cli_args.integer("-n", n_predict, 0)
-    sp = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    sp = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed, presence_penalty, frequency_penalty, logit_bias)
+    if logprobs is not None:
+        cli_args.integer("--logprobs", logprobs, 0, 20)
     cli_args.ctx(ctx)
     threads = cli_args.threads(threads)
     for flag, path in (("--dump-graph", dump_graph), ("--dump-graph-json", dump_graph_json)):
@@ -187,7 +197,9 @@ def generate(
         session.context.tracer = Tracer(session.model_name, prompt=text)
     ids: list[int] = []
     parts: list[str] = []
-    for ev in session.stream(prompt_ids, n_predict, sp, stop=stop or [], speculate=spec):
+    lps: list[dict] = []
+    for ev in session.stream(prompt_ids, n_predict, sp, stop=stop or [], speculate=spec,
+                             logprobs=False if logprobs is None else logprobs):
         if ev.text:
             parts.append(ev.text)
             if not as_json:
@@ -196,6 +208,9 @@ def generate(
             reason, tm = ev.stop_reason, ev.timings
         else:
             ids.append(ev.id)
+            if logprobs is not None:
+                lps.append({"id": ev.id, "logprob": ev.logprob,
+                            "top": [{"id": t, "logprob": lp} for t, lp in (ev.top_logprobs or [])]})
     if trace_path:
         tracer = session.context.tracer
         tracer.finish(ids, tok.decode)
@@ -203,8 +218,10 @@ def generate(
         typer.echo(f"wrote trace ({len(tracer.steps())} steps) to {trace_path}", err=True)
     stats = {"load_ms": round(load_ms, 2), **tm.as_dict()}
     if as_json:
-        typer.echo(json.dumps({"text": "".join(parts), "ids": ids, "prompt_ids": prompt_ids,
-                               "stop_reason": reason, "timings": stats}, ensure_ascii=False))
+        doc = {"text": "".join(parts), "ids": ids, "prompt_ids": prompt_ids, "stop_reason": reason, "timings": stats}
+        if logprobs is not None:
+            doc["logprobs"] = lps
+        typer.echo(json.dumps(doc, ensure_ascii=False))
     else:
         _out("\n")
         typer.echo(
@@ -219,12 +236,16 @@ def _out(text: str) -> None:
     sys.stdout.flush()
 
 
-def _sampling(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None):
+def _sampling(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty: float, seed: int | None,
+              presence: float = 0.0, frequency: float = 0.0, logit_bias: list[str] | None = None):
     from minfer.sampling import SamplingParams
 
     cli_args.sampling(temp, top_k, top_p, min_p, repeat_penalty)
+    cli_args.number("--presence-penalty", presence, -2.0, 2.0)
+    cli_args.number("--frequency-penalty", frequency, -2.0, 2.0)
     return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                          repeat_penalty=repeat_penalty, seed=cli_args.seed(seed))
+                          repeat_penalty=repeat_penalty, seed=cli_args.seed(seed), presence_penalty=presence,
+                          frequency_penalty=frequency, logit_bias=cli_args.logit_bias(logit_bias or []))
 
 
 def _write_output(path: Path, write) -> None:
@@ -294,6 +315,9 @@ def chat(
     top_p: TopPOpt = 0.95,
     min_p: MinPOpt = 0.05,
     repeat_penalty: RepeatPenaltyOpt = 1.0,
+    presence_penalty: PresenceOpt = 0.0,
+    frequency_penalty: FrequencyOpt = 0.0,
+    logit_bias: LogitBiasOpt = None,
     seed: SeedOpt = None,
     ctx: Annotated[int, typer.Option("--ctx", "-c", help=f"Context size in tokens, the whole conversation ({CTX0}).")] = 4096,
     threads: ThreadsOpt = None,
@@ -311,7 +335,7 @@ def chat(
     turn processes only its new tokens. `/reset` starts over. When stdin is not a
     terminal, each line of stdin is one user turn."""
     cli_args.integer("-n", n_predict, 1)
-    sp = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed)
+    sp = _sampling(temp, top_k, top_p, min_p, repeat_penalty, seed, presence_penalty, frequency_penalty, logit_bias)
     cli_args.ctx(ctx)
     threads = cli_args.threads(threads)
     if session_reset and session_path is None:

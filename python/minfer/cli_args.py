@@ -57,6 +57,23 @@ def sampling(temp: float, top_k: int, top_p: float, min_p: float, repeat_penalty
     number("--repeat-penalty", repeat_penalty, 0.0, lo_open=True)
 
 
+def logit_bias(items: list[str]) -> tuple:
+    """--logit-bias ID=BIAS (repeatable): ((id, bias), ...), ids >= 0 and biases in
+    [-100, 100]; an id beyond the vocabulary is refused once the model is open."""
+    out = {}
+    for item in items:
+        tid, sep, val = item.partition("=")
+        try:
+            t, b = int(tid), float(val)
+        except ValueError:
+            raise UsageError(f"--logit-bias takes ID=BIAS (e.g. 42=-100), got {item!r}") from None
+        if not sep or t < 0:
+            raise UsageError(f"--logit-bias takes ID=BIAS with a token id >= 0, got {item!r}")
+        number("--logit-bias", b, -100.0, 100.0)
+        out[t] = b
+    return tuple(sorted(out.items()))
+
+
 def seed(value: int | None) -> int | None:
     """--seed: -1 (or none) = a random seed, as in llama.cpp."""
     if value is None or value == -1:

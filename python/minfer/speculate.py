@@ -78,10 +78,9 @@ class Speculation:
         target) and checks the vocabularies match."""
         dm = None
         if draft_model_path is not None:
-            from minfer.model import Model
-
-            dm = Model.open(draft_model_path, backends=getattr(target, "backends", None),
-                            n_threads=getattr(target, "n_threads", None))
+            # The target's own Model class: this module sits below model.py's layer.
+            dm = type(target).open(draft_model_path, backends=getattr(target, "backends", None),
+                                   n_threads=getattr(target, "n_threads", None))
         return cls(mode, draft_max=draft_max, draft_model=dm, **kw)
 
     def drafter(self, session) -> "Drafter":
