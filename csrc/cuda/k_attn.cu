@@ -257,18 +257,10 @@ struct LoadedGroup {
     }
 };
 
-// MINFER_CUDA_ATTN_EARLY=0: every group's loads after q is in shared memory; 1: a warp's
-// first group's loads issued before q's; unset or 2: q's first (read per launch on the
-// host; a captured graph keeps what it was captured with).
-int attn_early() {
-    const char* e = std::getenv("MINFER_CUDA_ATTN_EARLY");
-    return e && *e == '0' ? 0 : e && *e == '1' ? 1 : 2;
-}
-
 // The block's warps' attention states merged: M, the largest max among the warps that
 // saw weight, then, warp by warp, the sum of weights (returned) and o[j] += the warp's
-// value of dim(j) scaled alike. Warp 0 merging a head's dims and the warps merging 32 dims each
-// call this, so both give the same bits.
+// value of dim(j) scaled alike. Warp 0 merging a split's partial (its head's dims) and
+// the warps merging a one-split head 32 dims each call this.
 template <int HD, int N, class Dim>
 __device__ __forceinline__ float merge_warps(const float* wm, const float* wl, const float (*wacc)[HD], Dim dim,
                                              float o[N], float& M) {
@@ -293,7 +285,7 @@ __device__ __forceinline__ float merge_warps(const float* wm, const float* wl, c
 // in flight at once; the warps' states merge in shared memory in warp order.
 template <int HD>
 __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, int chunk, float* __restrict__ part,
-                                                     int* __restrict__ ticket, int* err, int early, int merge0) {
+                                                     int* __restrict__ ticket, int* err) {
     TL_BEGIN(tl::ATTN);
     pdl_trigger();
     constexpr int EPL = HD / 32;  // head dims per lane
@@ -357,26 +349,22 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     int64_t base = c0 + 32 * w;
     const float* q = a.q + t * a.q_stride + h * HD;
     if constexpr (HD <= 64) {
-        if (early) {
-            LoadedGroup<HD> g;
-            // early == 2: q's load goes out before the group's (HD <= blockDim.x here).
-            const bool qfirst = early == 2 && (int)threadIdx.x < HD;
-            const float qv = qfirst ? q[threadIdx.x] : 0.0f;
-            if (base < c1) g.load(K, V, kvs, base, c1, lane);
-            if (early == 2) {
-                if (qfirst) qs[threadIdx.x] = qv;
-            } else {
-                for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
-            }
-            TL_MARK(3);
-            __syncthreads();
-            TL_MARK(4);
-            if (base < c1) g.attend(qs, a.scale, lane, m, l, acc);
-            TL_MARK(5);
-            base += 32 * WARPS;
-        }
-    }
-    if (!(HD <= 64 && early)) {
+        // q's load goes out first (HD <= blockDim.x here), then the warp's first group's
+        // K and V loads: one round trip instead of three. (The group's loads before q's,
+        // or all of them after q is in shared memory, measured slower: H200 0.5B tg128
+        // 1,505 / 1,546 / 1,536 against 1,438 / 1,507 / 1,501 with the latter.)
+        LoadedGroup<HD> g;
+        const bool qfirst = (int)threadIdx.x < HD;
+        const float qv = qfirst ? q[threadIdx.x] : 0.0f;
+        if (base < c1) g.load(K, V, kvs, base, c1, lane);
+        if (qfirst) qs[threadIdx.x] = qv;
+        TL_MARK(3);
+        __syncthreads();
+        TL_MARK(4);
+        if (base < c1) g.attend(qs, a.scale, lane, m, l, acc);
+        TL_MARK(5);
+        base += 32 * WARPS;
+    } else {
         for (int d = threadIdx.x; d < HD; d += blockDim.x) qs[d] = q[d];
         __syncthreads();
     }
@@ -392,11 +380,11 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     for (int j = 0; j < EPL; ++j) wacc[w][lane * EPL + j] = acc[j];
     __syncthreads();
     const int64_t off = t * a.nh * HD + h * HD;
-    if (s_hi - s_lo == 1 && !merge0) {
+    if (s_hi - s_lo == 1) {
         // The block's warps merge the head a 32-dim block each (dim 32 b + lane) by
-        // merge_warps, as warp 0 does below, then store their block and make its int8
-        // copy: the same bits, and the blocks' reductions side by side instead of one
-        // after the other in warp 0.
+        // merge_warps, then store their block and make its int8 copy: the blocks'
+        // reductions side by side (warp 0 alone doing them one after the other was
+        // slower, 3572076).
         for (int b = w; b < HD / 32; b += WARPS) {
             const int dim = 32 * b + lane;
             float o = 0.0f, M;
@@ -417,26 +405,6 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
 #pragma unroll
     for (int j = 0; j < EPL; ++j) o[j] = 0.0f;
     const float L = merge_warps<HD, EPL>(wm, wl, wacc, [&](int j) { return lane * EPL + j; }, o, M);
-    if (s_hi - s_lo == 1) {
-        const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-#pragma unroll
-        for (int j = 0; j < EPL; ++j) a.out[off + lane * EPL + j] = o[j] * inv;
-        TL_MARK(8);
-        if (a.q_out) {
-            // The int8 copy from the values just stored, kept in shared memory (warp 0's
-            // row of wacc, read above by this warp only) rather than read back.
-            __syncwarp();
-#pragma unroll
-            for (int j = 0; j < EPL; ++j) wacc[0][lane * EPL + j] = o[j] * inv;
-            __syncwarp();
-#pragma unroll
-            for (int b = 0; b < HD / 32; ++b)
-                quant_out_block<HD>(a, off, b, wacc[0][32 * b + lane], lane);
-        }
-        TL_MARK(9);
-        TL_END();
-        return;
-    }
     float* pp = part + pair * n_splits * (HD + 2);
     float* mine = pp + split * (HD + 2);
     if (lane == 0) {
@@ -475,22 +443,15 @@ int chunk_of(int64_t n_ctx, int n_splits) {
 
 bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 128 || hd == 256; }
 
-// Cells per decode split (MINFER_CUDA_ATTN_CHUNK, read once per process: the scratch is
-// sized with it; rounded up to whole rounds of 32 * WARPS): a warp walks its share of a
-// split's groups one after another, so shorter splits mean shorter critical paths and
-// more partials to merge.
-int attn_chunk_cells() {
-    static const int c = [] {
-        const char* e = std::getenv("MINFER_CUDA_ATTN_CHUNK");
-        const int v = e && *e ? std::atoi(e) : 256;
-        return v < 32 ? 32 : v;
-    }();
-    return c;
-}
+// Cells per decode split (whole rounds of 32 * WARPS): a warp walks its share of a split's
+// groups one after another, so shorter splits mean shorter critical paths and more
+// partials to merge. (Splits of 128 or 64 cells measured the same or slower: tg128 1133
+// vs 1126 on the 0.5B, 293 vs 297 on the 7B, with 128.)
+constexpr int kAttnChunkCells = 256;
 
 int attn_splits(int64_t nt, int64_t n_ctx) {
     if (nt > kRowExactMaxTokens) return 1;
-    const int64_t c = attn_chunk_cells();
+    const int64_t c = kAttnChunkCells;
     int64_t s = (n_ctx + c - 1) / c;
     return (int)(s < 1 ? 1 : (s > 64 ? 64 : s));
 }
@@ -510,16 +471,11 @@ void attention(const AttnDev& a, float* scratch, int* tickets, int* err) {
     const int chunk = chunk_of(a.n_ctx, n_splits);
     const int64_t pairs = a.nt * a.nh;
     dim3 grid((unsigned)pairs, (unsigned)n_splits);
-    const int early = attn_early();
-    // MINFER_CUDA_ATTN_MERGE0=1: warp 0 alone merges a one-split head and makes its int8
-    // copy (as before 2026-12-02); by default each warp takes 32 of its dims.
-    const char* m0 = std::getenv("MINFER_CUDA_ATTN_MERGE0");
-    const int merge0 = m0 && *m0 == '1' ? 1 : 0;
     switch (a.hd) {
-        case 32: launch(k_attn<32>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early, merge0); break;
-        case 64: launch(k_attn<64>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early, merge0); break;
-        case 128: launch(k_attn<128>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early, merge0); break;
-        case 256: launch(k_attn<256>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err, early, merge0); break;
+        case 32: launch(k_attn<32>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 64: launch(k_attn<64>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 128: launch(k_attn<128>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 256: launch(k_attn<256>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
         default: throw std::invalid_argument("attention: unsupported head dim");
     }
 }
