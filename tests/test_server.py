@@ -130,6 +130,77 @@ def test_greedy_equals_generate_chat_bitwise(client, model_path, prompt):
     assert r.usage.prompt_tokens == len(ref["prompt_ids"])
 
 
+def _log_softmax(x):
+    import numpy as np
+
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def test_openai_logprobs_chat_and_completions(client, model):
+    """logprobs / top_logprobs (streamed too) are the row's log-softmax, as the CLI's."""
+    import numpy as np
+
+    msgs = [{"role": "user", "content": "count to three"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    tok = model.tokenizer
+    ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
+    ref = Session(model, n_ctx=CTX).generate(ids, 5, SamplingParams(temperature=0.0), logprobs=True)
+    assert len(content) == len(ref.ids)
+    ctx = list(ids)
+    for entry, t in zip(content, ref.ids):
+        lsm = _log_softmax(Session(model, n_ctx=CTX).forward(ctx)[-1])
+        assert abs(entry.logprob - lsm[t]) < 1e-9 and bytes(entry.bytes) == tok.token_bytes(t)
+        assert len(entry.top_logprobs) == 3 and abs(entry.top_logprobs[0].logprob - lsm.max()) < 1e-9
+        ctx.append(t)
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e.logprob for ch in stream for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert streamed == [e.logprob for e in content]
+    c = client.completions.create(model="tiny", prompt="the cat", max_tokens=4, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
+    # Keyed by token text (OpenAI's shape): two byte pieces may share one.
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0
+    assert np.all(np.diff(lp.text_offset) >= 0)
+
+
+def test_openai_n_choices_and_penalties(client, model):
+    """n choices (one prefill) and presence / frequency penalties and logit_bias, through
+    the SDK: greedy choices agree; seeded sampled choices are choice i = seed + i alone."""
+    msgs = [{"role": "user", "content": "say something"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({c.message.content for c in r.choices}) == 1
+    one = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == one.choices[0].message.content
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    kw = dict(model="tiny", messages=msgs, max_tokens=6, temperature=1.0, seed=77)
+    many = client.chat.completions.create(n=2, **kw)
+    second = client.chat.completions.create(**{**kw, "seed": 78})
+    assert many.choices[1].message.content == second.choices[0].message.content
+    stream = client.chat.completions.create(n=2, stream=True, **kw)
+    texts = ["", ""]
+    for ch in stream:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in many.choices]
+    tok = model.tokenizer
+    banned = tok.encode(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1,
+                                                       temperature=0).choices[0].message.content or "x")[0]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                       logit_bias={str(banned): -100}, presence_penalty=1.5, frequency_penalty=0.5)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    ids = tok.encode(tok.render_chat(msgs, add_generation_prompt=True))
+    sp = SamplingParams(temperature=0.0, logit_bias=((banned, -100.0),), presence_penalty=1.5, frequency_penalty=0.5)
+    assert r.choices[0].message.content == Session(model, n_ctx=CTX).generate(ids, 4, sp).text
+
+
 def test_sampling_with_a_seed_repeats(client):
     kw = dict(model="tiny", messages=[{"role": "user", "content": "pick some words"}], max_tokens=10,
               temperature=1.0, top_p=0.9, seed=1234, extra_body={"top_k": 20})
