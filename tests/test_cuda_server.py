@@ -46,7 +46,7 @@ def scheduler(path, device_picks: bool) -> Scheduler:
     sched = Scheduler(Model.open(path, backends=["cuda"]), n_slots=4, n_ctx=CTX, chunk=16)
     assert sched.ctx.backend_names[0] == "CUDA"
     if not device_picks:
-        sched._picks_on_device = lambda items: False
+        sched.engine._copy_mode = lambda items: False
     ses = sched.slots[0].session
     ses.forward([1, 2, 3], copy=None)
     ses.reset()
