@@ -236,10 +236,9 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
 def test_matvec_staged_bitwise(qtype, monkeypatch):
     """The staged matvec (MINFER_CUDA_MV_BULK=1: rows streamed into shared memory by bulk
     copies, several rows a slot, slots dealt to the warps round-robin or in runs) gives the plain kernel's bits: a lone matvec with bias, one with a residual
-    add, gate|up + SwiGLU writing down's int8 input (by a quantization launch after it, or
-    through the 32-row group tickets, whose warps' row runs straddle the groups), and down
+    add, gate|up + SwiGLU writing down's int8 input (by a quantization launch after it), and down
     itself; row counts below and above one row per warp, and a run direct, captured and
-    replayed (tickets left at zero). The plain kernel's bits are taken both ways too."""
+    replayed."""
     rng = np.random.default_rng(100 + int(qtype))
     in_dim = 512
     outs, staged = {}, {}
@@ -250,14 +249,11 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         x = rng.standard_normal((1, in_dim)).astype(np.float32)
         bias = rng.standard_normal(rows).astype(np.float32)
         res = rng.standard_normal(in_dim).astype(np.float32)
-        for bulk in ("1", "1/7", "1/7/runs", "1/7/runs/tail", "0", "0/0/rr/tail"):
+        for bulk in ("1", "1/7", "1/7/runs", "0"):
             # "1/7": seven blocks, so each warp takes many slots of several rows, the ring
             # wraps and slots end short; "runs": each warp a contiguous run of rows
             # (MINFER_CUDA_MV_BULK_RR=0) instead of slots dealt round-robin.
-            # "tail": down's int8 input by the staged launch's 32-row group tickets, not
-            # by a quantization launch after it (MINFER_CUDA_MV_QTAIL=1).
-            mode, blocks, order, tail = (bulk.split("/") + ["0", "rr", ""])[:4]
-            monkeypatch.setenv("MINFER_CUDA_MV_QTAIL", "1" if tail else "0")
+            mode, blocks, order = (bulk.split("/") + ["0", "rr"])[:3]
             monkeypatch.setenv("MINFER_CUDA_MV_BULK", mode)
             monkeypatch.setenv("MINFER_CUDA_MV_BULK_BLOCKS", blocks)
             monkeypatch.setenv("MINFER_CUDA_MV_BULK_RR", "0" if order == "runs" else "1")
@@ -289,11 +285,9 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
         assert outs[rows, "1"] == outs[rows, "0"], f"rows {rows}: staged vs plain bits"
         assert outs[rows, "1/7"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks) vs plain bits"
         assert outs[rows, "1/7/runs"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks, runs) vs plain bits"
-        assert outs[rows, "1/7/runs/tail"] == outs[rows, "0"], f"rows {rows}: staged with group tickets vs plain"
-        assert outs[rows, "0/0/rr/tail"] == outs[rows, "0"], f"rows {rows}: plain with group tickets vs without"
         # The staged kernel took the quantized launches: matvec + bias, gate|up, down + add.
-        modes = ("1", "1/7", "1/7/runs", "1/7/runs/tail")
-        assert all(staged[rows, k] >= 2 * 3 for k in modes) and staged[rows, "0"] == staged[rows, "0/0/rr/tail"] == 0, staged
+        modes = ("1", "1/7", "1/7/runs")
+        assert all(staged[rows, k] >= 2 * 3 for k in modes) and staged[rows, "0"] == 0, staged
         got = np.frombuffer(outs[rows, "1"][0], np.float32)
         check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
 
@@ -348,8 +342,8 @@ def test_matvec_x4_bitwise(qtype, monkeypatch):
 def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which
     depends on the row total); a row's bits must not. The same rows alone, and gate|up +
-    SwiGLU with down's int8 input made by a quantization launch after it or written
-    through the 32-row group tickets (MINFER_CUDA_MV_QTAIL=1), against the unfused steps."""
+    SwiGLU with down's int8 input made by a quantization launch after it, against the
+    unfused steps."""
     monkeypatch.setenv("MINFER_CUDA_MV_RPW", rpw)
     rng = np.random.default_rng(rows)
     in_dim, few = 64, 96
@@ -371,8 +365,7 @@ def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
     u_raw, _ = make_weight(Q.Q4_K if in_dim % 256 == 0 else Q.Q5_0, n_ff, in_dim, rng)
     d_raw, _ = make_weight(Q.Q5_0, in_dim, n_ff, rng)
     outs = {}
-    for flags, qtail in ((0, "0"), (2 | 8, "0"), (2 | 8, "1")):
-        monkeypatch.setenv("MINFER_CUDA_MV_QTAIL", qtail)
+    for flags in (0, 2 | 8):
         r = Rig()
         g = r.weight("g", g_raw, Q.Q8_0, in_dim, n_ff)
         u = r.weight("u", u_raw, Q.Q4_K if in_dim % 256 == 0 else Q.Q5_0, in_dim, n_ff)
@@ -385,13 +378,13 @@ def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
                        ("matmul", [yi, si], [n_ff, in_dim, 1], [], [d, -1])])
         plan.flags = flags
         _core.cuda_validate(plan, r.pool, r.weights)
-        for _ in range(3):  # direct, captured, replayed: the tickets are left at zero
+        for _ in range(3):  # direct, captured, replayed
             r.run(plan)
             y = r.read(yi, in_dim)
-            assert outs.setdefault((flags, qtail), y).tobytes() == y.tobytes()
+            assert outs.setdefault(flags, y).tobytes() == y.tobytes()
         if flags:
             assert _core.testing.cuda_plan_info(plan)["launches"] < 4
-    assert outs[0, "0"].tobytes() == outs[2 | 8, "0"].tobytes() == outs[2 | 8, "1"].tobytes()
+    assert outs[0].tobytes() == outs[2 | 8].tobytes()
 
 
 def test_prefill_gemm_pipeline_bitwise_and_vs_float64(monkeypatch):
@@ -511,17 +504,13 @@ def check_after_norm(got, h, nw, eps, deq):
     assert np.all(err <= bound), f"max err/bound vs exact {np.max(err / bound):.3g}"
 
 
-@pytest.mark.parametrize("d,rpw,inplace", [(32, "1", False), (896, "1", True), (896, "8", False),
-                                            (1024, "1", False), (3584, "1", True), (3584, "8", False),
-                                            (4096, "1", False)])
-def test_norm_copy_by_group_tails_equals_its_own_launch(d, rpw, inplace, monkeypatch):
+@pytest.mark.parametrize("d,inplace", [(32, False), (896, True), (1024, False), (3584, True), (4096, False)])
+def test_matvec_add_norm_matvec_fused_equals_unfused(d, inplace):
     """A matvec + residual add whose output a one-row RMSNorm reads (then a matvec reads
-    the norm): the norm's deferred int8 copy made by the matvec + add launch's 32-row
-    group tails (FUSE_NORM: the norm's launch goes) gives the bits of the norm's own
-    launch, over one or many blocks (rows per warp), and with the add written over the
-    matvec's own input. The int8 handoff does not depend on FUSE_QUANT. The matvec after
-    the norm is checked against NumPy's float64 over the same deferred copy."""
-    monkeypatch.setenv("MINFER_CUDA_MV_RPW", rpw)
+    the norm's deferred int8 copy): the residual and quant fusions give the unfused bits,
+    with the add written over the matvec's own input too, direct, captured, replayed and
+    step by step. The norm is against float64; the matvec after it against NumPy's
+    float64 over the same deferred copy."""
     rng = np.random.default_rng(d + int(inplace))
     k_in, n2, eps = (d if inplace else 256), 96, 1e-6
     o_raw, _ = make_weight(Q.Q5_0, d, k_in, rng)
@@ -530,7 +519,7 @@ def test_norm_copy_by_group_tails_equals_its_own_launch(d, rpw, inplace, monkeyp
     res = (rng.standard_normal(d) * 4).astype(np.float32)
     nw = rng.standard_normal(d).astype(np.float32)
     outs = {}
-    launches = {0: 4, 4: 3, 4 | 8: 3, 4 | 16: 2, 4 | 8 | 16: 2}
+    launches = {0: 4, 4: 3, 4 | 8: 3}
     for flags in launches:
         r = Rig()
         wo = r.weight("o", o_raw, Q.Q5_0, k_in, d)
@@ -546,23 +535,18 @@ def test_norm_copy_by_group_tails_equals_its_own_launch(d, rpw, inplace, monkeyp
         plan.flags = flags
         _core.cuda_validate(plan, r.pool, r.weights)
         assert _core.testing.cuda_plan_info(plan)["launches"] == launches[flags]
-        for _ in range(3):  # direct, captured, replayed: the tickets are left at zero
+        for _ in range(3):  # direct, captured, replayed
             r.pool.write(xi, x)
             r.run(plan)
-            # The norm's f32 output is dead after the last matvec: a fused launch need not write it.
-            got = [r.read(b, n).tobytes() for b, n in ((h, d), (z, n2))]
-            if launches[flags] > 2:
-                got.append(r.read(hn, d).tobytes())
+            got = [r.read(b, n).tobytes() for b, n in ((h, d), (z, n2), (hn, d))]
             assert outs.setdefault(flags, got) == got, f"flags {flags}: runs differ"
         # Step by step (tracing's partial runs launch each step alone): the same bits.
         r.pool.write(xi, x)
         for k in range(4):
             r.run(plan, k, k + 1)
-        assert [r.read(b, n).tobytes() for b, n in ((h, d), (z, n2), (hn, d))][:len(got)] == got, flags
+        assert [r.read(b, n).tobytes() for b, n in ((h, d), (z, n2), (hn, d))] == got, flags
     for flags in launches:
-        assert outs[flags][:2] == outs[0][:2], f"flags {flags}: bits differ from the unfused run"
-        if launches[flags] > 2:
-            assert outs[flags][2] == outs[0][2]
+        assert outs[flags] == outs[0], f"flags {flags}: bits differ from the unfused run"
     hv = np.frombuffer(outs[0][0], np.float32)
     np.testing.assert_allclose(np.frombuffer(outs[0][2], np.float32), _rms64(hv[None], nw, eps)[0], rtol=1e-6,
                                atol=1e-6)
@@ -708,16 +692,15 @@ TC_ATTN_ATOL = 2e-3
 
 
 @pytest.mark.parametrize("pos", [13, 37])
-@pytest.mark.parametrize("hd,n_rot", [(64, 64), (128, 128), (128, 64), (64, 40)])
-def test_qkv_rope_store_tail_bitwise(hd, n_rot, pos, monkeypatch):
+@pytest.mark.parametrize("hd,n_rot", [(64, 64), (128, 128), (128, 64), (64, 40), (64, 38)])
+def test_qkv_rope_store_tail_bitwise(hd, n_rot, pos):
     """q|k|v in one matvec launch that also ropes q and k and stores k and v into the f16
     KV cache (FUSE_QKV | FUSE_ROPE) gives the bits of the three matvecs, the two ropes and
-    the KV store launched apart: with each block roping whole pairs of its own rows
-    (MINFER_CUDA_ROPE_LOCAL, the default) or the last block of each head found by a
-    ticket (=0), the angles worked out before the wait or not, taken from the table of
-    angles by position (which covers positions below n_ctx: 13, not 37) or worked out
-    (MINFER_CUDA_ROPE_TABLE=0); partial rotary dims pass through. Runs direct, captured
-    and replayed."""
+    the KV store launched apart: with each block roping whole pairs of its own rows (when
+    n_rot and hd - n_rot are multiples of 4) or else the last block of each head, found by
+    a ticket (n_rot 38), the angles taken before the wait from the table of angles by
+    position (which covers positions below n_ctx: 13, not 37) or worked out; partial
+    rotary dims pass through. Runs direct, captured and replayed."""
     rng = np.random.default_rng(hd + n_rot)
     d, nh, nkv, n_ctx, cell = 256, 4, 2, 16, 5
     qd, kd = nh * hd, nkv * hd
@@ -725,16 +708,7 @@ def test_qkv_rope_store_tail_bitwise(hd, n_rot, pos, monkeypatch):
     biases = [rng.standard_normal(n).astype(np.float32) for n in (qd, kd, kd)]
     x = rng.standard_normal(d).astype(np.float32)
     outs = {}
-    variants = [(0, {}), (1, {}), (1 | 32, {}), (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0"}),
-                (1 | 32, {"MINFER_CUDA_ROPE_EARLY": "0"}),
-                (1 | 32, {"MINFER_CUDA_ROPE_LOCAL": "0", "MINFER_CUDA_ROPE_EARLY": "0"}),
-                (1 | 32, {"MINFER_CUDA_ROPE_TABLE": "0"}),
-                (1 | 32, {"MINFER_CUDA_ROPE_TABLE": "0", "MINFER_CUDA_ROPE_LOCAL": "0"})]
-    for flags, env in variants:
-        for k in ("MINFER_CUDA_ROPE_LOCAL", "MINFER_CUDA_ROPE_EARLY", "MINFER_CUDA_ROPE_TABLE"):
-            monkeypatch.delenv(k, raising=False)
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
+    for flags in (0, 1, 1 | 32):
         r = Rig()
         ws = [r.weight(n, raw, t, d, rows) for n, raw, t, rows in
               zip("qkv", raws, (Q.Q4_K, Q.Q5_0, Q.Q8_0), (qd, kd, kd))]
@@ -755,8 +729,8 @@ def test_qkv_rope_store_tail_bitwise(hd, n_rot, pos, monkeypatch):
             r.run(plan)
             got = [r.read(rq, qd).tobytes(), r.read(rk, kd).tobytes(),
                    r.read(kc, n_ctx * kd, "float16").tobytes(), r.read(vc, n_ctx * kd, "float16").tobytes()]
-            assert outs.setdefault((flags, tuple(env.items())), got) == got
-    base = outs[0, ()]
+            assert outs.setdefault(flags, got) == got
+    base = outs[0]
     for key, got in outs.items():
         assert got == base, key
     k16 = np.frombuffer(base[2], np.float16).reshape(n_ctx, kd)
@@ -1405,7 +1379,7 @@ def test_fused_equals_unfused_bitwise(synth, monkeypatch):
     seq = _sequences(ref.n_vocab, 4)[2]
     monkeypatch.setenv("MINFER_CUDA_FUSE", "none")
     base = _decode_run(path, seq, 5)
-    for fz in ("qkv", "ffn", "residual", "quant", "qkv,rope", "norm", "residual,quant,norm", "all"):
+    for fz in ("qkv", "ffn", "residual", "quant", "qkv,rope", "residual,quant", "all"):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         got = _decode_run(path, seq, 5)
         assert got.tobytes() == base.tobytes(), f"fusion {fz} changed the logits"
@@ -1428,10 +1402,7 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
-    for env in ({"MINFER_CUDA_MV_PREFETCH": "0"}, {"MINFER_CUDA_MV_BULK": "1"}, {"MINFER_CUDA_MV_QTAIL": "1"},
-                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_QTAIL": "1"}, {"MINFER_CUDA_ATTN_EARLY": "0"},
-                {"MINFER_CUDA_ATTN_EARLY": "1"}, {"MINFER_CUDA_ATTN_MERGE0": "1"}, {"MINFER_CUDA_NORM_EARLY": "0"},
-                {"MINFER_CUDA_NORM_EARLY": "2"}, {"MINFER_CUDA_NORM_EARLY": "3"},
+    for env in ({"MINFER_CUDA_MV_PREFETCH": "0"}, {"MINFER_CUDA_MV_BULK": "1"},
                 {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "0"},
                 {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"},
                 {"MINFER_CUDA_MV_X4": "1", "MINFER_CUDA_MV_X4_MIN_UNITS": "65"}, {"MINFER_CUDA_MV_X4": "0"},
@@ -1488,8 +1459,7 @@ def test_fusions_reduce_decode_launches(synth, monkeypatch):
     name, path, _ = synth
     counts = {}
     no_rope = ",".join(f for f in cuda_backend.FUSIONS if f != "rope")
-    no_norm = ",".join(f for f in cuda_backend.FUSIONS if f != "norm")
-    for fz in ("none", "all", no_rope, no_norm):
+    for fz in ("none", "all", no_rope):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         eng = _engine(path, ["cuda"])
         eng.forward([1, 2])
@@ -1499,31 +1469,14 @@ def test_fusions_reduce_decode_launches(synth, monkeypatch):
         info = _core.testing.cuda_plan_info(ls.plan)
         counts[fz] = (info["launches"], info["graph_nodes"])
     n_layer = MODELS[synth[0]]["n_layer"]
-    print(f"\n{name}: decode launches/graph nodes unfused {counts['none']}, fused without norm "
-          f"{counts[no_norm]}, without rope {counts[no_rope]}, fused {counts['all']}")
+    print(f"\n{name}: decode launches/graph nodes unfused {counts['none']}, without rope {counts[no_rope]}, "
+          f"fused {counts['all']}")
     # per layer at least: q|k|v 3 -> 1, rope+rope+store 3 -> 1, gate|up+swiglu 3 -> 1, one residual add
     assert counts["all"][0] <= counts["none"][0] - 7 * n_layer
-    # FusedQKV's tail: rope q + rope k + KV store ride on the q|k|v matvec, one launch less per
-    # layer (Qwen2; Qwen3's QK norms sit between the matvec and the rope: no fold)
+    # The q|k|v launch's tail: rope q + rope k + KV store ride on the q|k|v matvec, one launch
+    # less per layer (Qwen2; Qwen3's QK norms sit between the matvec and the rope: no fold)
     fold = n_layer if MODELS[synth[0]]["arch"] == "qwen2" else 0
     assert counts["all"][0] == counts[no_rope][0] - fold
-    # "norm": each residual add merged into its matvec and followed by a one-row RMSNorm
-    # makes the norm's deferred int8 copy itself and the norm's launch goes (a kernel
-    # node too), when every reader of the norm is a quantized matvec (an F32/F16 one reads
-    # the norm's f32 output, which the fused launch does not write). Per layer: the o
-    # projection's add, then the FFN norm (gate, up), unless the o projection + add is
-    # not merged (F32/F16 o weights whose add writes over their own input, as the
-    # allocator does when n_head * head_dim == n_embd); down's add, then the next layer's
-    # attention norm (q, k, v) or the output norm (the output matrix).
-    m = MODELS[name]
-    t = lambda role: m.get("types", {}).get(role, "F32")  # noqa: E731
-    q = lambda *roles: all(t(r) not in ("F32", "F16") for r in roles)  # noqa: E731
-    hd = m.get("head_dim", m["n_embd"] // m["n_head"])
-    o_merged = t("attn_output") not in ("F32", "F16") or m["n_head"] * hd != m["n_embd"]
-    n_norm = n_layer * int(o_merged and q("ffn_gate", "ffn_up")) + (n_layer - 1) * int(q("attn_q", "attn_k", "attn_v"))
-    n_norm += int(q("output"))
-    pre = counts[no_norm]
-    assert counts["all"] == (pre[0] - n_norm, pre[1] - n_norm), (counts, n_norm)
 
 
 def test_small_blocks_are_row_exact_and_speculation_is_identical(synth):

@@ -62,37 +62,42 @@ def test_entry_matches_the_build_and_the_machine():
 
 
 def test_fusion_switches(monkeypatch):
+    """MINFER_CUDA_FUSE (a diagnostic, docs/configuration.md): unset, 1 or all = every
+    decode step merge; none or 0 = none; else a comma list, validated."""
+    every = {"qkv", "ffn", "residual", "quant", "rope"}
     monkeypatch.delenv(cuda.ENV_FUSE, raising=False)
-    assert cuda.fusions_from_env() == {"qkv", "ffn", "residual", "quant", "rope"}  # norm: measured slower
-    monkeypatch.setenv(cuda.ENV_FUSE, "all")
-    assert cuda.fusions_from_env() == {"qkv", "ffn", "residual", "quant", "rope", "norm"}
-    monkeypatch.setenv(cuda.ENV_FUSE, "residual,quant,norm")
-    assert cuda.fusions_from_env() == {"residual", "quant", "norm"}
+    assert cuda.fusions_from_env() == every
+    for v in ("all", "1", " ALL "):
+        monkeypatch.setenv(cuda.ENV_FUSE, v)
+        assert cuda.fusions_from_env() == every
+    monkeypatch.setenv(cuda.ENV_FUSE, "residual,quant")
+    assert cuda.fusions_from_env() == {"residual", "quant"}
+    monkeypatch.setenv(cuda.ENV_FUSE, "0")
+    assert cuda.fusions_from_env() == frozenset()
     monkeypatch.setenv(cuda.ENV_FUSE, "none")
     assert cuda.fusions_from_env() == frozenset()
     monkeypatch.setenv(cuda.ENV_FUSE, "ffn, qkv")
     assert cuda.fusions_from_env() == {"ffn", "qkv"}
-    monkeypatch.setenv(cuda.ENV_FUSE, "qkv,bogus")
-    with pytest.raises(BackendError, match="unknown fusion"):
-        cuda.fusions_from_env()
+    for bad in ("qkv,bogus", "norm"):  # norm: the deleted norm fusion
+        monkeypatch.setenv(cuda.ENV_FUSE, bad)
+        with pytest.raises(BackendError, match="unknown fusion"):
+            cuda.fusions_from_env()
     cp = CParams(n_ctx=8, fuse_qkv=True, fuse_residual=True)
     assert cuda.plan_flags(cp) == 1 | 4
     assert cuda.plan_flags(CParams(n_ctx=8, fuse_quant=True)) == 8
     assert cuda.plan_flags(CParams(n_ctx=8, fuse_rope=True)) == 32
-    assert cuda.plan_flags(CParams(n_ctx=8, fuse_norm=True)) == 16  # cuda/executor.h FUSE_NORM
-    every = CParams(n_ctx=8, fuse_qkv=True, fuse_ffn=True, fuse_residual=True, fuse_quant=True, fuse_norm=True,
-                     fuse_rope=True)
-    assert cuda.plan_flags(every) == 63
+    assert cuda.plan_flags(CParams(n_ctx=8, fuse_norm=True)) == 0  # the norm fusion is deleted
+    all_on = CParams(n_ctx=8, fuse_qkv=True, fuse_ffn=True, fuse_residual=True, fuse_quant=True, fuse_rope=True)
+    assert cuda.plan_flags(all_on) == 1 | 2 | 4 | 8 | 32
     assert cuda.plan_flags(CParams(n_ctx=8)) == 0
     # the switches are part of the reuse identity
     assert CParams(n_ctx=8, fuse_ffn=True) != CParams(n_ctx=8)
     assert CParams(n_ctx=8, fuse_quant=True) != CParams(n_ctx=8)
     assert CParams(n_ctx=8, fuse_rope=True) != CParams(n_ctx=8)
-    assert CParams(n_ctx=8, fuse_norm=True) != CParams(n_ctx=8)
 
 
-def test_norm_fusion_bit_matches_the_executor_header():
-    """Every FUSE_* bit in cuda/executor.h is the one plan_flags sets for that fusion (norm: 16)."""
+def test_fusion_bits_match_the_executor_header():
+    """Every FUSE_* bit in cuda/executor.h is the one plan_flags sets for that fusion."""
     import re
     text = (ROOT / "csrc" / "cuda" / "executor.h").read_text()
     bits = {k.lower(): int(v) for k, v in re.findall(r"FUSE_(\w+) = (\d+)", text)}

@@ -77,8 +77,6 @@ struct CudaPlanState : PlanState {
     size_t xq2_bytes = 0;
     void* xn = nullptr;  // a decode RMSNorm's deferred int8 copy (kernels.h rms_norm_copy)
     size_t xn_bytes = 0;
-    int* mv_tk = nullptr;  // matvec 32-row group tickets: zeroed at allocation, left zero by every launch
-    size_t mv_tk_bytes = 0;
     int* rope_tk = nullptr;  // FusedQKV tail head tickets: likewise
     size_t rope_tk_bytes = 0;
     int direct_runs = 0;
@@ -123,8 +121,7 @@ struct CudaPlanState : PlanState {
         // and KV store steps, and each job's role (1 q, 2 k, 3 v).
         int rope[3] = {-1, -1, -1};
         int role[4] = {0, 0, 0, 0};
-        int norm = -1;          // L_MV_ADD: the one-row RMSNorm whose deferred copy its group tails make (FUSE_NORM)
-        int qkv_next = 0;  // L_NORM_Q: the launch after it is a q|k|v matvec of at most (1) or over (2) one wave
+        bool early_next = false;  // L_NORM_Q: the launch after it is a q|k|v matvec of one wave: it starts with the norm
     };
     std::vector<Launch> program;
     // Per step: the decode RMSNorm whose deferred copy (xn) a matvec step reads, else -1
@@ -155,7 +152,6 @@ struct CudaPlanState : PlanState {
         if (xq) cudaFree(xq);
         if (xq2) cudaFree(xq2);
         if (xn) cudaFree(xn);
-        if (mv_tk) cudaFree(mv_tk);
         if (rope_tk) cudaFree(rope_tk);
         if (stamps) cudaFree(stamps);
         if (rope_table) cudaFree(rope_table);
@@ -212,10 +208,6 @@ bool dead_after(const Plan& plan, size_t after, int buf) {
 }
 
 bool is_mv(const Step& s) { return s.op == OP_MATMUL && s.ip[2] == 1; }
-bool weight_quantized(const Step& s, const WeightStore& ws) {
-    const int t = ws.get(s.w[0]).type;
-    return t != T_F32 && t != T_F16;
-}
 // A decode RMSNorm: its matvec readers take its deferred copy (kernels.h rms_norm_copy).
 bool copy_norm(const Step& s) {
     return s.op == OP_RMS_NORM && s.ip[1] >= 1 && s.ip[1] <= kRowExactMaxTokens && s.ip[0] % 32 == 0 &&
@@ -420,42 +412,12 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         L.rope[2] = N.s[2];
         st.program.erase(st.program.begin() + (long)k + 1);
     }
-    // A matvec + residual add whose output a one-row RMSNorm reads next makes that norm's
-    // deferred copy itself, group by group (group_copy: the norm's launch goes), into xn,
-    // where the norm's readers find it. The norm's f32 output is then never written, so
-    // every read of it must be a quantized matvec of those readers (they read only the
-    // copy); the launch must not read xn itself.
-    for (size_t k = 0; (f & FUSE_NORM) && (f & FUSE_RESIDUAL) && k + 1 < st.program.size(); ++k) {
-        auto& L = st.program[k];
-        const auto& N = st.program[k + 1];
-        if (L.kind != L_MV_ADD || N.kind != L_NORM_Q || L.norm_in >= 0) continue;
-        const Step &m = S[L.s[0]], &ad = S[L.s[1]], &nm = S[N.s[0]];
-        if (nm.ip[1] != 1 || nm.buf[1] != ad.buf[0] || nm.buf[0] == nm.buf[1] || nm.ip[0] != m.ip[1] || m.ip[1] % 32)
-            continue;
-        std::vector<char> reader(S.size(), 0);  // steps of launches reading this norm's copy
-        for (const auto& R : st.program)
-            if (R.norm_in == N.s[0])
-                for (int q = 0; q < R.n; ++q) reader[R.s[q]] = 1;
-        bool ok = true;
-        for (size_t p = N.s[0] + 1; p < S.size() && ok; ++p) {
-            int rd[6], wr[2], nr, nw;
-            step_io(S[p], rd, nr, wr, nw);
-            for (int q = 0; q < nr; ++q)
-                if (rd[q] == nm.buf[0]) ok = ok && reader[p] && S[p].op == OP_MATMUL && weight_quantized(S[p], ws);
-            bool rewritten = false;
-            for (int q = 0; q < nw; ++q) rewritten |= wr[q] == nm.buf[0];
-            if (rewritten) break;
-        }
-        if (!ok) continue;
-        L.norm = N.s[0];
-        st.program.erase(st.program.begin() + (long)(k + 1));
-    }
     for (size_t k = 0; k + 1 < st.program.size(); ++k) {
         const auto& nx = st.program[k + 1];
         if (st.program[k].kind != L_NORM_Q || nx.kind != L_MV) continue;
         int64_t rows = 0;
         for (int j = 0; j < nx.n; ++j) rows += S[nx.s[j]].ip[1];
-        st.program[k].qkv_next = mv_blocks_one_wave(rows) ? 1 : 2;
+        st.program[k].early_next = mv_blocks_one_wave(rows);
     }
     // The greedy pick last (after the passes above, which read entries' steps).
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
@@ -467,12 +429,11 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     }
 }
 
-// The angle table of the program's first q|k|v tail (MINFER_CUDA_ROPE_TABLE=0: none,
-// every block works its angles out), filled once here, stream-ordered before any run.
-// Positions run up to the KV cells (n_ctx, every sequence's).
+// The angle table of the program's first q|k|v tail, filled once here, stream-ordered
+// before any run. Positions run up to the KV cells (n_ctx, every sequence's). (Every
+// block working its angles out in double measured slower: 0.5B tg128 1,565 / 1,564 /
+// 1,561 against 1,588 / 1,606 / 1,599 with the table, 862161d.)
 void build_rope_table(const Plan& plan, CudaPlanState& st) {
-    const char* e = std::getenv("MINFER_CUDA_ROPE_TABLE");
-    if (e && *e == '0') return;
     for (const auto& L : st.program) {
         if (L.kind != L_MV || L.rope[0] < 0) continue;
         const Step &q = plan.steps[L.rope[0]], &kv = plan.steps[L.rope[2]];
@@ -513,7 +474,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = pool.size(id);
         return true;
     });
-    size_t wh = 0, wh2 = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, xnb = 0, mvtk = 0, ropetk = 0;
+    size_t wh = 0, wh2 = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, xnb = 0, ropetk = 0;
     int ndeq = 0;  // dequantized GEMMs so far: the pipeline alternates wh, wh2 in step order
     for (const Step& s : plan.steps) {
         const int64_t* ip = s.ip;
@@ -534,8 +495,6 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 if (!matvec_type_supported(w.type)) fail(s, "weight type " + std::to_string(w.type) + " has no CUDA kernel");
                 if (ip[0] % 32) fail(s, "CUDA matmuls need a row length that is a multiple of 32");
                 if (ip[2] <= kRowExactMaxTokens) xqb = std::max(xqb, matvec_scratch_bytes(ip[0], ip[2]));
-                // gate|up's rows are down's input, o's and down's a norm's: its 32-row group tickets
-                if (ip[2] == 1) mvtk = std::max(mvtk, (size_t)(ip[1] / 32 + 1) * sizeof(int));
                 if (ip[2] > kRowExactMaxTokens) {
                     if (w.type != T_F32 && w.type != T_F16) {
                         wh = std::max(wh, (size_t)(ip[0] * ip[1] * 2));
@@ -577,7 +536,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = need;
     };
     if (st.exec && (wh > st.wh_bytes || wh2 > st.wh2_bytes || xh > st.xh_bytes || attn > st.attn_bytes || attn_tk > st.attn_tk_bytes ||
-                    xqb > st.xq_bytes || xqb > st.xq2_bytes || xnb > st.xn_bytes || mvtk > st.mv_tk_bytes ||
+                    xqb > st.xq_bytes || xqb > st.xq2_bytes || xnb > st.xn_bytes ||
                     ropetk > st.rope_tk_bytes)) {
         cudaStreamSynchronize(ctx().stream);
         cudaGraphExecDestroy(st.exec);
@@ -596,12 +555,6 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     grow(st.xq, st.xq_bytes, xqb);
     grow(st.xq2, st.xq2_bytes, xqb);
     grow(st.xn, st.xn_bytes, xnb);
-    if (mvtk > st.mv_tk_bytes) {
-        void* m = st.mv_tk;
-        grow(m, st.mv_tk_bytes, mvtk);
-        MC_CHECK(cudaMemsetAsync(m, 0, mvtk, ctx().stream));
-        st.mv_tk = (int*)m;
-    }
     if (ropetk > st.rope_tk_bytes) {
         void* m = st.rope_tk;
         grow(m, st.rope_tk_bytes, ropetk);
@@ -858,7 +811,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
         case L_NORM_Q: {
             const Step& s = S[L.s[0]];
             rms_norm_copy(F(s, 1), s.w[0] >= 0 ? (const float*)dw.get(s.w[0]) : nullptr, F(s, 0), s.ip[0], s.ip[1],
-                          s.fp[0], st.xn, L.qkv_next);
+                          s.fp[0], st.xn, L.early_next);
             break;
         }
         case L_MV: {
@@ -902,7 +855,6 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             if (L.q_next) {
                 j.q_out = (int8_t*)st.xq2;
                 j.ds_out = (float2*)((uint8_t*)st.xq2 + g.ip[1]);
-                j.tickets = st.mv_tk;
             }
             matvec_multi(&j, 1, g.ip[0], F(g, 1), xq, 1, L.xq_ready, nullptr, in_norm);
             break;
@@ -912,18 +864,6 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             MvJob j = job_of(m, pool, ws, dw);
             j.resid = F(ad, ad.buf[1] == m.buf[0] ? 2 : 1);
             j.y = F(ad, 0);
-            if (L.norm >= 0) {
-                // The norm's deferred copy, where rms_norm_copy would put it.
-                const Step& nm = S[L.norm];
-                j.q_out = (int8_t*)st.xn;
-                j.ds_out = (float2*)((uint8_t*)st.xn + nm.ip[0]);
-                j.tickets = st.mv_tk;
-                j.q_w = nm.w[0] >= 0 ? (const float*)dw.get(nm.w[0]) : nullptr;
-                j.q_ss = norm_copy_ss(st.xn, nm.ip[0], 1);
-                j.q_scale = norm_copy_scale(st.xn, nm.ip[0], 1);
-                j.q_tk = st.mv_tk + nm.ip[0] / 32;  // after the group tickets
-                j.q_eps = nm.fp[0];
-            }
             matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready, nullptr, in_norm);
             break;
         }
@@ -951,7 +891,7 @@ const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
     switch (L.kind) {
         case L_MV: return L.rope[0] >= 0 ? "fused_qkv_rope_store" : "fused_matvec";
         case L_SWIGLU: return "fused_ffn_swiglu";
-        case L_MV_ADD: return L.norm >= 0 ? "matvec_residual_norm" : "matvec_residual";
+        case L_MV_ADD: return "matvec_residual";
         case L_ROPE_STORE: return "fused_rope_kv_store";
         case L_NORM_Q: return "rms_norm_copy";
         case L_ARGMAX: return "argmax";

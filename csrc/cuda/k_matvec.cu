@@ -637,34 +637,6 @@ __device__ __forceinline__ void prefetch_job_row(const MvJob& jb, int row, int l
     if (jb.W2) prefetch_row(jb.W2 + (size_t)row * jb.row_bytes2, jb.row_bytes2, lane);
 }
 
-// The int8 copy of y's 32-row group g (the next matvec's input), by one warp. For an
-// RMSNorm's deferred copy (q_ss set: the norm of y is the next step), the copy of
-// y * q_w and the group's sum of squares of y, bitwise what k_rms_norm_copy writes.
-__device__ __forceinline__ void group_copy(const MvJob& jb, int g, int lane) {
-    float v = __ldcg(jb.y + 32 * g + lane);
-    if (jb.q_ss) {
-        const double s = group_ss(v);
-        if (lane == 0) jb.q_ss[g] = s;
-        if (jb.q_w) v = fmul(v, jb.q_w[32 * g + lane]);
-    }
-    quant_block_q8(v, lane, jb.q_out, 32 * g, jb.rows, jb.ds_out + g);
-    if (!jb.q_ss) return;
-    // The warp finishing the last group: the norm's scale from every group's sum.
-    const int ng = jb.rows / 32;
-    __threadfence();
-    int last = 0;
-    if (lane == 0) last = atomicAdd(jb.q_tk, 1) == ng - 1;
-    if (!__shfl_sync(0xffffffffu, last, 0)) return;
-    __threadfence();
-    double s = 0.0;
-    for (int k = lane; k < ng; k += 32) s = __dadd_rn(s, __ldcg(jb.q_ss + k));
-    const float r = rms_scale(s, jb.rows, jb.q_eps);
-    if (lane == 0) {
-        *jb.q_scale = r;
-        *jb.q_tk = 0;
-    }
-}
-
 // Pair k's angle at the step's position: from the table when it holds the position.
 __device__ __forceinline__ void rope_cs_of(const MvRopeStore& r, int k, float& c, float& s) {
     const int32_t p = r.pos[0];
@@ -777,9 +749,7 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
     if (rope_local_pairs(r, b)) {
         if (t < 2) {
             const int k = 2 * i + t;
-            float cc, sn;
-            if (cs) cc = cs[t].x, sn = cs[t].y;
-            else rope_cs_of(r, k, cc, sn);
+            const float cc = cs[t].x, sn = cs[t].y;
             float y0, y1;
             rope_rot(vals[t], vals[2 + t], cc, sn, y0, y1);
             yr[k] = y0;
@@ -835,13 +805,14 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
     if (a.prefetch && !EW && row0 < row1) prefetch_job_row(jb, row0, lane);
     if (a.prefetch && !EW && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
-    // FusedQKV's tail: the rotation angles (double-precision pow, cos, sin) off the
-    // critical path, before the wait.
+    // FusedQKV's tail: the rotation angles (from the table, or double-precision pow, cos,
+    // sin) off the critical path, before the wait. (The last block working them out after
+    // it measured slower: 0.5B tg128 1,252 / 1,241 against 1,296 / 1,308, f9a55ec.)
     const float2* cs = nullptr;
     if constexpr (RT) {
         __shared__ float2 cs_smem[ROPE_CS_MAX];
         if (roped) {
-            if (a.rope.early && rope_local_pairs(a.rope, b)) {  // the block's two pairs
+            if (rope_local_pairs(a.rope, b)) {  // the block's two pairs
                 if (threadIdx.x < 2) {
                     float c, sn;
                     rope_cs_of(a.rope, 2 * (b % (a.rope.hd / MV_WARPS)) + threadIdx.x, c, sn);
@@ -849,7 +820,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
                 }
                 cs = cs_smem;  // read in the tail, after its __syncthreads()
             }
-        } else if (a.rope.tickets && a.rope.early && (a.rope.role[j] == 1 || a.rope.role[j] == 2) &&
+        } else if (a.rope.tickets && (a.rope.role[j] == 1 || a.rope.role[j] == 2) &&
                    a.rope.n_rot / 2 <= ROPE_CS_MAX) {
             for (int k = threadIdx.x; k < a.rope.n_rot / 2; k += blockDim.x) {
                 float c, sn;
@@ -877,24 +848,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
         if (rope_local) rope_local_tail(a, jb, j, b, v, lane, cs);
         else if (a.rope.tickets) rope_store_tail(a, jb, j, row0, cs);
         TL_MARK(4);
-    }
-    if (NC == 1 && jb.q_out) {
-        // rows % 32 == 0 and a block's rows (MV_WARPS * rpw, a power of two <= 32) lie in
-        // one 32-row group, all warps reach the barriers. Publish y, then draw the group's
-        // ticket (threadFenceReduction's pattern); the block drawing the last one reads
-        // the group through L2 and quantizes it.
-        __shared__ int s_ticket;
-        const int blocks_per_group = 32 / (MV_WARPS * a.rpw);
-        const int g = row0 / 32;
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) s_ticket = atomicAdd(jb.tickets + g, 1);
-        __syncthreads();
-        if (s_ticket == blocks_per_group - 1 && threadIdx.x < 32) {
-            __threadfence();
-            group_copy(jb, g, lane);
-            if (lane == 0) jb.tickets[g] = 0;
-        }
     }
     TL_MARK(5);
     TL_END();
@@ -952,9 +905,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<1, T>()) k_matvec
 // mbarrier per slot; it computes row i from its slot while rows i + 1 .. i + STAGES - 1
 // are on their way. The first slots are requested before pdl_wait() (weights are never
 // written by a kernel). A row's arithmetic is row_dot's (lane l takes units l, l + 32, ...
-// in order), its reduction and epilogue mv_row's: the same bits as k_matvec. The int8
-// copy of y (q_out) is made per 32-row group by the warp whose rows complete it (an
-// integer ticket per group counting rows, zero before and after every launch).
+// in order), its reduction and epilogue mv_row's: the same bits as k_matvec.
 constexpr int BULK_STAGES = 4;  // ring slots per warp, at most (the launch picks ns <= this)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -1110,7 +1061,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
         for (int k = 0; k < 2; ++k)
             if (lane + 32 * k < Unit<T>::count(a.nb)) xr[k] = Unit<T>::X::load(a, 0, lane + 32 * k);
     }
-    int g_done = 0;  // rows of the current 32-row group this warp has written
     for (int st = 0, k = 0, phase = 0; st < n_st; ++st) {  // k = st % ns, phase = st / ns % 2
         bulk_wait(bars + k, (uint32_t)phase);
         if (st == 0) TL_MARK(3);
@@ -1131,26 +1081,6 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
             const int row = rs + q;
             if (lane == 0) mv_store(jb, row, 0, acc, acc2);
             if (st == 0 && q == 0) TL_MARK(4);
-            if (jb.q_out) {
-                ++g_done;
-                // The warp's next row is not row + 1: the end of its run, or (round-robin)
-                // of each slot.
-                if ((row + 1) % 32 == 0 || (q == cnt - 1 && (rr || st == n_st - 1))) {
-                    // Publish this warp's rows of the group, then count them in; the warp
-                    // completing the group's 32 quantizes it (reading y through L2).
-                    const int g = row / 32;
-                    __threadfence();
-                    int old = 0;
-                    if (lane == 0) old = atomicAdd(jb.tickets + g, g_done);
-                    old = __shfl_sync(0xffffffffu, old, 0);
-                    if (old + g_done == 32) {
-                        __threadfence();
-                        group_copy(jb, g, lane);
-                        if (lane == 0) jb.tickets[g] = 0;
-                    }
-                    g_done = 0;
-                }
-            }
         }
         __syncwarp();  // every lane is done with slot k
         if (lane == 0 && st + ns < n_st) {
@@ -1195,10 +1125,8 @@ __global__ void k_quant_q8(const float* __restrict__ x, int n_blocks, int in_dim
 // RMSNorm rows (one block each, blockDim.x = rms_threads(d), d % 32 == 0, d <=
 // kNormCopyMaxRow): y = rms_norm(x) * w, bitwise k_rms_norm's, and each row's deferred
 // copy for the matvecs that read y: the int8 copy of x * w per 32-element group and the
-// row's scale (norm.cuh), which rides on the matvec's row sums; so a matvec + residual
-// launch can make the int8 copy group by group (group_copy). A thread's
-// elements are held in registers; its weights are loaded before pdl_wait() (no kernel
-// writes them).
+// row's scale (norm.cuh), which rides on the matvec's row sums. A thread's elements are
+// held in registers; its weights are loaded before pdl_wait() (no kernel writes them).
 constexpr int NORM_REG = (int)(kNormCopyMaxRow / 1024);
 __global__ void k_rms_norm_copy(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
                                 int d, float eps, int8_t* __restrict__ q, float2* __restrict__ ds,
@@ -1411,7 +1339,6 @@ bool launch_bulk(const MvArgs& a) {
     const int R = bulk_rows(slot);
     const int ns = bulk_stages(slot * R);
     if (bulk_smem_bytes(slot * R, ns) > (size_t)ctx().smem_optin) return false;
-    // A q_out left in the job (MINFER_CUDA_MV_QTAIL=1) is made by 32-row group tickets.
     return dispatch_typed(j.type, [&]<int T>() { launch_bulk_t<T>(a, slot, R, ns); });
 }
 
@@ -1538,12 +1465,10 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         // A head's rows in whole blocks of one row per warp; one token.
         if (ncols != 1 || rope->hd % MV_WARPS) throw std::invalid_argument("matvec_multi: rope tail needs one column");
         a.rope = *rope;
-        // MINFER_CUDA_ROPE_EARLY=0: the tail's last block works the angles out itself.
-        a.rope.early = env_int("MINFER_CUDA_ROPE_EARLY", 1) != 0;
-        // Whole rotated pairs in each block, no tickets (MINFER_CUDA_ROPE_LOCAL=0: the last
-        // block of each head, found by a ticket, ropes and stores the head).
-        a.rope.local = env_int("MINFER_CUDA_ROPE_LOCAL", 1) != 0 && rope->n_rot % 4 == 0 &&
-                       (rope->hd - rope->n_rot) % MV_WARPS == 0;
+        // Whole rotated pairs in each block, no tickets, where the rotary dims allow it;
+        // else the last block of each head, found by a ticket, ropes and stores the head
+        // (slower where both can: 0.5B tg128 1,211 / 1,289 against 1,301 / 1,340, 72b3a5d).
+        a.rope.local = rope->n_rot % 4 == 0 && (rope->hd - rope->n_rot) % MV_WARPS == 0;
         a.rpw = 1;
         int tk = 0;
         for (int i = 0; i < njobs; ++i) {
@@ -1568,7 +1493,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     }
     int b = 0;
     for (int i = 0; i < njobs; ++i) {
-        if (jobs[i].q_out && jobs[i].rows % 32) throw std::invalid_argument("matvec_multi: q_out needs rows % 32 == 0");
+        if (jobs[i].q_out && (jobs[i].rows % 32 || njobs != 1 || ncols != 1))
+            throw std::invalid_argument("matvec_multi: q_out needs one job, one column, rows % 32 == 0");
         a.job[i] = jobs[i];
         a.block0[i] = b;
         b += (jobs[i].rows + MV_WARPS * a.rpw - 1) / (MV_WARPS * a.rpw);
@@ -1591,21 +1517,16 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             case 4: launch_mv<4>(ac, (unsigned)b); break;
             case 2: launch_mv<2>(ac, (unsigned)b); break;
             default: {
-                // The next matvec's int8 input (q_out, without a norm's sums: gate|up +
-                // SwiGLU's, for down) by a quantization launch of its own after this one,
-                // not by 32-row group tickets inside it, whose fences, atomics and reloads
-                // stall the launch's tail more than a launch boundary costs under PDL (H200
-                // tg128, side by side: the 0.5B's plain gate|up 1,526.8 / 1,524.9 / 1,523.3
-                // against 1,482.6 / 1,396.5 / 1,481.3; the 7B's staged one 467.8 / 470.1 /
-                // 464.8 against 449.0 / 445.6 / 438.6, where the staged warps also take their
-                // slots round-robin once no tickets are drawn). MINFER_CUDA_MV_QTAIL=1 keeps
-                // the tickets. The same quant_block_q8 of the same y either way: the same bits.
+                // The next matvec's int8 input (q_out: gate|up + SwiGLU's, for down) by a
+                // quantization launch of its own after this one. (By 32-row group tickets
+                // inside it, whose fences, atomics and reloads stall the launch's tail more
+                // than a launch boundary costs under PDL, it measured slower: H200 tg128,
+                // side by side, the 0.5B's plain gate|up 1,482.6 / 1,396.5 / 1,481.3 against
+                // 1,526.8 / 1,524.9 / 1,523.3; the 7B's staged one 449.0 / 445.6 / 438.6
+                // against 467.8 / 470.1 / 464.8, 19d24bb and 770337a.)
                 const MvJob j0 = ac.job[0];
-                const bool qsplit = ac.njobs == 1 && j0.q_out && !j0.q_ss && env_int("MINFER_CUDA_MV_QTAIL", 0) == 0;
-                if (qsplit) {
-                    ac.job[0].q_out = nullptr;
-                    ac.job[0].tickets = nullptr;
-                }
+                const bool qsplit = j0.q_out != nullptr;
+                if (qsplit) ac.job[0].q_out = nullptr;
                 if (!launch_bulk(ac) && !(typed && launch_x4(ac)) && !(typed && launch_mv_typed(ac, (unsigned)b)))
                     launch_mv1<-1>(ac, (unsigned)b);
                 if (qsplit) {
@@ -1631,20 +1552,19 @@ bool mv_blocks_one_wave(int64_t rows) {
 }
 
 void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch,
-                   int qkv_next) {
+                   bool early) {
     if (d % 32 || d > kNormCopyMaxRow || nt < 1) throw std::invalid_argument("rms_norm_copy: d % 32 == 0, d <= 4096");
-    // When the norm lets the launch after it start: once its own wait is over (0); at its
-    // start when that launch is a q|k|v matvec of one wave (1, the default), whose blocks
-    // then load their rows and RoPE angles while the down projection before finishes; at
-    // its start when it is a q|k|v matvec of any size (3); at its start always (2).
-    // H200 tg128 side by side, 3 / 0 / 2 (when 3 was the default): 0.5B 1,604 / 1,568 /
-    // 1,625 against 1,436 / 1,516 / 1,600 and 1,543 / 1,541 / 1,475; 7B 473 / 472 / 465
-    // against 464 / 460 / 457 and 477 / 480 / 467. With the chunk-ordered activations
-    // (e47f1fc) the 7B's q|k|v (a wave and a quarter) took 0 in five rounds of two calls:
-    // 547.3 / 546.8 / 548.8 / 547.3 / 547.2 against 537.9 / 544.4 / 545.4 / 545.3 / 544.7.
-    // (2 lets gate|up's 1,216 blocks launch while the o projection runs on the 0.5B.)
-    const int e = env_int("MINFER_CUDA_NORM_EARLY", 1);
-    const bool early = e == 2 || (e == 1 && qkv_next == 1) || (e == 3 && qkv_next != 0);
+    // early: the norm lets the launch after it start at its own start (the executor sets
+    // it when that launch is a q|k|v matvec of one wave: the 0.5B's 288 blocks, not the
+    // 7B's 1,152 at 7 blocks an SM), whose blocks then load their rows and RoPE angles
+    // while the down projection before finishes; else once the norm's wait is over
+    // (early_next in executor.cpp). Measured (H200 tg128, side
+    // by side): after the wait for every launch, 0.5B 1,436 / 1,516 / 1,600 and 7B 464 /
+    // 460 / 457 against 1,604 / 1,568 / 1,625 and 473 / 472 / 465 at the start of any
+    // q|k|v launch; at the start of every launch, 0.5B 1,543 / 1,541 / 1,475; with the
+    // chunk-ordered activations (e47f1fc) the 7B's q|k|v (a wave and a quarter) after the
+    // wait, 547.3 / 546.8 / 548.8 / 547.3 / 547.2 against 537.9 / 544.4 / 545.4 / 545.3 /
+    // 544.7 at its start.
     launch(k_rms_norm_copy, (unsigned)nt, rms_threads(d), x, w, y, (int)d, eps, (int8_t*)scratch,
            (float2*)((uint8_t*)scratch + nt * d), norm_copy_scale(scratch, d, nt), early ? 1 : 0);
 }

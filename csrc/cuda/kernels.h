@@ -29,23 +29,10 @@ struct MvJob {
     size_t row_bytes2 = 0;
     int type2 = 0;
     const float* bias2 = nullptr;
-    // Also write y's int8 copy (the next matvec's input, laid out as its scratch) here:
-    // by a quantization launch after the matvec's, or (with q_ss, or
-    // MINFER_CUDA_MV_QTAIL=1) by the last of the blocks that computed a 32-row group (an
-    // integer ticket per group, zero before and after every launch). Needs ncols == 1,
-    // rows % 32 == 0.
+    // Also write y's int8 copy (the next matvec's input, laid out as its scratch) here, by
+    // a quantization launch after the matvec's. Needs one job, ncols == 1, rows % 32 == 0.
     int8_t* q_out = nullptr;
     float2* ds_out = nullptr;
-    int* tickets = nullptr;
-    // With q_ss: the copy is the deferred copy of y's RMSNorm (weight q_w, or none, eps
-    // q_eps) as rms_norm_copy makes it, scale included (the norm's own launch goes): the
-    // groups' sums of squares go to q_ss, and the warp finishing the last group (ticket
-    // q_tk, zero before and after) writes the scale from them.
-    const float* q_w = nullptr;
-    double* q_ss = nullptr;
-    float* q_scale = nullptr;
-    int* q_tk = nullptr;
-    float q_eps = 0.0f;
 };
 constexpr int MV_MAX_JOBS = 4;
 // FusedQKV's tail (one token): the q, k and v jobs of one launch also rope q and k into
@@ -67,7 +54,6 @@ struct MvRopeStore {
     float freq_base = 0.0f;
     int* tickets = nullptr;  // one per head of the q, k and v jobs, in job order (set: the tail is on)
     int* err = nullptr;
-    int early = 1;  // blocks work out the rotation angles before the wait (set by matvec_multi)
     int local = 0;  // each block ropes and stores its own rows, no tickets (set by matvec_multi)
     // Pair angles by position (rope_table: cs_rows positions of n_rot / 2 pairs), or null;
     // a position outside it is worked out as rope_cs does.
@@ -86,17 +72,16 @@ void rope_table(float2* table, int64_t rows, int n_rot, float freq_base);
 // weights are read once for all of them: a speculative block costs little more than a
 // single step).
 // in_norm: x is an RMSNorm's output and the scratch holds that norm's deferred copy
-// (rms_norm_copy, or a q_ss group tail): a quantized job's row sums are multiplied by
-// the norm's scale. Any launch of a matvec reading such a norm does this, so its bits do
-// not depend on which launch made the copy.
+// (rms_norm_copy): a quantized job's row sums are multiplied by the norm's scale. Any
+// launch of a matvec reading such a norm does this, so its bits do not depend on the
+// fusions.
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols = 1,
                   bool xq_ready = false, const MvRopeStore* rope = nullptr, bool in_norm = false);
 size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols = 1);
 // RMSNorm rows whose readers are decode matvecs (d % 32 == 0, d <= kNormCopyMaxRow, nt
 // rows of at most kRowExactMaxTokens): y bitwise rms_norm's, plus the rows' deferred
-// int8 copy: q8 of x * w per 32-element group (no whole-row reduction in it, so a
-// matvec's group tails can make it), and each row's scale, which the matvec applies to
-// its row sums. Scratch: the int8 copies and their (d, d * sum) pairs as matvec_multi
+// int8 copy: q8 of x * w per 32-element group (no whole-row reduction in it), and each
+// row's scale, which the matvec applies to its row sums. Scratch: the int8 copies and their (d, d * sum) pairs as matvec_multi
 // reads them, the groups' sums of squares (nt * d / 32 doubles), the scales (nt floats).
 constexpr int64_t kNormCopyMaxRow = 4096;
 size_t norm_copy_bytes(int64_t d, int64_t nt = 1);
@@ -106,10 +91,11 @@ inline double* norm_copy_ss(void* scratch, int64_t d, int64_t nt) {
 inline float* norm_copy_scale(void* scratch, int64_t d, int64_t nt) {
     return (float*)(norm_copy_ss(scratch, d, nt) + nt * (d / 32));
 }
-// qkv_next: the launch after the norm is a q|k|v matvec that fits one wave (1; see
-// mv_blocks_one_wave) or not (2), or neither (0); it decides when the norm lets it start.
+// early: the norm lets the next launch start at the norm's start, not after its wait (the
+// executor's choice: when that launch is a q|k|v matvec that fits one wave, see
+// mv_blocks_one_wave).
 void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t nt, float eps, void* scratch,
-                   int qkv_next = 0);
+                   bool early = false);
 // Whether a one-column decode matvec of `rows` rows, one a warp, fits one wave of the
 // K-quant kernels (7 blocks of 4 warps an SM): the 0.5B's q|k|v (288 blocks) does, the
 // 7B's (1,152) does not.

@@ -54,24 +54,19 @@ def supports_attn_span() -> bool:
     return True
 
 
+# A diagnostic: the decode step merges to apply (each is bitwise its unfused steps; this
+# narrows a numerics difference down to one of them). Unset or 'all': every one.
 ENV_FUSE = "MINFER_CUDA_FUSE"
-FUSIONS = ("qkv", "ffn", "residual", "quant", "rope", "norm")
-# "norm" (a residual add's one-row RMSNorm made by the matvec + add launch's 32-row group
-# tails; it acts only together with "residual") is not on by default: its two ticket
-# rounds cost more than the norm's own launch (H200: 0.5B tg128 1,118-1,145 vs
-# 1,245-1,311 tok/s without it, 7B 345-347 vs 362).
-DEFAULT_FUSIONS = ("qkv", "ffn", "residual", "quant", "rope")
-_FLAG_BITS = {"qkv": 1, "ffn": 2, "residual": 4, "quant": 8, "norm": 16, "rope": 32}  # cuda/executor.h PlanFlags
+FUSIONS = ("qkv", "ffn", "residual", "quant", "rope")
+_FLAG_BITS = {"qkv": 1, "ffn": 2, "residual": 4, "quant": 8, "rope": 32}  # cuda/executor.h PlanFlags
 
 
 def fusions_from_env() -> frozenset:
-    """The decode fusions to use: MINFER_CUDA_FUSE unset = DEFAULT_FUSIONS, 'all' = every
-    one, '0' or 'none' = none, else a comma list of qkv, ffn, residual, quant, rope, norm."""
+    """The decode fusions to use: MINFER_CUDA_FUSE unset, '1' or 'all' = every one, '0' or
+    'none' = none, else a comma list of qkv, ffn, residual, quant, rope."""
     import os
     v = os.environ.get(ENV_FUSE, "").strip().lower()
-    if v in ("", "1"):
-        return frozenset(DEFAULT_FUSIONS)
-    if v == "all":
+    if v in ("", "1", "all"):
         return frozenset(FUSIONS)
     if v in ("0", "none"):
         return frozenset()
@@ -87,7 +82,7 @@ def plan_flags(cparams) -> int:
     return ((_FLAG_BITS["qkv"] if cparams.fuse_qkv else 0) | (_FLAG_BITS["ffn"] if cparams.fuse_ffn else 0)
             | (_FLAG_BITS["residual"] if cparams.fuse_residual else 0)
             | (_FLAG_BITS["quant"] if cparams.fuse_quant else 0)
-            | (_FLAG_BITS["rope"] if cparams.fuse_rope else 0) | (_FLAG_BITS["norm"] if cparams.fuse_norm else 0))
+            | (_FLAG_BITS["rope"] if cparams.fuse_rope else 0))
 
 
 class CudaDevice:
