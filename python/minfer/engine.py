@@ -409,7 +409,7 @@ class Engine:
         if self._launch is not None:
             launch, self._launch = self._launch, None
             self._collect(launch)
-        if self.seqs:
+        if self.seqs and self._launch is None:   # (a lone sequence's may be out already)
             self._start_next()
         return bool(self.seqs) or self._launch is not None
 
@@ -420,8 +420,10 @@ class Engine:
 
     def _start_next(self) -> None:
         items = self._batch()
-        if not items:
-            return
+        if items:
+            self._launch_items(items)
+
+    def _launch_items(self, items) -> None:
         launch = Launch(items=items, copy=self._copy_mode(items), runs=0, builds=self.ctx.builds,
                         t0=time.perf_counter())
         launch.draft_ms = self._draft_ms
@@ -644,9 +646,12 @@ class Engine:
                 if launch.copy is None:
                     if dev_rows is None:              # the forward's only row
                         if s.sampling.plain_greedy:
-                            self._pick(s, ctx.argmax_last(step))
-                            continue
-                        src = ctx.last_row(step)
+                            t = ctx.argmax_last(step)
+                        else:
+                            t = s.sampler.sample(ctx.last_row(step))
+                        self._eager(s, t)
+                        self._pick(s, t)
+                        continue
                     else:
                         if s.sampling.plain_greedy:
                             self._pick(s, dev_rows.argmax(r, step))
@@ -755,8 +760,22 @@ class Engine:
             seq.queued.clear()
         return True
 
+    def _eager(self, s: Sequence, t: int) -> None:
+        """A lone plain sequence's next forward goes out before its pick's text work and
+        the caller's handling of the event (on an asynchronous device they overlap it),
+        unless the pick ends the sequence by itself (an end-of-generation id, the last of
+        max_tokens, a cancelled request). A stop string found in the text afterwards
+        takes the token back (_finish trims the KV)."""
+        if (len(self.slots) != 1 or s.spec is not None or s.needs_rows or s.queued or t in s.text.eog
+                or len(s.text.ids) + 1 >= s.max_tokens or (s.cancelled is not None and s.cancelled())):
+            return
+        s.next_tok = t
+        self._launch_items([(s, [t], 1)])
+
     def _pick(self, s: Sequence, tok: int, logprob: float | None = None, top=None) -> bool:
         """One pick handed out: False when it ended the sequence."""
+        if s.done:                  # its eager forward failed
+            return False
         now = time.perf_counter()
         s.picks += 1
         if s.t_first is None:
