@@ -183,28 +183,25 @@ def test_matmul_vs_float64(qtype, nt):
     assert np.all(err <= tol), f"{qtype.name} nt={nt}: max err/tol {np.max(err / tol):.3g}"
 
 
+@pytest.mark.parametrize("in_dim", [512, 4096])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
-def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
-    """One-column launches whose jobs share a type take that type's own kernel
-    (MINFER_CUDA_MV_TYPED, on by default): bitwise the switch kernel's rows, a single
-    matvec and a SwiGLU pair alike, and within the matvec tolerance of float64; a launch
-    of mixed types (q|k|v with a Q8_0 or Q6_K v) takes a two-type instantiation where its
-    two types are one (the default), or the switch kernel (MINFER_CUDA_MV_PAIR=0). Either
-    kernel gives the same bits with its rows' weights loaded before its wait (rows of at
-    most 64 units, the default) or after it (MINFER_CUDA_MV_EARLYW=0)."""
-    rng = np.random.default_rng(int(qtype))
-    in_dim, rows = 512, 320
+def test_matvec_one_type_and_pair_kernels(qtype, in_dim):
+    """One-column launches whose jobs share a type take that type's own kernel (rows of at
+    most 64 units, here every 512-wide row and the 4096-wide K-quant rows, loaded into
+    registers before the kernel's wait); a launch of two types (q|k|v with a Q6_K v beside
+    Q4_K, a Q8_0 v beside Q5_0) takes a two-type instantiation, other mixes the switch
+    kernel. A row's bits do not depend on the launch: alone, beside a job of another type,
+    and gate|up + SwiGLU in one launch against gate, up and SwiGLU launched apart; and the
+    row is within the matvec tolerance of float64."""
+    rng = np.random.default_rng(int(qtype) + in_dim)
+    rows = 320
     vtype = Q.Q6_K if qtype == Q.Q4_K else Q.Q8_0
     w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
     u_raw, _ = make_weight(qtype, rows, in_dim, rng)
     m_raw, _ = make_weight(vtype, rows, in_dim, rng)
     x = rng.standard_normal((1, in_dim)).astype(np.float32)
     outs = {}
-    for typed, early, pair in (("1", "1", "0"), ("0", "1", "0"), ("1", "0", "0"), ("0", "0", "0"), ("1", "1", "1"),
-                               ("1", "0", "1")):
-        monkeypatch.setenv("MINFER_CUDA_MV_TYPED", typed)
-        monkeypatch.setenv("MINFER_CUDA_MV_EARLYW", early)
-        monkeypatch.setenv("MINFER_CUDA_MV_PAIR", pair)
+    for flags in (0, 1 | 2):
         r = Rig()
         w = r.weight("w", w_raw, qtype, in_dim, rows)
         u = r.weight("u", u_raw, qtype, in_dim, rows)
@@ -215,21 +212,25 @@ def test_matvec_one_type_kernel_bitwise(qtype, monkeypatch):
                       ("matmul", [g, xi], [in_dim, rows, 1], [], [w, -1]),  # gate|up + SwiGLU
                       ("matmul", [h, xi], [in_dim, rows, 1], [], [u, -1]),
                       ("swiglu", [sw, g, h], [rows], [], [])])
-        one.flags = 2
+        one.flags = flags & 2
         mixed = r.plan([("matmul", [y2, xi], [in_dim, rows, 1], [], [w, -1]),
                         ("matmul", [ym, xi], [in_dim, rows, 1], [], [m, -1])])
-        mixed.flags = 1
+        mixed.flags = flags & 1
+        _core.cuda_sync()
+        _core.testing.cuda_reset_counters()
         for p in (one, mixed):
             _core.cuda_validate(p, r.pool, r.weights)
             r.run(p)
-        assert _core.testing.cuda_plan_info(one)["launches"] == 2
-        assert _core.testing.cuda_plan_info(mixed)["launches"] == 1
-        outs[typed, early, pair] = [r.read(b, rows) for b in (y, sw, y2, ym)]
-    for key, got in outs.items():
-        for a, b in zip(got, outs["1", "1", "0"]):
-            assert a.tobytes() == b.tobytes(), key
-    assert outs["1", "1", "0"][0].tobytes() == outs["1", "1", "0"][2].tobytes()  # alone == beside a Q8_0 / Q6_K job
-    check_matvec(outs["1", "1", "0"][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
+        pairs = _core.testing.cuda_counters()["pair"]
+        assert _core.testing.cuda_plan_info(one)["launches"] == (2 if flags else 4)
+        assert _core.testing.cuda_plan_info(mixed)["launches"] == (1 if flags else 2)
+        paired = flags and (qtype, vtype) in ((Q.Q4_K, Q.Q6_K), (Q.Q5_0, Q.Q8_0))
+        assert pairs == (1 if paired else 0), pairs
+        outs[flags] = [r.read(b, rows) for b in (y, sw, y2, ym)]
+    for a, b in zip(outs[0], outs[1 | 2]):
+        assert a.tobytes() == b.tobytes(), "fused launches vs apart"
+    assert outs[3][0].tobytes() == outs[3][2].tobytes()  # alone == beside a Q8_0 / Q6_K job
+    check_matvec(outs[3][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
@@ -293,22 +294,21 @@ def test_matvec_staged_bitwise(qtype, monkeypatch):
 
 
 @pytest.mark.parametrize("qtype", KQUANTS + [Q.Q8_0, Q.Q5_0, Q.Q4_0], ids=lambda t: t.name)
-def test_matvec_x4_bitwise(qtype, monkeypatch):
-    """Rows of more than 64 units four to a block, each row's 32 lanes spread over the
-    block's four warps and reduced through shared memory (MINFER_CUDA_MV_X4=1), give the
-    one-row-a-warp kernel's bits: with a bias, with a residual add, and with a row count
-    that leaves the last block short; direct, captured, replayed. The plain result is
-    within the matvec tolerance of float64."""
+def test_matvec_x4_bitwise(qtype):
+    """Rows of 200 units or more (the 7B's down projection) go four to a block, each row's
+    32 lanes spread over the block's four warps and reduced through shared memory: a
+    matvec with a bias and one with a residual add, with a row count that leaves the last
+    block short, give the bits of the same rows one a warp (two jobs in one launch, which
+    k_matvec_x4 does not take); direct, captured, replayed. The result is within the
+    matvec tolerance of float64."""
     rng = np.random.default_rng(400 + int(qtype))
-    in_dim, rows = 4864, 203  # 76 K-quant units or 152 blocks a row
+    in_dim, rows = 12800, 203  # 200 K-quant units or 400 blocks a row
     w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
     x = rng.standard_normal((1, in_dim)).astype(np.float32)
     bias = rng.standard_normal(rows).astype(np.float32)
     res = rng.standard_normal(rows).astype(np.float32)
     outs, x4 = {}, {}
-    monkeypatch.setenv("MINFER_CUDA_MV_X4_MIN_UNITS", "65")  # by default only rows of 200 units or more
-    for mode in ("0", "1"):
-        monkeypatch.setenv("MINFER_CUDA_MV_X4", mode)
+    for flags in (4, 1):  # matvec + residual add in one launch (x4); two jobs in one launch (one row a warp)
         r = Rig()
         w = r.weight("w", w_raw, qtype, in_dim, rows)
         b = r.weight("b", bias, Q.F32, rows, 1)
@@ -317,34 +317,33 @@ def test_matvec_x4_bitwise(qtype, monkeypatch):
         plan = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, b]),
                        ("matmul", [yd, xi], [in_dim, rows, 1], [], [w, -1]),
                        ("add", [z, yd, ri], [rows], [], [])])
-        plan.flags = 4
+        plan.flags = flags
         _core.cuda_validate(plan, r.pool, r.weights)
+        assert _core.testing.cuda_plan_info(plan)["launches"] == 2
         _core.cuda_sync()
         _core.testing.cuda_reset_counters()
         runs = []
         for _ in range(3):
-            for k in (y, z):
+            for k in (y, yd, z):
                 r.pool.write(k, np.full(rows, np.nan, np.float32))
             r.run(plan)
-            runs.append([r.read(k, rows).tobytes() for k in (y, z)])
-        assert runs[0] == runs[1] == runs[2], f"x4={mode}: runs differ"
-        outs[mode] = runs[0]
-        x4[mode] = _core.testing.cuda_counters()["x4"]
-    assert outs["1"] == outs["0"], "four rows a block vs one row a warp"
-    assert x4["0"] == 0 and x4["1"] >= 2, x4  # both matvec launches of the direct runs
-    got = np.frombuffer(outs["0"][0], np.float32)
+            runs.append([r.read(k, rows).tobytes() for k in (y, yd, z)])
+        assert runs[0] == runs[1] == runs[2], f"flags {flags}: runs differ"
+        outs[flags] = runs[0]
+        x4[flags] = _core.testing.cuda_counters()["x4"]
+    assert x4[4] >= 2 and x4[1] == 0, x4  # both matvec launches of the direct run
+    assert outs[4][0] == outs[1][0], "four rows a block vs one row a warp"
+    yd1 = np.frombuffer(outs[1][1], np.float32)
+    assert outs[4][2] == (yd1 + res).astype(np.float32).tobytes(), "x4 + residual vs one row a warp, then the add"
+    got = np.frombuffer(outs[4][0], np.float32)
     check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
-    z = np.frombuffer(outs["0"][1], np.float32).astype(np.float64)
-    np.testing.assert_allclose(z - res, got - bias, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows,rpw", [(5000, "0"), (9000, "0"), (60000, "0"), (3000, "8"), (3000, "1")])
-def test_matvec_many_rows_bitwise_and_fused_ffn(rows, rpw, monkeypatch):
-    """Warps may take several rows (MINFER_CUDA_MV_RPW: 0 = as many as fit one wave, which
-    depends on the row total); a row's bits must not. The same rows alone, and gate|up +
+@pytest.mark.parametrize("rows", [3000, 5000, 9000, 60000])
+def test_matvec_many_rows_bitwise_and_fused_ffn(rows):
+    """A row's bits do not depend on the row count of its launch. The same rows alone, and gate|up +
     SwiGLU with down's int8 input made by a quantization launch after it, against the
     unfused steps."""
-    monkeypatch.setenv("MINFER_CUDA_MV_RPW", rpw)
     rng = np.random.default_rng(rows)
     in_dim, few = 64, 96
     raw, deq = make_weight(Q.Q8_0, rows, in_dim, rng)
@@ -1402,11 +1401,8 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
     _, path, ref = synth
     seq = _sequences(ref.n_vocab, 4)[2]
     base = _decode_run(path, seq, 5)
-    for env in ({"MINFER_CUDA_MV_PREFETCH": "0"}, {"MINFER_CUDA_MV_BULK": "1"},
-                {"MINFER_CUDA_MV_EARLYW": "0"}, {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "0"},
-                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"},
-                {"MINFER_CUDA_MV_X4": "1", "MINFER_CUDA_MV_X4_MIN_UNITS": "65"}, {"MINFER_CUDA_MV_X4": "0"},
-                {"MINFER_CUDA_MV_PAIR": "0"}):
+    for env in ({"MINFER_CUDA_MV_BULK": "1"}, {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "0"},
+                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"}):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         got = _decode_run(path, seq, 5)
@@ -1419,21 +1415,21 @@ def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
 def test_two_type_qkv_kernel_keeps_the_bits(qkv, tmp_path, monkeypatch):
     """A q|k|v launch of two weight types (the Q4_K_M files' layers with a Q6_K or Q8_0 v)
     takes a two-type instantiation with its rows loaded before its wait, RoPE + KV-store
-    tail included (the default), instead of the switch kernel (MINFER_CUDA_MV_PAIR=0): the same logits,
-    bit for bit, over a prompt and decode steps."""
+    tail included: the logits of the unfused run (q, k and v launched apart on one-type
+    kernels, MINFER_CUDA_FUSE=none), bit for bit, over a prompt and decode steps."""
     qk, v = qkv
     path = tmp_path / "pair.gguf"
     write_model(path, arch="qwen2", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=7,
                 types={"attn_q": qk, "attn_k": qk, "attn_v": v})
     seq = [3, 17, 40, 99, 5]
     outs, pairs = {}, {}
-    for mode in ("0", "1"):
-        monkeypatch.setenv("MINFER_CUDA_MV_PAIR", mode)
+    for fuse in ("none", "all"):
+        monkeypatch.setenv("MINFER_CUDA_FUSE", fuse)
         _core.testing.cuda_reset_counters()
-        outs[mode] = _decode_run(path, seq, 5)
-        pairs[mode] = _core.testing.cuda_counters()["pair"]
-    assert pairs["0"] == 0 and pairs["1"] >= 2, pairs  # a q|k|v launch a layer, direct runs
-    assert outs["1"].tobytes() == outs["0"].tobytes()
+        outs[fuse] = _decode_run(path, seq, 5)
+        pairs[fuse] = _core.testing.cuda_counters()["pair"]
+    assert pairs["none"] == 0 and pairs["all"] >= 2, pairs  # a q|k|v launch a layer, direct runs
+    assert outs["all"].tobytes() == outs["none"].tobytes()
 
 
 def test_diag_skip_is_loud_and_not_the_logits(synth):

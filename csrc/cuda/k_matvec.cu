@@ -35,8 +35,7 @@ struct MvArgs {
     int block0[MV_MAX_JOBS];
     int njobs;
     int in_dim, nb;       // elements and 32-element blocks per row
-    int rpw;              // rows per warp (a power of two <= 8)
-    int prefetch;         // request rows into L2 ahead of use
+    int prefetch;         // request the warp's row into L2 before pdl_wait()
     const float* x;       // f32 activations (F32 / F16 weights)
     const int8_t* xq;     // int8 copy, column c at xq + c * in_dim
     const float2* xds;    // per block (d, d * sum(q)), column c at xds + c * nb
@@ -473,7 +472,7 @@ __device__ __forceinline__ void mv_dispatch(int type, F&& f) {
 
 // Instantiation codes above the weight types: a launch whose jobs have one of two types
 // (q|k|v of mixed layers: the 7B's Q4_K q, k beside a Q6_K v, the 0.5B's Q5_0 beside Q8_0),
-// a two-way branch instead of the switch (MINFER_CUDA_MV_PAIR).
+// a two-way branch instead of the switch.
 __host__ __device__ constexpr int mv_pair(int a, int b) { return 1000 + 32 * a + b; }
 __host__ __device__ constexpr bool is_pair(int tt) { return tt >= 1000; }
 __host__ __device__ constexpr int pair_a(int tt) { return (tt - 1000) / 32; }
@@ -649,10 +648,9 @@ __device__ __forceinline__ void rope_cs_of(const MvRopeStore& r, int k, float& c
     }
 }
 
-// A warp computes a.rpw consecutive rows, keeping the next two rows' bytes on their way
-// into L2 while it computes one (the first two are requested before pdl_wait()).
-// FusedQKV's tail: after this block's rows of job j (one head's rows lie in whole
-// blocks: rpw == 1, hd % MV_WARPS == 0), the last block of the head ropes it and stores
+// A warp computes one row (with a.prefetch, requested into L2 before pdl_wait()).
+// The q|k|v launch's ticket tail: after this block's rows of job j (one head's rows lie in
+// whole blocks: hd % MV_WARPS == 0), the last block of the head ropes it and stores
 // it into the KV cache exactly as k_rope2_store does. y is read through L2 (rope_elem's
 // __ldcg): other blocks wrote it during this launch. cs: the head's pair angles
 // (rope_cs_of), taken by every block of a q or k head before the wait (positions are
@@ -801,10 +799,9 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     const int b = blockIdx.x - a.block0[j];  // the block's index within its job
     const bool rope_local = RT && a.rope.tickets && a.rope.local;
     const bool roped = rope_local && (a.rope.role[j] == 1 || a.rope.role[j] == 2);
-    const int row0 = roped ? rope_local_row(a.rope, b, threadIdx.x >> 5) : (b * MV_WARPS + (threadIdx.x >> 5)) * a.rpw;
-    const int row1 = min(row0 + a.rpw, jb.rows);  // a warp with no rows reads and writes nothing
-    if (a.prefetch && !EW && row0 < row1) prefetch_job_row(jb, row0, lane);
-    if (a.prefetch && !EW && row0 + 1 < row1) prefetch_job_row(jb, row0 + 1, lane);
+    const int row0 = roped ? rope_local_row(a.rope, b, threadIdx.x >> 5) : b * MV_WARPS + (threadIdx.x >> 5);
+    const bool has_row = row0 < jb.rows;  // a warp without a row reads and writes nothing
+    if (a.prefetch && !EW && has_row) prefetch_job_row(jb, row0, lane);
     // FusedQKV's tail: the rotation angles (from the table, or double-precision pow, cos,
     // sin) off the critical path, before the wait. (The last block working them out after
     // it measured slower: 0.5B tg128 1,252 / 1,241 against 1,296 / 1,308, f9a55ec.)
@@ -831,17 +828,14 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
         }
     }
     TL_MARK(1);
-    float v = 0.0f;  // the last row's value (lane 0): rope launches have one row a warp
+    float v = 0.0f;  // the row's value (lane 0)
     if constexpr (EW) {
-        if (row0 < row1) v = mv_row_early<NC, TT>(a, jb, row0, lane);  // its wait inside
+        if (has_row) v = mv_row_early<NC, TT>(a, jb, row0, lane);  // its wait inside
         else pdl_wait();
     } else {
         pdl_wait();
         TL_MARK(2);
-        for (int row = row0; row < row1; ++row) {
-            if (a.prefetch && row + 2 < row1) prefetch_job_row(jb, row + 2, lane);
-            v = mv_row<NC, TT>(a, jb, row, lane);
-        }
+        if (has_row) v = mv_row<NC, TT>(a, jb, row0, lane);
     }
     TL_MARK(3);
     if constexpr (RT) {
@@ -854,7 +848,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
 }
 
 
-// ---- long rows, four to a block (MINFER_CUDA_MV_X4) ----------------------------------
+// ---- long rows, four to a block (k_matvec_x4) ----------------------------------------
 // k_matvec's one-row-a-warp work dealt differently: a block takes rows 4b .. 4b + 3, and
 // "virtual lane" l (0..31) of row r is thread (warp l / 8, lane 8 r + l % 8). Each thread
 // does exactly what lane l of the row's warp does in k_matvec (units l, l + 32, ... in
@@ -1206,14 +1200,13 @@ void launch_mv(const MvArgs& a, unsigned blocks) {
     launch(k_matvec<NC>, blocks, MV_WARPS * 32, a);
 }
 
-// Whether a one-column launch takes the instantiations with the RoPE tail: those with a
-// tail always, the others only under MINFER_CUDA_MV_RT=1 (as before the split: same bits,
-// the tail's registers).
-bool want_rt(const MvArgs& a) { return a.rope.tickets || env_int("MINFER_CUDA_MV_RT", 0) != 0; }
-
+// A one-column launch takes the instantiations with the RoPE tail only when it has the
+// tail (every launch on them, the tail's registers paid by all, measured the same: 0.5B
+// tg128 1,276 / 1,351 / 1,330 against 1,294 / 1,303 / 1,350, 7B 393 / 401 / 391 against 389
+// / 399 / 400, 47a1d8d; without the tail's code Q4_K and Q6_K no longer spill).
 template <int TT>
 void launch_mv1(const MvArgs& a, unsigned blocks) {
-    const bool rt = want_rt(a);
+    const bool rt = a.rope.tickets != nullptr;
     if (a.wearly) {
         if (rt) launch(k_matvec<1, TT, true, true>, blocks, MV_WARPS * 32, a);
         else launch(k_matvec<1, TT, false, true>, blocks, MV_WARPS * 32, a);
@@ -1350,18 +1343,16 @@ int one_type(const MvJob* jobs, int njobs) {
     return t;
 }
 
-// k_matvec_x4 for a one-column, one-job launch of rows of at least
-// MINFER_CUDA_MV_X4_MIN_UNITS units (200; never the early rows' 64 or fewer) of one of the
-// typed kernels' weight types, without W2, int8 copy or RoPE tail (MINFER_CUDA_MV_X4=0:
-// never). H200 tg128 side by side, 3 rounds: the 7B's down rows (296 units) 496.6 / 498.2
-// / 495.0 against 491.6 / 493.1 / 494.3, and with the two-type q|k|v kernel (pair_type)
-// 504.3 / 504.8 / 503.7; the 0.5B's down rows (76 and 152 units) lost: 1,775 / 1,720 /
-// 1,777 against 1,842 / 1,833 / 1,838.
+// k_matvec_x4 for a one-column, one-job launch of rows of at least kX4MinUnits units of
+// one of the typed kernels' weight types, without W2, int8 copy or RoPE tail. H200 tg128
+// side by side, 3 rounds: the 7B's down rows (296 units) 496.6 / 498.2 / 495.0 against
+// 491.6 / 493.1 / 494.3 one row a warp, and with the two-type q|k|v kernel (pair_type)
+// 504.3 / 504.8 / 503.7; the 0.5B's down rows (76 and 152 units) lost four to a block:
+// 1,775 / 1,720 / 1,777 against 1,842 / 1,833 / 1,838 (3a05235).
+constexpr int kX4MinUnits = 200;
 bool launch_x4(const MvArgs& a) {
-    if (env_int("MINFER_CUDA_MV_X4", 1) == 0) return false;
     const MvJob& j = a.job[0];
-    if (a.njobs != 1 || a.rope.tickets || a.wearly || j.W2 || j.q_out || row_units(j.type, a.nb) <= 64 ||
-        row_units(j.type, a.nb) < env_int("MINFER_CUDA_MV_X4_MIN_UNITS", 200))
+    if (a.njobs != 1 || a.rope.tickets || a.wearly || j.W2 || j.q_out || row_units(j.type, a.nb) < kX4MinUnits)
         return false;
     const unsigned blocks = (unsigned)((j.rows + 3) / 4);
     if (!dispatch_typed(j.type, [&]<int T>() { launch(k_matvec_x4<T>, blocks, MV_WARPS * 32, a); })) return false;
@@ -1370,13 +1361,11 @@ bool launch_x4(const MvArgs& a) {
 }
 
 // The pair instantiation (mv_pair) of a launch whose jobs have exactly the two types of
-// one, no W2, or -1 (MINFER_CUDA_MV_PAIR=0: never, the switch kernel, whose K-quant rows
-// load after the wait). H200 tg128 side by side, 3 rounds: 7B 494.3 / 493.7 / 494.1
-// against 491.6 / 493.1 / 494.3 alone, 504.3 / 504.8 / 503.7 with k_matvec_x4 for down
-// against 496.6 / 498.2 / 495.0 without; 0.5B 1,832 / 1,829 / 1,836 against 1,831 / 1,812 /
-// 1,794.
+// one, no W2, or -1. (The switch kernel, whose K-quant rows load after the wait, measured
+// slower for them: H200 tg128 side by side, 3 rounds: 7B 491.6 / 493.1 / 494.3 against
+// 494.3 / 493.7 / 494.1 alone, 496.6 / 498.2 / 495.0 against 504.3 / 504.8 / 503.7 with
+// k_matvec_x4 for down; 0.5B 1,831 / 1,812 / 1,794 against 1,832 / 1,829 / 1,836, 3a05235.)
 int pair_type(const MvJob* jobs, int njobs) {
-    if (env_int("MINFER_CUDA_MV_PAIR", 1) == 0) return -1;
     for (const int tt : {mv_pair(T_Q4_K, T_Q6_K), mv_pair(T_Q5_0, T_Q8_0)}) {
         bool ok = true, seen_a = false, seen_b = false;
         for (int i = 0; i < njobs; ++i) {
@@ -1390,7 +1379,9 @@ int pair_type(const MvJob* jobs, int njobs) {
 }
 
 // The one-type instantiations of one-column launches (decode), for the types the Qwen
-// Q4_K_M / Q8_0 files are made of; others take the switch. MINFER_CUDA_MV_TYPED=0: all do.
+// Q4_K_M / Q8_0 files are made of; others take the switch. (Every launch on the switch
+// kernel measured slower: tg128 0.5B 751 / 796 against 837 / 787, 7B 252 / 251 against
+// 259 / 255, d98fd85 at 1749894.)
 bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
     if (dispatch_typed(one_type(a.job, a.njobs), [&]<int T>() { launch_mv1<T>(a, blocks); })) return true;
     switch (pair_type(a.job, a.njobs)) {
@@ -1428,37 +1419,16 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int)in_dim, (int8_t*)a.xq, (float2*)a.xds);
     }
     a.njobs = njobs;
-    int64_t total = 0;
-    for (int i = 0; i < njobs; ++i) total += jobs[i].rows;
-    // Rows per warp: one by default. MINFER_CUDA_MV_RPW=0 picks the fewest that fit every
-    // row's warp in about one wave of resident warps; on the H200 that was 9% slower on
-    // the 7B shape (233 vs 256 tok/s) and even on the 0.5B. Rows' bits do not depend on it.
-    const int64_t resident = (int64_t)ctx().n_sm * 24;  // 6 blocks of 4 warps per SM at 80 registers
-    // Read per launch (host side only; a captured graph keeps what it was captured with).
-    const int rpw_env = env_int("MINFER_CUDA_MV_RPW", 1);
-    // L2 prefetch of the rows ahead of their loads (and, before pdl_wait(), while the
-    // launch before finishes): it shortens small, latency-bound launches, but costs the
-    // large, bandwidth-bound ones (7B tg128 316 vs 307 tok/s without it, while the 0.5B
-    // lost 2%). MINFER_CUDA_MV_PREFETCH: 1 always, 0 never, unset: launches of at most
-    // MINFER_CUDA_MV_PREFETCH_MAX weight bytes (16 MiB by default).
-    const int pf_env = env_int("MINFER_CUDA_MV_PREFETCH", -1);
-    const bool typed = env_int("MINFER_CUDA_MV_TYPED", 1) != 0;
-    if (pf_env >= 0) {
-        a.prefetch = pf_env != 0;
-    } else {
-        size_t wbytes = 0;
-        for (int i = 0; i < njobs; ++i)
-            wbytes += (size_t)jobs[i].rows * (jobs[i].row_bytes + (jobs[i].W2 ? jobs[i].row_bytes2 : 0));
-        a.prefetch = wbytes <= (size_t)env_int("MINFER_CUDA_MV_PREFETCH_MAX", 16 << 20);
-    }
-    a.rpw = 1;
-    if (rpw_env > 0) {
-        while (a.rpw < 8 && a.rpw < rpw_env) a.rpw *= 2;
-    } else {
-        while (a.rpw < 8 && total > resident * a.rpw) a.rpw *= 2;
-    }
-    // MINFER_CUDA_MV_EARLYW=0: every row's weights loaded after the wait (prefetched into
-    // L2 before it), as before 2026-12-02.
+    // One row a warp. (Several, as many as fit one wave of resident warps, measured
+    // slower: H200 7B tg128 233 against 256, the 0.5B no faster, 5e7fd8b.)
+    // L2 prefetch of the row before pdl_wait(), while the launch before finishes, for
+    // launches of at most 16 MiB of weights: it shortens small, latency-bound launches,
+    // but cost the large, bandwidth-bound ones (7B tg128 307 with it against 316, while the
+    // 0.5B lost 2% without, 562697d; the 7B's down prefetched, 64 MiB, was dropped too).
+    size_t wbytes = 0;
+    for (int i = 0; i < njobs; ++i)
+        wbytes += (size_t)jobs[i].rows * (jobs[i].row_bytes + (jobs[i].W2 ? jobs[i].row_bytes2 : 0));
+    a.prefetch = wbytes <= ((size_t)16 << 20);
     a.wearly = 0;
     a.rope = MvRopeStore{};
     if (rope) {
@@ -1469,7 +1439,6 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         // else the last block of each head, found by a ticket, ropes and stores the head
         // (slower where both can: 0.5B tg128 1,211 / 1,289 against 1,301 / 1,340, 72b3a5d).
         a.rope.local = rope->n_rot % 4 == 0 && (rope->hd - rope->n_rot) % MV_WARPS == 0;
-        a.rpw = 1;
         int tk = 0;
         for (int i = 0; i < njobs; ++i) {
             a.rope_tk0[i] = tk;
@@ -1479,11 +1448,14 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             }
         }
     }
-    if (a.rpw == 1 && env_int("MINFER_CUDA_MV_EARLYW", 1) != 0) {
-        // Whether launch_mv_typed takes the launch: K-quants only then (mv_early_ok), a W2
-        // only then and of a type mv_early_w2 allows.
-        const bool one = typed && one_type(jobs, njobs) >= 0;
-        const bool same = one || (typed && pair_type(jobs, njobs) >= 0);
+    {
+        // Rows of at most 64 units loaded into registers before the wait (after it,
+        // prefetched into L2 before it, measured slower: H200 0.5B tg128 1,601 / 1,629 /
+        // 1,606 against 1,796 / 1,770 / 1,799, 3572076). Whether launch_mv_typed takes the
+        // launch: K-quants only then (mv_early_ok), a W2 only then and of a type
+        // mv_early_w2 allows.
+        const bool one = one_type(jobs, njobs) >= 0;
+        const bool same = one || pair_type(jobs, njobs) >= 0;
         const bool w2_ok = one && early_w2_type(jobs[0].type);
         a.wearly = 1;
         for (int i = 0; i < njobs; ++i) {
@@ -1497,7 +1469,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
             throw std::invalid_argument("matvec_multi: q_out needs one job, one column, rows % 32 == 0");
         a.job[i] = jobs[i];
         a.block0[i] = b;
-        b += (jobs[i].rows + MV_WARPS * a.rpw - 1) / (MV_WARPS * a.rpw);
+        b += (jobs[i].rows + MV_WARPS - 1) / MV_WARPS;
     }
     // Columns in launches of 8, 4, 2, 1: each column's bits are the same in all of them.
     for (int c0 = 0; c0 < ncols;) {
@@ -1527,7 +1499,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
                 const MvJob j0 = ac.job[0];
                 const bool qsplit = j0.q_out != nullptr;
                 if (qsplit) ac.job[0].q_out = nullptr;
-                if (!launch_bulk(ac) && !(typed && launch_x4(ac)) && !(typed && launch_mv_typed(ac, (unsigned)b)))
+                if (!launch_bulk(ac) && !launch_x4(ac) && !launch_mv_typed(ac, (unsigned)b))
                     launch_mv1<-1>(ac, (unsigned)b);
                 if (qsplit) {
                     const int n = j0.rows / 32;
