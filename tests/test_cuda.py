@@ -233,64 +233,91 @@ def test_matvec_one_type_and_pair_kernels(qtype, in_dim):
     check_matvec(outs[3][0].reshape(1, -1).astype(np.float64), x, w_deq, qtype)
 
 
+def make_raw(qtype, rows, cols, rng):
+    """make_weight's raw bytes alone (a big matrix whose dequantization is checked on a
+    few rows: gguf_deq)."""
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        d = (rng.standard_normal((rows, cols // bs)) * 0.02).astype(np.float16)
+        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, cols // bs, 2)
+    return raw.reshape(rows, -1)
+
+
+def gguf_deq(qtype, raw, cols):
+    return gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], cols).astype(np.float32)
+
+
+@pytest.mark.parametrize("xr", [True, False], ids=["rows<=64units", "longer"])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
-def test_matvec_staged_bitwise(qtype, monkeypatch):
-    """The staged matvec (MINFER_CUDA_MV_BULK=1: rows streamed into shared memory by bulk
-    copies, several rows a slot, slots dealt to the warps round-robin or in runs) gives the plain kernel's bits: a lone matvec with bias, one with a residual
-    add, gate|up + SwiGLU writing down's int8 input (by a quantization launch after it), and down
-    itself; row counts below and above one row per warp, and a run direct, captured and
-    replayed."""
-    rng = np.random.default_rng(100 + int(qtype))
-    in_dim = 512
+def test_matvec_staged_bitwise(qtype, xr):
+    """Launches streaming more than 16 MiB in rows of 0.5-8 KB (2-8 KB when a row is longer
+    than 64 units) take the staged matvec (rows streamed into shared memory by bulk
+    copies, several rows a slot, slots dealt to the warps round-robin; rows of at most 64
+    units keep the lanes' activation chunks in registers): its rows have the bits of the
+    same rows in a small launch (the plain or early-loaded kernel), the first and the last
+    rows (short slots at the end); gate|up + SwiGLU staged in one launch, writing down's
+    int8 input by a quantization launch after it, and down + residual add, give the bits
+    of the steps launched apart; direct, captured and replayed; and the rows are within
+    the matvec tolerance of float64."""
+    rng = np.random.default_rng(100 + int(qtype) + 7 * xr)
+    units_elems = 64 if qtype in KQUANTS else 32
+    in_dim = units_elems * (64 if xr else 128)
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    row_bytes = in_dim // bs * ts
+    rows = ((17 << 20) // row_bytes + 32) // 32 * 32
+    few = 96
+    w_raw = make_raw(qtype, rows, in_dim, rng)
+    u_raw = make_raw(qtype, rows, in_dim, rng)
+    d_raw = make_raw(Q.Q8_0, in_dim, rows, rng)
+    x = rng.standard_normal((1, in_dim)).astype(np.float32)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    res = rng.standard_normal(in_dim).astype(np.float32)
     outs, staged = {}, {}
-    for rows in (96, 2016):
-        w_raw, w_deq = make_weight(qtype, rows, in_dim, rng)
-        u_raw, _ = make_weight(qtype, rows, in_dim, rng)
-        d_raw, _ = make_weight(Q.Q8_0, in_dim, rows, rng)
-        x = rng.standard_normal((1, in_dim)).astype(np.float32)
-        bias = rng.standard_normal(rows).astype(np.float32)
-        res = rng.standard_normal(in_dim).astype(np.float32)
-        for bulk in ("1", "1/7", "1/7/runs", "0"):
-            # "1/7": seven blocks, so each warp takes many slots of several rows, the ring
-            # wraps and slots end short; "runs": each warp a contiguous run of rows
-            # (MINFER_CUDA_MV_BULK_RR=0) instead of slots dealt round-robin.
-            mode, blocks, order = (bulk.split("/") + ["0", "rr"])[:3]
-            monkeypatch.setenv("MINFER_CUDA_MV_BULK", mode)
-            monkeypatch.setenv("MINFER_CUDA_MV_BULK_BLOCKS", blocks)
-            monkeypatch.setenv("MINFER_CUDA_MV_BULK_RR", "0" if order == "runs" else "1")
-            r = Rig()
-            w = r.weight("w", w_raw, qtype, in_dim, rows)
-            b = r.weight("b", bias, Q.F32, rows, 1)
-            u = r.weight("u", u_raw, qtype, in_dim, rows)
-            d = r.weight("d", d_raw, Q.Q8_0, rows, in_dim)
-            xi, ri = r.buf(x), r.buf(res)
-            y, g, h, sw, yd, z = (r.out(n) for n in (rows, rows, rows, rows, in_dim, in_dim))
-            plan = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, b]),
-                           ("matmul", [g, xi], [in_dim, rows, 1], [], [w, -1]),
-                           ("matmul", [h, xi], [in_dim, rows, 1], [], [u, -1]),
-                           ("swiglu", [sw, g, h], [rows], [], []),
-                           ("matmul", [yd, sw], [rows, in_dim, 1], [], [d, -1]),
-                           ("add", [z, yd, ri], [in_dim], [], [])])
-            plan.flags = 2 | 4 | 8
-            _core.cuda_validate(plan, r.pool, r.weights)
-            _core.cuda_sync()
-            _core.testing.cuda_reset_counters()
-            runs = []
-            for _ in range(3):
-                r.pool.write(sw, np.full(rows, np.nan, np.float32))
-                r.run(plan)
-                runs.append([r.read(k, n).tobytes() for k, n in ((y, rows), (sw, rows), (z, in_dim))])
-            assert runs[0] == runs[1] == runs[2], f"rows {rows} bulk {bulk}: runs differ"
-            staged[rows, bulk] = _core.testing.cuda_counters()["staged"]
-            outs[rows, bulk] = runs[0]
-        assert outs[rows, "1"] == outs[rows, "0"], f"rows {rows}: staged vs plain bits"
-        assert outs[rows, "1/7"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks) vs plain bits"
-        assert outs[rows, "1/7/runs"] == outs[rows, "0"], f"rows {rows}: staged (7 blocks, runs) vs plain bits"
-        # The staged kernel took the quantized launches: matvec + bias, gate|up, down + add.
-        modes = ("1", "1/7", "1/7/runs")
-        assert all(staged[rows, k] >= 2 * 3 for k in modes) and staged[rows, "0"] == 0, staged
-        got = np.frombuffer(outs[rows, "1"][0], np.float32)
-        check_matvec(got.reshape(1, -1).astype(np.float64), x, w_deq, qtype, bias)
+    for flags in (2 | 4 | 8, 0):
+        r = Rig()
+        w = r.weight("w", w_raw, qtype, in_dim, rows)
+        b = r.weight("b", bias, Q.F32, rows, 1)
+        u = r.weight("u", u_raw, qtype, in_dim, rows)
+        d = r.weight("d", d_raw, Q.Q8_0, rows, in_dim)
+        xi, ri = r.buf(x), r.buf(res)
+        y, g, h, sw, yd, z = (r.out(n) for n in (rows, rows, rows, rows, in_dim, in_dim))
+        plan = r.plan([("matmul", [y, xi], [in_dim, rows, 1], [], [w, b]),
+                       ("matmul", [g, xi], [in_dim, rows, 1], [], [w, -1]),
+                       ("matmul", [h, xi], [in_dim, rows, 1], [], [u, -1]),
+                       ("swiglu", [sw, g, h], [rows], [], []),
+                       ("matmul", [yd, sw], [rows, in_dim, 1], [], [d, -1]),
+                       ("add", [z, yd, ri], [in_dim], [], [])])
+        plan.flags = flags
+        _core.cuda_validate(plan, r.pool, r.weights)
+        _core.cuda_sync()
+        _core.testing.cuda_reset_counters()
+        runs = []
+        for _ in range(3):
+            r.pool.write(sw, np.full(rows, np.nan, np.float32))
+            r.run(plan)
+            runs.append([r.read(k, n).tobytes() for k, n in ((y, rows), (sw, rows), (z, in_dim))])
+        assert runs[0] == runs[1] == runs[2], f"flags {flags}: runs differ"
+        staged[flags] = _core.testing.cuda_counters()["staged"]
+        outs[flags] = runs[0]
+    # Staged: the matvec + bias, gate|up (fused, when its two rows fit a slot of 8 KB) or
+    # gate and up (apart); never down (rows of 16 KB).
+    assert staged[2 | 4 | 8] >= 1 + (2 * row_bytes <= 8192) and staged[0] >= 3, staged
+    assert outs[2 | 4 | 8] == outs[0], "fused launches vs apart"
+    got = np.frombuffer(outs[0][0], np.float32)
+    # The same rows in small launches (plain or early-loaded kernels): the first and the last.
+    for part in (slice(0, few), slice(rows - few, rows)):
+        r = Rig()
+        w = r.weight("w", w_raw[part].copy(), qtype, in_dim, few)
+        b = r.weight("b", bias[part].copy(), Q.F32, few, 1)
+        xi, yf = r.buf(x), r.out(few)
+        _core.cuda_sync()
+        _core.testing.cuda_reset_counters()
+        r.run(r.plan([("matmul", [yf, xi], [in_dim, few, 1], [], [w, b])]))
+        assert _core.testing.cuda_counters()["staged"] == 0
+        assert r.read(yf, few).tobytes() == got[part].tobytes(), f"rows {part}: staged vs plain bits"
+        check_matvec(got[part].reshape(1, -1).astype(np.float64), x, gguf_deq(qtype, w_raw[part], in_dim), qtype,
+                     bias[part])
 
 
 @pytest.mark.parametrize("qtype", KQUANTS + [Q.Q8_0, Q.Q5_0, Q.Q4_0], ids=lambda t: t.name)
@@ -1382,33 +1409,6 @@ def test_fused_equals_unfused_bitwise(synth, monkeypatch):
         monkeypatch.setenv("MINFER_CUDA_FUSE", fz)
         got = _decode_run(path, seq, 5)
         assert got.tobytes() == base.tobytes(), f"fusion {fz} changed the logits"
-
-
-def test_launch_shape_knobs_keep_the_bits(synth, monkeypatch):
-    """Knobs that change how a decode step is launched, not what it computes, give the
-    defaults' logits bitwise: no matvec pulling its rows into L2 ahead of use, the staged
-    matvec wherever it can run, down's int8 input made by 32-row group tickets inside
-    gate|up's launch (plain or staged) rather than by a launch of its own (the default),
-    attention issuing every group's loads after q is in shared memory, or a warp's first
-    group's before q's (head dims up to 64 issue q's, then the first group's, by default),
-    decode RMSNorms letting the launch after them start once their wait is over, or at
-    their start, whatever that launch is (by default only before a q|k|v matvec), one
-    warp merging a one-split attention head rather than its warps side by side,
-    matvecs loading their rows' weights after their wait rather than before it, the
-    staged matvec requesting none or all of its slots before its wait rather than one,
-    long rows four to a block for shorter rows too or for none, and mixed-type q|k|v
-    launches on the switch kernel rather than a two-type one."""
-    _, path, ref = synth
-    seq = _sequences(ref.n_vocab, 4)[2]
-    base = _decode_run(path, seq, 5)
-    for env in ({"MINFER_CUDA_MV_BULK": "1"}, {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "0"},
-                {"MINFER_CUDA_MV_BULK": "1", "MINFER_CUDA_MV_BULK_EARLY": "4"}):
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        got = _decode_run(path, seq, 5)
-        for k in env:
-            monkeypatch.delenv(k)
-        assert got.tobytes() == base.tobytes(), f"{env} changed the logits"
 
 
 @pytest.mark.parametrize("qkv", [("Q4_K", "Q6_K"), ("Q5_0", "Q8_0")], ids=lambda t: "+".join(t))

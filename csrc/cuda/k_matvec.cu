@@ -1,7 +1,6 @@
 // Matrix-vector products (decode and small blocks), the int8 activation copies they read
 // (a quantization launch, the RMSNorm's deferred copy) and the RoPE angle table. Weights
 // are in the device layout (cuda/layout.h).
-#include <cstdlib>
 #include <stdexcept>
 
 #include "cuda/context.h"
@@ -892,14 +891,14 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<1, T>()) k_matvec
     TL_END();
 }
 
-// ---- staged decode matvec (MINFER_CUDA_MV_BULK) ------------------------------------
-// One job, one column, one weight type T (W2 too). Each warp owns a contiguous run of
-// rows and streams them into a ring of BULK_STAGES row slots in shared memory with bulk
-// asynchronous copies (the copy engine, not registers, holds the bytes in flight), one
-// mbarrier per slot; it computes row i from its slot while rows i + 1 .. i + STAGES - 1
-// are on their way. The first slots are requested before pdl_wait() (weights are never
-// written by a kernel). A row's arithmetic is row_dot's (lane l takes units l, l + 32, ...
-// in order), its reduction and epilogue mv_row's: the same bits as k_matvec.
+// ---- staged decode matvec (k_matvec_bulk) -------------------------------------------
+// One job, one column, one weight type T (W2 too). Each warp takes row slots of the
+// matrix and streams them into a ring of up to BULK_STAGES slots in shared memory with
+// bulk asynchronous copies (the copy engine, not registers, holds the bytes in flight),
+// one mbarrier per slot; it computes a slot's rows while the next slots are on their way.
+// Its first slot is requested before pdl_wait() (weights are never written by a kernel).
+// A row's arithmetic is row_dot's (lane l takes units l, l + 32, ... in order), its
+// reduction and epilogue mv_row's: the same bits as k_matvec.
 constexpr int BULK_STAGES = 4;  // ring slots per warp, at most (the launch picks ns <= this)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -999,16 +998,15 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, uint32_t srow
     return acc;
 }
 
-// A slot holds R consecutive rows of the warp's run (W's R rows, then W2's), one bulk
-// copy per matrix per slot. Bigger copies did not pay on the H200: the 7B's gate|up took
-// 38.3 us with one row a slot, 41.4 with two, 67.2 with four (the smem they take leaves
-// fewer warps to hide the arithmetic's latency), so by default rows of 2 KB or more take
-// a slot each.
-// rr: the warps take the launch's slots of R rows round-robin (warp w: slots w, w +
-// n_warps, ...), so the rows in flight at any time form one band of the matrix, rather
-// than each warp a contiguous run (launch_bulk_xr says when, and what it measured).
+// A slot holds R consecutive rows (W's R rows, then W2's), one bulk copy per matrix per
+// slot. Bigger copies did not pay on the H200: the 7B's gate|up took 38.3 us with one row
+// a slot, 41.4 with two, 67.2 with four (the smem they take leaves fewer warps to hide the
+// arithmetic's latency), so rows of 2 KB or more take a slot each.
+// The warps take the launch's slots round-robin (warp w: slots w, w + n_warps, ...), so
+// the rows in flight at any time form one band of the matrix. (Each warp a contiguous run
+// of rows measured slower: the 0.5B's output matvec 45.6 us against 41.2 stamped, 383f57d.)
 template <int T, bool XR>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R, int rr, int pre) {
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R) {
     TL_BEGIN(tl::MV_BULK);
     pdl_trigger();
     extern __shared__ __align__(16) uint8_t bulk_smem[];
@@ -1016,19 +1014,16 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int gw = blockIdx.x * MV_WARPS + wib;
     const int n_slots = (jb.rows + R - 1) / R;
-    // Runs: rows r0 .. r1 - 1 in slots of R. Round-robin: the whole matrix, slot st of the
-    // warp being the launch's slot st * n_warps + gw.
-    const int r0 = rr ? 0 : (int)((int64_t)jb.rows * gw / n_warps);
-    const int r1 = rr ? jb.rows : (int)((int64_t)jb.rows * (gw + 1) / n_warps);
-    const int n_st = rr ? (gw < n_slots ? (n_slots - gw + n_warps - 1) / n_warps : 0) : (r1 - r0 + R - 1) / R;
-    auto slot_row = [&](int st) { return rr ? (st * n_warps + gw) * R : r0 + R * st; };
+    // Slot st of the warp is the launch's slot st * n_warps + gw.
+    const int n_st = gw < n_slots ? (n_slots - gw + n_warps - 1) / n_warps : 0;
+    auto slot_row = [&](int st) { return (st * n_warps + gw) * R; };
     const uint32_t rb = (uint32_t)jb.row_bytes, rb2 = jb.W2 ? (uint32_t)jb.row_bytes2 : 0u;
     const uint32_t slot = (uint32_t)R * (rb + rb2);
     uint64_t* bars = reinterpret_cast<uint64_t*>(bulk_smem) + wib * BULK_STAGES;
     uint8_t* ring = bulk_smem + MV_WARPS * BULK_STAGES * sizeof(uint64_t) + (size_t)wib * ns * slot;
     // Slot k <- the R rows of the warp's slot st (fewer at the end).
     auto request = [&](int st, int k) {
-        const int rs = slot_row(st), cnt = min(R, r1 - rs);
+        const int rs = slot_row(st), cnt = min(R, jb.rows - rs);
         uint8_t* d = ring + (size_t)k * slot;
         bulk_row(bars + k, d, jb.W + (size_t)rs * rb, (uint32_t)cnt * rb, d + (size_t)R * rb,
                  jb.W2 ? jb.W2 + (size_t)rs * rb2 : nullptr, (uint32_t)cnt * rb2);
@@ -1037,7 +1032,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
         for (int k = 0; k < ns; ++k)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bars + k)) : "memory");
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int k = 0; k < pre && k < ns && k < n_st; ++k) request(k, k);
+        request(0, 0);  // the first slot before the wait (bulk_launch says why only that one)
     }
     __syncwarp();
     const uint32_t ring_s = smem_u32(ring);
@@ -1046,7 +1041,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
     pdl_wait();
     TL_MARK(2);
     if (lane == 0)
-        for (int k = pre; k < ns && k < n_st; ++k) request(k, k);
+        for (int k = 1; k < ns && k < n_st; ++k) request(k, k);
     // A deferred norm copy's scale (every type here is quantized).
     const float nsc = a.xscale ? __ldg(a.xscale) : 1.0f;
     typename Unit<T>::X xr[2];
@@ -1059,7 +1054,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_w
         bulk_wait(bars + k, (uint32_t)phase);
         if (st == 0) TL_MARK(3);
         const uint8_t* sw = ring + (size_t)k * slot;
-        const int rs = slot_row(st), cnt = min(R, r1 - rs);
+        const int rs = slot_row(st), cnt = min(R, jb.rows - rs);
         for (int q = 0; q < cnt; ++q) {
             const uint32_t ss = ring_s + (uint32_t)k * slot;
             float acc = row_dot_smem<T, XR>(sw + (size_t)q * rb, ss + q * rb, a, lane, sl, xr), acc2 = 0.0f;
@@ -1189,12 +1184,6 @@ size_t norm_copy_bytes(int64_t d, int64_t nt) {
 
 namespace {
 
-// Measurement knobs (A/B of the launch shape; results do not depend on them).
-int env_int(const char* name, int dflt) {
-    const char* e = std::getenv(name);
-    return e && *e ? std::atoi(e) : dflt;
-}
-
 template <int NC>
 void launch_mv(const MvArgs& a, unsigned blocks) {
     launch(k_matvec<NC>, blocks, MV_WARPS * 32, a);
@@ -1217,26 +1206,26 @@ void launch_mv1(const MvArgs& a, unsigned blocks) {
 }
 
 // The staged matvec for a one-job, one-column, one-type launch of rows whose slots fit.
-// ns slots per warp: MINFER_CUDA_MV_BULK_STAGES, or by default the most (up to 4) that
-// leave room for six blocks per SM: the warps also need company to hide the latency of
-// their arithmetic, not only bytes in flight.
+// ns slots per warp: the most (up to 4) that leave room for six blocks per SM: the warps
+// also need company to hide the latency of their arithmetic, not only bytes in flight.
+// (Four or five blocks an SM measured slower, 8 and 10 the same, 580f369 and b77a348; four
+// blocks of four slots for the output matvec alone, which a pure-streaming probe read at
+// 4.2 TB/s against 3.2, took 186.8 us against 179.3 on the 7B with its arithmetic, and for
+// every staged launch 7B tg128 346 / 347 / 349 against 373 / 371 / 374, 617461a; four
+// blocks of three slots 537.9 / 538.8 against 545.4 / 545.3 at e47f1fc.)
 size_t bulk_smem_bytes(size_t slot, int ns) { return (size_t)MV_WARPS * (BULK_STAGES * sizeof(uint64_t) + ns * slot); }
+constexpr int kBulkSmBlocks = 6;
 
-// (Four blocks of four slots for the output matvec alone, which a pure-streaming probe
-// read at 4.2 TB/s against 3.2, took 186.8 us against 179.3 on the 7B with its arithmetic.)
 int bulk_stages(size_t slot) {
-    const int e = env_int("MINFER_CUDA_MV_BULK_STAGES", 0);
-    if (e > 0) return e < BULK_STAGES ? e : BULK_STAGES;
-    const int blocks = env_int("MINFER_CUDA_MV_BULK_SM_BLOCKS", 6);
     int ns = BULK_STAGES;
-    while (ns > 1 && bulk_smem_bytes(slot, ns) * blocks > (size_t)ctx().smem_per_sm) --ns;
+    while (ns > 1 && bulk_smem_bytes(slot, ns) * kBulkSmBlocks > (size_t)ctx().smem_per_sm) --ns;
     return ns;
 }
 
-// Rows per slot: as many as make a copy of about MINFER_CUDA_MV_BULK_COPY bytes (4 KB).
+// Rows per slot: as many as make a copy of about 4 KB (8 and 16 KB copies measured slower,
+// 580f369).
 int bulk_rows(size_t row_slot) {
-    const size_t target = (size_t)env_int("MINFER_CUDA_MV_BULK_COPY", 4096);
-    int R = (int)(target / row_slot);
+    int R = (int)(4096 / row_slot);
     return R < 1 ? 1 : R > 8 ? 8 : R;
 }
 
@@ -1257,35 +1246,23 @@ void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
     int64_t blocks = (int64_t)ctx().n_sm * (per_sm > 0 ? per_sm : 1);
     const int64_t need = (j.rows + MV_WARPS - 1) / MV_WARPS;  // at least a row per warp
     if (blocks > need) blocks = need;
-    const int cap = env_int("MINFER_CUDA_MV_BULK_BLOCKS", 0);  // tests: long runs per warp
-    if (cap > 0 && blocks > cap) blocks = cap;
-    // Round-robin slots where no 32-row group tickets are drawn (each slot would draw
-    // one): on the H200 the 0.5B's output matvec took 41.2 us against 45.6 in runs (the
-    // 7B's 179 either way; a pure-streaming probe, bench/stream_probe.cu, read both orders
-    // at the same rate), the 7B's gate|up + SwiGLU (down's int8 input by group tickets)
-    // 37.0 against 30.3.
-    // MINFER_CUDA_MV_BULK_RR=1 / 0: round-robin / runs for every staged launch.
-    const int rr_env = env_int("MINFER_CUDA_MV_BULK_RR", -1);
-    const int rr = rr_env >= 0 ? rr_env != 0 : j.q_out == nullptr;
-    // A warp requests its first slot before the wait, the rest after it
-    // (MINFER_CUDA_MV_BULK_EARLY=n: the first n). The launch before a staged one is a
-    // norm, whose latency chain the early copies slow down: with all of them early, the
-    // 7B's ffn norm took 4.7 us on the timeline against the attention norm's 3.4, and
-    // gate|up's wait returned 2.9 us after it ended against q|k|v's 1.2. H200 tg128 side
-    // by side, 3 rounds: 7B 492.0 / 490.6 / 495.6 with one slot early, 480.0 / 484.7 /
-    // 484.6 with all (two for gate|up, three for the output), 480.3 / 481.5 / 480.7 with
-    // none; 0.5B 1,831 / 1,830 / 1,840, 1,815 / 1,824 / 1,806 and 1,799 / 1,782 / 1,831.
-    const int pre = env_int("MINFER_CUDA_MV_BULK_EARLY", 1);
-    launch_smem(k_matvec_bulk<T, XR>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R, rr,
-                pre < 0 ? 0 : pre);
+    // A warp requests its first slot before the wait, the rest after it. The launch before
+    // a staged one is a norm, whose latency chain the early copies slow down: with all of
+    // them early, the 7B's ffn norm took 4.7 us on the timeline against the attention
+    // norm's 3.4, and gate|up's wait returned 2.9 us after it ended against q|k|v's 1.2.
+    // H200 tg128 side by side, 3 rounds: 7B 492.0 / 490.6 / 495.6 with one slot early,
+    // 480.0 / 484.7 / 484.6 with all (two for gate|up, three for the output), 480.3 /
+    // 481.5 / 480.7 with none; 0.5B 1,831 / 1,830 / 1,840, 1,815 / 1,824 / 1,806 and 1,799
+    // / 1,782 / 1,831 (66f6215, a740438; two early, 534.3 / 533.3, and none, 529.8 / 529.9,
+    // lost again at e47f1fc).
+    launch_smem(k_matvec_bulk<T, XR>, (unsigned)blocks, MV_WARPS * 32, smem, a, (int)(blocks * MV_WARPS), ns, R);
     ++ctx().c.staged;
 }
 
-// Rows of at most 64 units keep each lane's activation chunks in registers
-// (MINFER_CUDA_MV_BULK_XREG=0: reloaded for every row, as the plain kernel does).
-bool bulk_xreg(int type, int nb) {
-    return row_units(type, nb) <= 64 && env_int("MINFER_CUDA_MV_BULK_XREG", 1) != 0;
-}
+// Rows of at most 64 units keep each lane's activation chunks in registers for the warp's
+// whole run (reloaded for every row, as the plain kernel does, measured slower: H200 7B
+// gate|up 39.3 us against 29.9, tg128 359 / 364 against 394 / 391, a6ce246).
+bool bulk_xreg(int type, int nb) { return row_units(type, nb) <= 64; }
 
 // Calls f.template operator()<T>() for the weight types the Qwen Q4_K_M / Q8_0 files are
 // made of, which the one-type, staged and four-rows-a-block kernels are instantiated for;
@@ -1310,25 +1287,22 @@ void launch_bulk_t(const MvArgs& a, size_t row_slot, int R, int ns) {
     else launch_bulk_xr<T, false>(a, row_slot, R, ns);
 }
 
-// Whether the launch takes the staged matvec: MINFER_CUDA_MV_BULK=1 whenever it can, 0
-// never; by default when it streams more than MINFER_CUDA_MV_BULK_MIN bytes (16 MiB) in
-// row slots of at most MINFER_CUDA_MV_BULK_MAX and at least MINFER_CUDA_MV_BULK_MIN_ROW:
-// 512 bytes when the activations stay in registers, else 2 KB (H200, the 0.5B's Q8_0
-// output of 952-byte rows: 45.2 us staged with them in registers, 51.0 plain; 65 vs 49
-// staged without). Smaller launches ran faster on the plain kernel (0.5B gate|up 9.5 vs
-// 8.6 us, 7B o 14.6 vs 14.2 with the o / down average, at 4 MiB).
+// Whether the launch takes the staged matvec: when it streams more than 16 MiB in row
+// slots of at most 8 KB and at least 512 bytes when the activations stay in registers,
+// else 2 KB (H200, the 0.5B's Q8_0 output of 952-byte rows: 45.2 us staged with them in
+// registers, 51.0 plain; 65 vs 49 staged without). Smaller launches ran faster on the
+// plain kernel (0.5B gate|up 9.5 vs 8.6 us, 7B o 14.6 vs 14.2 with the o / down average,
+// at 4 MiB); the plain kernel for every launch measured slower (7B gate|up 43.1 against
+// 30.3 us, output 232.6 against 178.6, 617461a; gate|up 470.2 / 469.8 against 537.9 /
+// 544.4 tg128 at e47f1fc). Rows longer than a slot take the plain kernel (the staged
+// kernel in chunks of a row lost, 2fc64d7 and 2aa82eb).
 bool launch_bulk(const MvArgs& a) {
-    const int mode = env_int("MINFER_CUDA_MV_BULK", -1);
-    if (mode == 0) return false;
     const MvJob& j = a.job[0];
     if (a.njobs != 1 || a.rope.tickets || (j.W2 && j.type2 != j.type)) return false;
     if (j.row_bytes % 16 || (j.W2 && (j.row_bytes2 % 16 || (uintptr_t)j.W2 % 16)) || (uintptr_t)j.W % 16) return false;
     const size_t slot = j.row_bytes + (j.W2 ? j.row_bytes2 : 0);
-    const size_t min_row = (size_t)env_int("MINFER_CUDA_MV_BULK_MIN_ROW", bulk_xreg(j.type, a.nb) ? 512 : 2048);
-    if (mode < 0 && (slot < min_row ||
-                     slot * (size_t)j.rows <= (size_t)env_int("MINFER_CUDA_MV_BULK_MIN", 16 << 20)))
-        return false;
-    if (slot > (size_t)env_int("MINFER_CUDA_MV_BULK_MAX", 8192)) return false;
+    const size_t min_row = bulk_xreg(j.type, a.nb) ? 512 : 2048;
+    if (slot < min_row || slot * (size_t)j.rows <= ((size_t)16 << 20) || slot > 8192) return false;
     const int R = bulk_rows(slot);
     const int ns = bulk_stages(slot * R);
     if (bulk_smem_bytes(slot * R, ns) > (size_t)ctx().smem_optin) return false;
