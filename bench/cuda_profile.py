@@ -7,7 +7,7 @@ launch, MINFER_CUDA_PROFILE=1, direct launches) and the weight bandwidth of matv
 decode steps; entries starting with "  gemm:" are parts of the "gemm" entry, except
 "  gemm: dequant (side stream)": the weight dequantizations that the GEMM pipeline runs
 on the side stream, overlapped with the main stream ("  gemm: dequant wait" is what the
-main stream stalls on them; MINFER_CUDA_GEMM_PIPE=0 puts them back in line as
+main stream stalls on them; a GEMM of a partial run, which dequantizes in line, books
 "  gemm: dequant").
 
 --stamp (MINFER_CUDA_STAMP=1, graphs on) times the launches inside the replayed graph
