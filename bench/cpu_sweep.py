@@ -186,7 +186,15 @@ def llama_bench(bin_dir: Path, model: Path, t: int, reps: int) -> dict:
     return best
 
 
-def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, llama_flags: str) -> None:
+def checkout_commit(given: str | None) -> str:
+    """The commit the table names: --commit (the GPU machine's copy of the tree may carry a
+    stale .git: the caller's word wins), else the checkout's HEAD."""
+    return given or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                                   text=True).stdout.strip() or "?"
+
+
+def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, llama_flags: str,
+        commit: str | None = None) -> None:
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -225,9 +233,7 @@ def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, 
     info = subprocess.run([sys.executable, "-c", "from minfer import _core; print(_core.testing.cpu_features())"],
                           capture_output=True, text=True, env=env)
     say(f"minfer core: {info.stdout.strip() or info.stderr.strip()[-500:]}")
-    # The GPU machine's copy of the tree may carry a stale .git: the caller's word wins.
-    commit = os.environ.get("MINFER_SWEEP_COMMIT") or subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+    commit = checkout_commit(commit)
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     head = (f"minfer {commit} vs llama.cpp {(inputs / 'llama-src.version').read_text().strip()} on {cpu} "
             f"({os.cpu_count()} CPUs), random-weight Q4_K_M with the prepared model's shapes, "
@@ -271,7 +277,8 @@ def run(inputs: Path, threads: list[int], reps: int, budget: float, work: Path, 
     say("done")
 
 
-def ab(threads: list[int], reps: int, work: Path, model: Path | None, variants: list[str], balance: bool) -> None:
+def ab(threads: list[int], reps: int, work: Path, model: Path | None, variants: list[str], balance: bool,
+       commit: str | None = None) -> None:
     """A/B of environment settings for minfer alone (see the module docstring)."""
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     model = model or work / "shaped-q4_k_m.gguf"
@@ -294,8 +301,7 @@ def ab(threads: list[int], reps: int, work: Path, model: Path | None, variants: 
             k, _, val = kv.partition("=")
             e[k] = val
         envs.append(e)
-    commit = os.environ.get("MINFER_SWEEP_COMMIT") or subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+    commit = checkout_commit(commit)
     rows = [f"minfer {commit}, {model.name}, {reps} reps, variants alternating per thread count\n",
             "| threads | variant | pp512 t/s | vs defaults | tg128 t/s | vs defaults |", "|---:|---|---:|---:|---:|---:|"]
     print("\n".join(rows), flush=True)
@@ -342,6 +348,7 @@ def main() -> int:
     r.add_argument("--budget", type=float, default=400.0, help="seconds after which no new thread count starts")
     r.add_argument("--work", type=Path, default=Path("/tmp/minfer-cpu-sweep"))
     r.add_argument("--llama-flags", default="", help="extra C/C++ flags for llama.cpp's build")
+    r.add_argument("--commit", help="the commit the table names (default: the checkout's HEAD)")
     b = sp.add_parser("ab")
     b.add_argument("--threads", default="16,1")
     b.add_argument("--reps", type=int, default=2)
@@ -349,13 +356,14 @@ def main() -> int:
     b.add_argument("--model", type=Path)
     b.add_argument("--env", action="append", default=[], help='a variant: "K=V K2=V2" (repeatable)')
     b.add_argument("--balance", action="store_true", help="also print bench/cpu_balance.py per thread count")
+    b.add_argument("--commit", help="the commit the table names (default: the checkout's HEAD)")
     a = ap.parse_args()
     if a.cmd == "prepare":
         prepare(a.dir, a.model)
     elif a.cmd == "ab":
-        ab([int(x) for x in a.threads.split(",")], a.reps, a.work, a.model, a.env, a.balance)
+        ab([int(x) for x in a.threads.split(",")], a.reps, a.work, a.model, a.env, a.balance, a.commit)
     else:
-        run(a.dir, [int(x) for x in a.threads.split(",")], a.reps, a.budget, a.work, a.llama_flags)
+        run(a.dir, [int(x) for x in a.threads.split(",")], a.reps, a.budget, a.work, a.llama_flags, a.commit)
     return 0
 
 

@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=4000)
     ap.add_argument("--only", choices=["spec", "kv"], default=None)
     ap.add_argument("--backend", default=None, help="cpu or cuda (default: the best available)")
+    ap.add_argument("--commit", help="the commit the output names (default: the checkout's HEAD)")
     a = ap.parse_args()
     from minfer.io.model_cache import default_model_path
     from minfer.model import Model
@@ -80,7 +81,7 @@ def main() -> None:
     tok = model.tokenizer
     greedy = SamplingParams(temperature=0.0)
     print(f"model {os.path.basename(str(path))}, backend {a.backend or 'default'}, {a.threads} threads, "
-          f"commit {os.environ.get('MINFER_COMMIT') or commit()}, "
+          f"commit {a.commit or commit()}, "
           f"load average at start {loadavg()}")
     if a.only != "kv":
         s = Session(model, n_ctx=2048)
