@@ -9,6 +9,7 @@ for the kernels, the float64 reference forward and the CPU backend for whole mod
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -1444,6 +1445,32 @@ def test_diag_skip_is_loud_and_not_the_logits(synth):
         assert ("MINFER_CUDA_DIAG_SKIP" in p.stderr) == bool(env), p.stderr
         outs[env] = p.stdout
     assert outs[""] != outs["null:attn,rms_norm_copy"]
+
+
+@pytest.mark.parametrize("env,kind", [({"MINFER_CUDA_PROFILE": "1", "MINFER_NO_CUDA_GRAPH": "1"}, "rms_norm_copy"),
+                                      ({"MINFER_CUDA_STAMP": "1"}, "graph: rms_norm_copy")])
+def test_profile_and_stamps_book_the_launches(synth, env, kind):
+    """The diagnostics bench/cuda_profile.py reads: MINFER_CUDA_PROFILE=1 (direct launches,
+    each timed with events) and MINFER_CUDA_STAMP=1 (device clock stamps between the
+    launches of the replayed graph) book every launch kind of the decode steps, with
+    positive times, into _core.testing.cuda_profile(); the logits stay the normal run's.
+    Both are read once a process, hence the subprocess."""
+    _, path, _ = synth
+    code = ("import sys, json; from minfer import _core; from minfer.session import Session; "
+            "s = Session.open(sys.argv[1], n_ctx=64, backends=['cuda']); s.forward([1, 2, 3]); "
+            "_core.testing.cuda_profile(); [s.forward([4 + k]) for k in range(3)]; lg = s.forward([9]); "
+            "p = _core.testing.cuda_profile(); "
+            "print(json.dumps({'logits': lg.tobytes().hex(), 'profile': {k: list(v) for k, v in p.items()}}))")
+    outs = {}
+    for e in ({}, env):
+        p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, **e})
+        assert p.returncode == 0, p.stderr
+        outs[bool(e)] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert not outs[False]["profile"], "nothing is booked without the diagnostics"
+    prof = outs[True]["profile"]
+    assert kind in prof and prof[kind][0] > 0 and prof[kind][1] >= 4, prof
+    assert outs[True]["logits"] == outs[False]["logits"]
 
 
 def test_fusions_reduce_decode_launches(synth, monkeypatch):
