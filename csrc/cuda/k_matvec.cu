@@ -900,6 +900,10 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<1, T>()) k_matvec
 // A row's arithmetic is row_dot's (lane l takes units l, l + 32, ... in order), its
 // reduction and epilogue mv_row's: the same bits as k_matvec.
 constexpr int BULK_STAGES = 4;  // ring slots per warp, at most (the launch picks ns <= this)
+// Resident blocks per SM the ring is sized for (bulk_stages), and that the kernel is held
+// to (at most 80 registers: left alone, ptxas gave the one-row-slot K-quant kernels 86 to
+// 96 once the launch's dead variants were deleted, five blocks an SM).
+constexpr int kBulkSmBlocks = 6;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
@@ -1006,7 +1010,7 @@ __device__ __forceinline__ float row_dot_smem(const uint8_t* srow, uint32_t srow
 // the rows in flight at any time form one band of the matrix. (Each warp a contiguous run
 // of rows measured slower: the 0.5B's output matvec 45.6 us against 41.2 stamped, 383f57d.)
 template <int T, bool XR>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R) {
+__global__ void __launch_bounds__(MV_WARPS * 32, kBulkSmBlocks) k_matvec_bulk(MvArgs a, int n_warps, int ns, int R) {
     TL_BEGIN(tl::MV_BULK);
     pdl_trigger();
     extern __shared__ __align__(16) uint8_t bulk_smem[];
@@ -1214,7 +1218,6 @@ void launch_mv1(const MvArgs& a, unsigned blocks) {
 // every staged launch 7B tg128 346 / 347 / 349 against 373 / 371 / 374, 617461a; four
 // blocks of three slots 537.9 / 538.8 against 545.4 / 545.3 at e47f1fc.)
 size_t bulk_smem_bytes(size_t slot, int ns) { return (size_t)MV_WARPS * (BULK_STAGES * sizeof(uint64_t) + ns * slot); }
-constexpr int kBulkSmBlocks = 6;
 
 int bulk_stages(size_t slot) {
     int ns = BULK_STAGES;
