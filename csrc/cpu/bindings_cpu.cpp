@@ -23,6 +23,7 @@
 #include "cpu/pool.h"
 #include "cpu/quants.h"
 #include "cpu/quants_k.h"
+#include "cpu/quantize.h"
 #include "cpu/repack.h"
 #include "cpu/step_stats.h"
 #include "cpu/thread_pin.h"
@@ -95,6 +96,55 @@ py::dict cpu_features() {
 #endif
     d["simd_path"] = simd_path_name();
     return d;
+}
+
+// minfer quantize (python/minfer/tools/quantize.py): f32 rows <-> GGUF blocks, threaded.
+int32_t quant_type_arg(const py::object& t) {
+    int32_t id = py::isinstance<py::str>(t) ? qz::type_from_name(t.cast<std::string>()) : t.cast<int32_t>();
+    if (id < 0) throw std::invalid_argument("unknown tensor type " + py::str(t).cast<std::string>());
+    return id;
+}
+
+void register_quantize(py::module_& m) {
+    m.def("quantize", [](const py::object& type, py::array_t<float, py::array::c_style | py::array::forcecast> x,
+                         int n_threads) {
+            const int32_t t = quant_type_arg(type);
+            if (!qz::can_quantize(t)) throw std::invalid_argument(std::string("cannot quantize to ") + qz::type_name(t));
+            if (x.ndim() != 2) throw std::invalid_argument("quantize: x must be 2-D (rows, row length)");
+            const int64_t nrows = x.shape(0), n = x.shape(1);
+            const size_t rb = qz::row_bytes(t, n);
+            if (rb == 0)
+                throw std::invalid_argument("quantize: row length " + std::to_string(n) + " is not a multiple of the " +
+                                            qz::type_name(t) + " block size " + std::to_string(qz::type_block(t)));
+            py::array_t<uint8_t> out({(py::ssize_t)nrows, (py::ssize_t)rb});
+            {
+                py::gil_scoped_release nogil;
+                qz::quantize_rows(t, x.data(), nrows, n, out.mutable_data(), n_threads);
+            }
+            return out;
+        }, py::arg("type"), py::arg("x"), py::arg("n_threads") = 1,
+        "f32 rows [rows, n] -> uint8 [rows, row bytes] of TYPE (a name like 'Q4_K' or a GGUF type id), "
+        "bit for bit as ggml's reference quantizers; rows split over n_threads threads.");
+    m.def("dequantize", [](const py::object& type, py::array_t<uint8_t, py::array::c_style> raw, int64_t n,
+                           int n_threads) {
+            const int32_t t = quant_type_arg(type);
+            if (!qz::can_dequantize(t)) throw std::invalid_argument(std::string("cannot dequantize ") + qz::type_name(t));
+            const size_t rb = qz::row_bytes(t, n);
+            if (rb == 0)
+                throw std::invalid_argument("dequantize: row length " + std::to_string(n) + " is not a multiple of the " +
+                                            qz::type_name(t) + " block size " + std::to_string(qz::type_block(t)));
+            if ((size_t)raw.nbytes() % rb)
+                throw std::invalid_argument("dequantize: " + std::to_string(raw.nbytes()) + " bytes is not a whole number of " +
+                                            std::to_string(rb) + "-byte rows");
+            const int64_t nrows = (int64_t)((size_t)raw.nbytes() / rb);
+            py::array_t<float> out({(py::ssize_t)nrows, (py::ssize_t)n});
+            {
+                py::gil_scoped_release nogil;
+                qz::dequantize_rows(t, raw.data(), nrows, n, out.mutable_data(), n_threads);
+            }
+            return out;
+        }, py::arg("type"), py::arg("raw"), py::arg("n"), py::arg("n_threads") = 1,
+        "GGUF blocks of TYPE (rows of n elements, bytes in any shape) -> f32 [rows, n], as ggml dequantizes.");
 }
 
 }  // namespace
@@ -227,6 +277,7 @@ void register_cpu(py::module_& m) {
         "Indices of the min(k, n) largest values, best first (ties: lower index first); None when a value "
         "is NaN or Inf.");
     m.def("weight_type_supported", &weight_type_supported);
+    register_quantize(m);
 }
 
 void register_cpu_testing(py::module_& t) {
