@@ -476,6 +476,34 @@ def bench(
     typer.echo(format_results(results, output))
 
 
+@app.command()
+def quantize(
+    input_path: Annotated[Path, typer.Argument(metavar="IN.gguf", help="Model to quantize: F32, F16 or BF16 (a quantized one is requantized, with a warning).", show_default=False)],
+    output_path: Annotated[Path, typer.Argument(metavar="OUT.gguf", help="File to write (atomically: a temporary file beside it, renamed when complete).", show_default=False)],
+    qtype: Annotated[str, typer.Argument(metavar="TYPE", help="Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K F16 BF16 (llama.cpp's names).", show_default=False)],
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="Threads (default: all logical CPUs, as llama-quantize).")] = None,
+    pure: Annotated[bool, typer.Option("--pure", help="Every 2-D weight the base type: no per-tensor mix (rows that are not whole blocks still fall back).")] = False,
+    output_type: Annotated[Optional[str], typer.Option("--output-type", help="Tensor type of output.weight (F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K).")] = None,
+    token_embedding_type: Annotated[Optional[str], typer.Option("--token-embedding-type", help="Tensor type of token_embd.weight (same choices).")] = None,
+    keep_split_metadata: Annotated[bool, typer.Option("--keep-split-metadata", help="Keep split.* keys (llama.cpp drops them).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan (tensor, shape, from-type, to-type) and write nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+) -> None:
+    """Quantize a GGUF model to TYPE the way llama.cpp's llama-quantize does (same mixes, same bytes)."""
+    from minfer.tools.quantize import parse_ftype, parse_tensor_type, quantize_file
+
+    try:
+        ftype = parse_ftype(qtype)
+        otype = parse_tensor_type(output_type, "--output-type") if output_type is not None else None
+        etype = parse_tensor_type(token_embedding_type, "--token-embedding-type") if token_embedding_type is not None else None
+    except ValueError as e:
+        raise click_exc.UsageError(str(e)) from None
+    threads = cli_args.threads(threads)
+    quantize_file(input_path, output_path, ftype, n_threads=threads, pure=pure, output_type=otype,
+                  token_embedding_type=etype, keep_split_metadata=keep_split_metadata, dry_run=dry_run, force=force,
+                  echo=typer.echo)
+
+
 trace_app = typer.Typer(help="Work with MINFER_TRACE files.", no_args_is_help=True)
 app.add_typer(trace_app, name="trace")
 
