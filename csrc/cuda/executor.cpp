@@ -77,7 +77,7 @@ struct CudaPlanState : PlanState {
     size_t xq2_bytes = 0;
     void* xn = nullptr;  // a decode RMSNorm's deferred int8 copy (kernels.h rms_norm_copy)
     size_t xn_bytes = 0;
-    int* rope_tk = nullptr;  // FusedQKV tail head tickets: likewise
+    int* rope_tk = nullptr;  // the q|k|v tail's head tickets: likewise
     size_t rope_tk_bytes = 0;
     int direct_runs = 0;
     bool no_graph = false;  // capture failed once: launch directly from then on
@@ -389,7 +389,7 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         L.xh_ready = xh_buf == s.buf[1] && xh_in == s.ip[0] && xh_nt == s.ip[2] && unwritten(s.buf[1], xh_from, L.s[0]);
         xh_buf = s.buf[1], xh_from = L.s[0], xh_in = s.ip[0], xh_nt = s.ip[2];
     }
-    // FusedQKV's tail: a one-token q|k|v matvec followed by rope q + rope k + KV store of
+    // The q|k|v launch's tail (FUSE_ROPE): a one-token q|k|v matvec followed by rope q + rope k + KV store of
     // exactly its outputs does the rope and the store itself (k_matvec.cu's tail).
     for (size_t k = 0; (f & FUSE_ROPE) && k + 1 < st.program.size(); ++k) {
         auto& L = st.program[k];
@@ -485,7 +485,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
             case OP_ADD: case OP_MUL: case OP_SWIGLU: case OP_SILU: case OP_GET_ROWS:
                 break;
             case OP_ROPE:
-                // FusedQKV tail tickets: q, k and v heads of a layer (each at most nh).
+                // The q|k|v tail's tickets: q, k and v heads of a layer (each at most nh).
                 if (ip[0] == 1) ropetk = std::max(ropetk, (size_t)(3 * ip[1]) * sizeof(int));
                 break;
             case OP_RMS_NORM: case OP_QK_NORM:

@@ -38,7 +38,7 @@ struct MvArgs {
     const float* x;       // f32 activations (F32 / F16 weights)
     const int8_t* xq;     // int8 copy, column c at xq + c * in_dim
     const float2* xds;    // per block (d, d * sum(q)), column c at xds + c * nb
-    MvRopeStore rope;     // FusedQKV's tail (rope.tickets set) or none
+    MvRopeStore rope;     // the q|k|v launch's RoPE + KV-store tail (rope.tickets set) or none
     int rope_tk0[MV_MAX_JOBS];  // job j's first head ticket
     // The int8 copy is an RMSNorm's deferred copy (of x * w, not of the normalized x):
     // a quantized job's row sums are multiplied by the norm's scale (column c's at
@@ -704,7 +704,7 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
     if (threadIdx.x == 0) r.tickets[a.rope_tk0[j] + head] = 0;
 }
 
-// FusedQKV's tail without tickets (rope.local): a q or k head's rows are dealt to its
+// The q|k|v launch's tail without tickets (rope.local): a q or k head's rows are dealt to its
 // blocks so that each block holds whole rotated pairs, rows k, k + 1 and k + n_rot/2,
 // k + n_rot/2 + 1 (k even), or four pass-through rows; the block exchanges its four row
 // values in shared memory and ropes and stores them itself. A v row is stored into the
@@ -780,7 +780,7 @@ constexpr int mv_min_blocks() {
     return NC == 1 && (is_pair(TT) ? kquant(pair_a(TT)) || kquant(pair_b(TT)) : kquant(TT)) ? 7 : 0;
 }
 
-// RT: the instantiation carries FusedQKV's RoPE + KV-store tail (one column only). The
+// RT: the instantiation carries the q|k|v launch's RoPE + KV-store tail (one column only). The
 // launches without it take RT = false, whose registers the tail's code does not inflate:
 // with it compiled in, the one-type Q4_K / Q6_K kernels spilled (24 / 44 bytes a thread)
 // at the 72 registers they are held to, in the o and down projections too.
@@ -801,7 +801,7 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
     const int row0 = roped ? rope_local_row(a.rope, b, threadIdx.x >> 5) : b * MV_WARPS + (threadIdx.x >> 5);
     const bool has_row = row0 < jb.rows;  // a warp without a row reads and writes nothing
     if (a.prefetch && !EW && has_row) prefetch_job_row(jb, row0, lane);
-    // FusedQKV's tail: the rotation angles (from the table, or double-precision pow, cos,
+    // The q|k|v launch's tail: the rotation angles (from the table, or double-precision pow, cos,
     // sin) off the critical path, before the wait. (The last block working them out after
     // it measured slower: 0.5B tg128 1,252 / 1,241 against 1,296 / 1,308, f9a55ec.)
     const float2* cs = nullptr;

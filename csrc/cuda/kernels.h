@@ -35,7 +35,7 @@ struct MvJob {
     float2* ds_out = nullptr;
 };
 constexpr int MV_MAX_JOBS = 4;
-// FusedQKV's tail (one token): the q, k and v jobs of one launch also rope q and k into
+// The q|k|v launch's tail (one token, FUSE_ROPE): the q, k and v jobs of one launch also rope q and k into
 // yq / yk and store roped k and v into the f16 KV cache row cells[0], bitwise as
 // rope2_store does it. When n_rot and hd - n_rot are multiples of 4 (local), a head's
 // rows are dealt to its blocks in whole rotated pairs and each block does its own rows;

@@ -2,8 +2,7 @@
 // deferred int8 copy (k_ops.cu, k_matvec.cu). The tree depends on the row length alone:
 // the sum of squares of each aligned 32-element group (double, one warp butterfly),
 // then lane l adds the groups l, l + 32, l + 64, ... in order, then one more butterfly.
-// A block of any size, a matvec's group tail and a matvec reading the groups' sums all
-// get the same bits from it.
+// A block of any size and a matvec reading the groups' sums get the same bits from it.
 #pragma once
 #include <cstdint>
 
