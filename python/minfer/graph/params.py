@@ -41,3 +41,4 @@ class GraphParams:
     gtype: GraphType
     cparams: CParams
     weights_version: int = 1     # reserved: a weight reload bumps it to break reuse
+    hidden: bool = False         # output the final-normed hidden states [n_out, n_embd], not logits (embeddings)

@@ -106,6 +106,9 @@ class Qwen2Model(ModelDef):
             h = b.add(residual, down, name=p + "ffn_residual")
 
         x = b.rms_norm(h, "output_norm.weight", hp.eps, name="output_norm")
+        if params.hidden:       # embeddings: the normed hidden states, no lm head
+            b.output(x)
+            return b.build()
         out = self.tensors[self.output_weight]
         logits = b.matmul(x, self.output_weight, out.type, hp.n_embd, hp.n_vocab, name="logits")
         b.output(logits)
