@@ -385,7 +385,8 @@ def test_backend_fault_fails_only_its_request(model_path):
 
     m = Model.open(model_path, n_threads=2)
     cfg = ServeConfig(port=free_port(), slots=4, ctx=CTX, log_level="critical")
-    app, sched, _ = build(m, cfg)
+    app, pool, _ = build(m, cfg)
+    sched = pool.single.scheduler
     poison = m.tokenizer.encode("POISON")[0]
     real_run = sched.ctx.run
 
@@ -395,7 +396,7 @@ def test_backend_fault_fails_only_its_request(model_path):
         return real_run(tokens, *a, **kw)
 
     sched.ctx.run = run
-    server = uvicorn_server(app, cfg, sched)
+    server = uvicorn_server(app, cfg, pool)
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     url = f"http://127.0.0.1:{cfg.port}"

@@ -583,14 +583,18 @@ def serve(
     ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size per slot, in tokens.")] = 4096,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY'. Env: MINFER_API_KEY", envvar="MINFER_API_KEY")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY'). Env: MINFER_API_KEY", envvar="MINFER_API_KEY")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for a slot; more get 503.")] = 64,
     speculate: Annotated[Optional[str], typer.Option("--speculate", help="Default for requests that do not say: ngram (prompt lookup), draft (needs --draft-model) or off. A request overrides it with \"speculate\": \"ngram\" | \"draft\" | \"off\".")] = None,
     draft_max: DraftMaxOpt = 8,
     draft_model: Annotated[Optional[Path], typer.Option("--draft-model", help="GGUF of a draft model (same vocabulary): requests may then speculate with \"speculate\": \"draft\".")] = None,
+    models_dir: Annotated[Optional[Path], typer.Option("--models-dir", help="Serve every *.gguf in DIR behind one endpoint: /v1/models lists them, a request's \"model\" picks one, loaded on its first request.")] = None,
+    more_models: Annotated[Optional[list[Path]], typer.Option("--model", "-m", help="A GGUF to serve among several (repeat it; with or instead of --models-dir).")] = None,
+    models_max: Annotated[int, typer.Option("--models-max", help="Models loaded at once with --models-dir / --model; past it the least recently used idle one is unloaded.")] = 1,
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API (chat and completions,
-    streaming by server-sent events) with slots and continuous batching."""
+    """Serve models over an OpenAI-compatible HTTP API (chat and completions with tools
+    and structured output, responses, Anthropic messages, embeddings; streaming by
+    server-sent events) with slots and continuous batching."""
     from minfer.model import Model
     from minfer.server import ServeConfig, serve as run_server
 
@@ -606,12 +610,35 @@ def serve(
         raise MinferError(f"draft model file not found: {draft_model}")
     if not 1 <= draft_max <= 64:
         raise click_exc.UsageError(f"--draft-max must be in [1, 64], got {draft_max}")
+    if models_max < 1:
+        raise click_exc.UsageError(f"--models-max must be >= 1, got {models_max}")
     threads = cli_args.threads(threads)
+    paths: list[Path] = []
+    if models_dir is not None:
+        if not models_dir.is_dir():
+            raise MinferError(f"--models-dir: not a directory: {models_dir}")
+        paths += sorted(p for p in models_dir.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+        if not paths:
+            raise MinferError(f"--models-dir: no .gguf files in {models_dir}")
+    for p in more_models or []:
+        if not p.is_file():
+            raise MinferError(f"model file not found: {p}")
+        paths.append(p)
+    if model is not None and paths:
+        paths.insert(0, _resolve_model(model))
+    cfg = ServeConfig(host=host, port=port, slots=slots, ctx=ctx, api_key=api_key or None, max_queue=max_queue,
+                      speculate=None if speculate == "off" else speculate, draft_max=draft_max,
+                      backends=_backends(backend), threads=threads)
+    if paths:
+        if draft_model is not None:
+            raise click_exc.UsageError("--draft-model serves one model; it cannot be combined with several")
+        cfg.models, cfg.models_max = paths, models_max
+        run_server(None, cfg)
+        return
     m = Model.open(_resolve_model(model), backends=_backends(backend), n_threads=threads)
-    dm = Model.open(draft_model, backends=_backends(backend), n_threads=threads) if draft_model is not None else None
-    run_server(m, ServeConfig(host=host, port=port, slots=slots, ctx=ctx, api_key=api_key or None, max_queue=max_queue,
-                              speculate=None if speculate == "off" else speculate, draft_max=draft_max,
-                              draft_model=dm))
+    cfg.draft_model = Model.open(draft_model, backends=_backends(backend), n_threads=threads) \
+        if draft_model is not None else None
+    run_server(m, cfg)
 
 
 def _rewrite_top_level_dump_graph(argv: list[str]) -> list[str]:

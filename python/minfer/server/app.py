@@ -1,8 +1,14 @@
 """The HTTP side: Starlette routes, server-sent events, auth, limits and errors.
 
 Handlers never run a forward: they validate, tokenize, submit a Job to the scheduler
-thread and relay its events. Every error a client can cause is an OpenAI-style body
-(protocol.ApiError); a fault inside one request's forward is a 500 for that request.
+thread of the request's model and relay its events. Every error a client can cause is
+an OpenAI-style body (protocol.ApiError; an Anthropic-style one on /v1/messages); a
+fault inside one request's forward is a 500 for that request.
+
+Endpoints: /v1/chat/completions and /v1/completions (OpenAI; tools, structured output),
+/v1/responses (OpenAI's Responses API, the subset coding agents use), /v1/messages
+(Anthropic's Messages API), /v1/embeddings (embedding models), /v1/models, /health,
+/metrics. docs/server-api.md lists every field.
 """
 
 from __future__ import annotations
@@ -25,10 +31,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from minfer.server.anthropic import anthropic_error_body, messages_doc, messages_sse, parse_messages
+from minfer.server.embeddings import embed_request, embeddings_body, not_embedding_model, parse_embeddings
+from minfer.server.generation import (ChoiceOut, ChoiceText, Run, collect, event_error, is_failure, new_id, prepare,
+                                      render, sum_usage)
 from minfer.server.metrics import Metrics
+from minfer.server.models import ModelPool
 from minfer.server.protocol import ApiError, GenRequest, bad, error_body, parse_chat, parse_completion, parse_json
-from minfer.server.scheduler import Event, Job, QueueFull, Scheduler, ShuttingDown, SpecRequest
-from minfer.tokenizer import TokenizerError
+from minfer.server.responses import ResponseStore, parse_responses, responses_doc, responses_sse
+from minfer.server.scheduler import Event, Scheduler
 
 log = logging.getLogger("minfer.server")
 
@@ -102,25 +113,30 @@ class _Relay:
                     return Event("error", status=503, message="the server is shutting down")
 
 
-def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | None = None,
+def create_app(pool: ModelPool, metrics: Metrics, api_key: str | None = None,
                limits: Limits | None = None) -> Starlette:
+    """The routes over a ModelPool (one model, or several picked by the request's
+    'model')."""
     limits = limits or Limits()
-    tok = model.tokenizer
-    model_id = model.path.name
-    created = int(time.time())
+    responses_store = ResponseStore()
 
-    def respond_error(endpoint: str, e: ApiError) -> JSONResponse:
+    def respond_error(endpoint: str, e: ApiError, anthropic: bool = False) -> JSONResponse:
         metrics.on_request(endpoint, e.status)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        body = anthropic_error_body(e) if anthropic else e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     def check_auth(request: Request) -> None:
         if api_key is None:
             return
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            return
+        xkey = request.headers.get("x-api-key")     # the Anthropic SDK's header
+        if xkey is not None and hmac.compare_digest(xkey.strip().encode(), api_key.encode()):
+            return
+        raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                       code="invalid_api_key")
 
     async def read_body(request: Request) -> bytes:
         cl = request.headers.get("content-length")
@@ -150,171 +166,121 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
                            code="timeout") from None
         return b"".join(parts)
 
-    def tokenize(req: GenRequest) -> list[int]:
-        try:
-            return _tokenize(req)
-        except TokenizerError as e:  # e.g. a lone surrogate (JSON "\ud800") is no UTF-8 text
-            raise bad(f"the prompt cannot be tokenized: {e}", param="messages" if req.kind == "chat" else "prompt",
-                      code="invalid_encoding") from None
+    async def start_run(request: Request, req: GenRequest, served) -> Run:
+        """Prepare and submit; the Run's first event is in run.first."""
+        prep = await prepare(served, req, run_in_threadpool)
+        run = Run(served, prep, _Relay(asyncio.get_running_loop()), limits.retry_after)
+        await run.start(request)
+        return run
 
-    def _tokenize(req: GenRequest) -> list[int]:
-        if req.kind == "chat":
-            try:
-                text = tok.render_chat(req.messages, add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - a template error is the request's fault
-                raise bad(f"the chat template rejected the messages: {e}", param="messages") from None
-            return tok.encode(text)
-        if req.prompt_ids is not None:
-            n_vocab = model.hp.n_vocab
-            if any(not 0 <= t < n_vocab for t in req.prompt_ids):
-                raise bad(f"a prompt token id is outside [0, {n_vocab})", param="prompt")
-            return list(req.prompt_ids)
-        return tok.encode(req.prompt_text)
-
-    def plan(req: GenRequest, ids: list[int]) -> int:
-        n_ctx = scheduler.n_ctx
-        if not ids:
-            raise bad("the prompt is empty after tokenization", param="prompt" if req.kind != "chat" else "messages")
-        if len(ids) >= n_ctx:
-            raise bad(f"the prompt ({len(ids)} tokens) does not fit in the context of {n_ctx} tokens "
-                      f"(leave room for at least one generated token)", param="messages" if req.kind == "chat"
-                      else "prompt", code="context_length_exceeded")
-        n = req.max_tokens if req.max_tokens is not None else n_ctx - len(ids)
-        if len(ids) + n > n_ctx:
-            raise bad(f"the prompt ({len(ids)} tokens) + max_tokens ({n}) = {len(ids) + n} exceeds the context "
-                      f"of {n_ctx} tokens", param="max_tokens", code="context_length_exceeded")
-        return n
-
-    def speculation(req: GenRequest) -> SpecRequest | None:
-        """The request's own choice, else the server's default (`serve --speculate`)."""
-        default = scheduler.speculate
-        mode = req.speculate if req.speculate is not None else (default.mode if default else "off")
-        if mode == "off":
-            if req.draft_max is not None:
-                raise bad("'draft_max' needs speculation: this server does not speculate by default, send "
-                          "\"speculate\": \"ngram\" with it", param="draft_max")
-            return None
-        if mode == "draft" and scheduler.draft_model is None:
-            raise bad("'speculate': \"draft\" needs a draft model, and this server has none (start minfer serve "
-                      "with --draft-model PATH); \"ngram\" (prompt lookup) needs none", param="speculate",
-                      code="unsupported_parameter")
-        return SpecRequest(mode, req.draft_max if req.draft_max is not None
-                           else (default.draft_max if default else SpecRequest.draft_max))
-
-    async def watch_disconnect(request: Request, job: Job) -> None:
-        """Cancel the job when the client goes away (the scheduler drops it at the
-        next step boundary and frees the slot)."""
-        try:
-            while True:
-                msg = await request.receive()
-                if msg["type"] == "http.disconnect":
-                    job.client_gone = True
-                    job.cancel()
-                    return
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001
-            return
-
-    def check_sampling(req: GenRequest) -> None:
-        n_vocab = model.hp.n_vocab
-        for t, _ in req.sampling.logit_bias:
-            if t >= n_vocab:
-                raise bad(f"'logit_bias' names token {t}, outside the vocabulary [0, {n_vocab})", param="logit_bias")
-        if req.n > len(scheduler.slots):
-            raise bad(f"'n' = {req.n} choices need as many slots; this server has {len(scheduler.slots)} "
-                      f"(minfer serve --slots)", param="n")
-
-    async def generate(request: Request, kind: str) -> Response:
+    async def generation(request: Request, parse, respond, anthropic: bool = False) -> Response:
+        """The frame of every generating endpoint: auth, body, parse, the model, the run,
+        errors. respond(run, served, extra) makes the answer from a started run."""
         endpoint = request.url.path
+        served = None
         try:
             check_auth(request)
             obj = parse_json(await read_body(request))
-            req = parse_chat(obj) if kind == "chat" else parse_completion(obj)
-            check_sampling(req)
-            ids = await run_in_threadpool(tokenize, req)
-            n_predict = plan(req, ids)
-            spec = speculation(req)
-            relay = _Relay(asyncio.get_running_loop())
-            job = Job(prompt_ids=ids, n_predict=n_predict, sampling=req.sampling, emit=relay.emit,
-                      stop=req.stop, stop_at_eog=not req.ignore_eos, speculate=spec, n=req.n,
-                      logprobs=req.logprobs)
-            try:
-                scheduler.submit(job)
-            except QueueFull:
-                raise ApiError(503, "the server is busy: too many requests are waiting; retry later",
-                               code="queue_full", headers={"Retry-After": str(limits.retry_after)}) from None
-            except ShuttingDown:
-                raise ApiError(503, "the server is shutting down", code="shutting_down",
-                               headers={"Retry-After": str(limits.retry_after)}) from None
+            req, extra = parse(obj)
+            served = await pool.acquire(req.model)
+            run = await start_run(request, req, served)
         except ApiError as e:
-            return respond_error(endpoint, e)
+            if served is not None:
+                pool.release(served)
+            return respond_error(endpoint, e, anthropic)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
+            if served is not None:
+                pool.release(served)
             metrics.on_request(endpoint, 499)
             return Response(status_code=499)
-        watcher = asyncio.ensure_future(watch_disconnect(request, job))
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        try:
-            first = await relay.get(scheduler)
         except BaseException:
-            job.cancel()
-            watcher.cancel()
+            if served is not None:
+                pool.release(served)
             raise
-        if first.kind == "error" or (first.kind == "done" and first.reason == "cancelled"):
-            watcher.cancel()
-            job.cancel()
-            if job.client_gone:
+        first = run.first
+        if is_failure(first):
+            run.close()
+            pool.release(served)
+            if run.client_gone:
                 metrics.on_request(endpoint, 499)
                 return Response(status_code=499)
-            return respond_error(endpoint, _event_error(first))
-        if req.stream:
+            return respond_error(endpoint, event_error(first), anthropic)
+        if run.req.stream:
             metrics.on_request(endpoint, 200)
-            return StreamingResponse(sse(kind, rid, req, job, relay, first, watcher), media_type="text/event-stream",
+
+            async def body():
+                try:
+                    async for piece in respond(run, served, extra):
+                        yield piece
+                finally:
+                    run.close()
+                    pool.release(served)
+
+            return StreamingResponse(body(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        choices = [_Choice() for _ in range(req.n)]
         try:
-            ev, left = first, req.n
-            while True:
-                if ev.kind == "error" or (ev.kind == "done" and ev.reason == "cancelled"):
-                    break
-                c = choices[ev.index]
-                if ev.kind == "token":
-                    c.parts.append(ev.text)
-                    if req.logprobs is not None:
-                        c.lps.append(ev)
-                else:
-                    c.parts.append(ev.text)
-                    c.done = ev
-                    left -= 1
-                    if left == 0:
-                        break
-                ev = await relay.get(scheduler)
+            out = await collect(run)
         finally:
-            job.cancel()     # no-op when finished; frees the slots when this task was cancelled
-            watcher.cancel()
-        if job.client_gone:
+            pool.release(served)
+        if run.client_gone:
             metrics.on_request(endpoint, 499)  # nginx's "client closed request": nobody to answer
             return Response(status_code=499)
-        if ev.kind == "error" or ev.reason == "cancelled":
-            return respond_error(endpoint, _event_error(ev))
+        if isinstance(out, Event):
+            return respond_error(endpoint, event_error(out), anthropic)
+        try:
+            doc = respond(run, served, extra, out)
+        except ApiError as e:
+            return respond_error(endpoint, e, anthropic)
         metrics.on_request(endpoint, 200)
+        return JSONResponse(doc)
+
+    # -- chat completions and completions (OpenAI) ------------------------------------------
+    def chat_respond(run: Run, served, extra, out=None):
+        if out is None:
+            return sse_openai(run, served, "chat")
+        return openai_doc(run, served, "chat", out)
+
+    def completion_respond(run: Run, served, extra, out=None):
+        if out is None:
+            return sse_openai(run, served, "completion")
+        return openai_doc(run, served, "completion", out)
+
+    def openai_doc(run: Run, served, kind: str, choices: list[ChoiceOut]) -> dict:
+        req, tok = run.req, served.tokenizer
         out = []
         for i, c in enumerate(choices):
-            text = "".join(c.parts)
-            finish = _finish_reason(c.done.reason)
-            lp = _logprobs_doc(kind, c.lps, tok) if req.logprobs is not None else None
+            finish = _finish_reason(c.reason)
+            lp = _logprobs_doc(kind, c.tokens, tok) if req.logprobs is not None else None
             if kind == "chat":
-                out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": finish})
+                msg = {"role": "assistant", "content": c.content}
+                if c.calls:
+                    msg["content"] = c.content or None
+                    msg["tool_calls"] = [{"id": t.id, "type": "function",
+                                          "function": {"name": t.name, "arguments": t.arguments}} for t in c.calls]
+                    finish = "length" if c.reason == "length" else "tool_calls"
+                out.append({"index": i, "message": msg, "logprobs": lp, "finish_reason": finish})
             else:
-                out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": finish})
-        usage = _sum_usage([c.done.usage for c in choices])
-        return JSONResponse({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                             "created": int(time.time()), "model": model_id, "choices": out, "usage": usage,
-                             "system_fingerprint": "minfer"})
+                out.append({"index": i, "text": c.text, "logprobs": lp, "finish_reason": finish})
+        usage = sum_usage([c.done.usage for c in choices])
+        return {"id": new_id("chatcmpl-" if kind == "chat" else "cmpl-"),
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": served.name, "choices": out, "usage": usage,
+                "system_fingerprint": "minfer"}
 
-    async def sse(kind, rid, req, job, relay, first, watcher):
+    async def sse_openai(run: Run, served, kind: str):
+        req, tok = run.req, served.tokenizer
         chat = kind == "chat"
+        rid = new_id("chatcmpl-" if chat else "cmpl-")
         created_now = int(time.time())
         obj_name = "chat.completion.chunk" if chat else "text_completion"
+        texts = [ChoiceText(run.prep.tool_format if chat else None, req) for _ in range(req.n)]
+
+        def doc(choice: dict) -> str:
+            d = {"id": rid, "object": obj_name, "created": created_now, "model": served.name, "choices": [choice],
+                 "system_fingerprint": "minfer"}
+            if req.include_usage:
+                d["usage"] = None
+            return _sse(d)
 
         def chunk(i: int, text: str | None, finish: str | None, role: bool = False, ev: Event | None = None) -> str:
             lp = _logprobs_doc(kind, [ev], tok) if ev is not None and req.logprobs is not None else None
@@ -324,75 +290,176 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            else:
-                choice = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
-            doc = {"id": rid, "object": obj_name, "created": created_now, "model": model_id, "choices": [choice],
-                   "system_fingerprint": "minfer"}
-            if req.include_usage:
-                doc["usage"] = None
-            return _sse(doc)
+                return doc({"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            return doc({"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish})
 
-        usages = []
-        try:
-            if chat:
-                for i in range(req.n):
-                    yield chunk(i, "", None, role=True)
-            ev, left = first, req.n
-            while True:
-                if ev.kind == "error" or (ev.kind == "done" and ev.reason == "cancelled"):
-                    err = _event_error(ev)
-                    yield _sse(err.body())
-                    return
-                if ev.kind == "token":
-                    if ev.text or req.logprobs is not None:
-                        yield chunk(ev.index, ev.text, None, ev=ev)
+        def call_chunks(i: int, k: int, call) -> list[str]:
+            head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            args = {"index": k, "function": {"arguments": call.arguments}}
+            return [doc({"index": i, "delta": {"tool_calls": [head]}, "logprobs": None, "finish_reason": None}),
+                    doc({"index": i, "delta": {"tool_calls": [args]}, "logprobs": None, "finish_reason": None})]
+
+        def items(i: int, its: list, ev: Event | None = None) -> list[str]:
+            out, sent_ev = [], False
+            for k, v in its:
+                if k == "text":
+                    out.append(chunk(i, v, None, ev=None if sent_ev else ev))
+                    sent_ev = True
                 else:
-                    if ev.text:
-                        yield chunk(ev.index, ev.text, None)
-                    yield chunk(ev.index, None if chat else "", _finish_reason(ev.reason))
-                    usages.append(ev.usage)
-                    left -= 1
-                    if left == 0:
-                        break
-                ev = await relay.get(scheduler)
-            if req.include_usage:
-                yield _sse({"id": rid, "object": obj_name, "created": created_now, "model": model_id,
-                            "choices": [], "usage": _sum_usage(usages), "system_fingerprint": "minfer"})
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancel()
-            watcher.cancel()
+                    out += call_chunks(i, texts[i].calls_sent, v)
+                    texts[i].calls_sent += 1
+            if ev is not None and not sent_ev and req.logprobs is not None:
+                out.append(chunk(i, "", None, ev=ev))
+            return out
+
+        for t in texts:
+            t.calls_sent = 0
+        usages = []
+        if chat:
+            for i in range(req.n):
+                yield chunk(i, "", None, role=True)
+        ev, left = run.first, req.n
+        while True:
+            if is_failure(ev):
+                yield _sse(event_error(ev).body())
+                return
+            i = ev.index
+            if ev.kind == "token":
+                for piece in items(i, texts[i].feed(ev.text), ev):
+                    yield piece
+            else:
+                for piece in items(i, texts[i].feed(ev.text) + texts[i].finish()):
+                    yield piece
+                finish = "tool_calls" if texts[i].calls_sent and ev.reason != "length" else _finish_reason(ev.reason)
+                yield chunk(i, None if chat else "", finish)
+                usages.append(ev.usage)
+                left -= 1
+                if left == 0:
+                    break
+            ev = await run.get()
+        if req.include_usage:
+            yield _sse({"id": rid, "object": obj_name, "created": created_now, "model": served.name,
+                        "choices": [], "usage": sum_usage(usages), "system_fingerprint": "minfer"})
+        yield "data: [DONE]\n\n"
 
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, "chat")
+        return await generation(request, lambda obj: (parse_chat(obj), None), chat_respond)
 
     async def completions(request: Request) -> Response:
-        return await generate(request, "completion")
+        return await generation(request, lambda obj: (parse_completion(obj), None), completion_respond)
 
+    # -- responses (OpenAI) -------------------------------------------------------------------
+    def responses_parse(obj):
+        return parse_responses(obj, responses_store)
+
+    def responses_respond(run: Run, served, extra, out=None):
+        if out is None:
+            return responses_sse(run, served, extra, responses_store)
+        return responses_doc(run, served, extra, out, responses_store)
+
+    async def responses(request: Request) -> Response:
+        return await generation(request, responses_parse, responses_respond)
+
+    async def get_response(request: Request) -> Response:
+        try:
+            check_auth(request)
+            doc = responses_store.get_doc(request.path_params["rid"])
+        except ApiError as e:
+            return respond_error("/v1/responses/{id}", e)
+        metrics.on_request("/v1/responses/{id}", 200)
+        return JSONResponse(doc)
+
+    # -- messages (Anthropic) ---------------------------------------------------------------
+    def messages_respond(run: Run, served, extra, out=None):
+        if out is None:
+            return messages_sse(run, served, extra)
+        return messages_doc(run, served, extra, out)
+
+    async def messages(request: Request) -> Response:
+        return await generation(request, parse_messages, messages_respond, anthropic=True)
+
+    async def count_tokens(request: Request) -> Response:
+        endpoint = request.url.path
+        served = None
+        try:
+            check_auth(request)
+            obj = parse_json(await read_body(request))
+            req, _ = parse_messages({**obj, "max_tokens": 1}, count_only=True)
+            served = await pool.acquire(req.model)
+            ids = await run_in_threadpool(render, served, req)
+        except ApiError as e:
+            return respond_error(endpoint, e, anthropic=True)
+        finally:
+            if served is not None:
+                pool.release(served)
+        metrics.on_request(endpoint, 200)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    # -- embeddings ------------------------------------------------------------------------
+    async def embeddings(request: Request) -> Response:
+        endpoint = request.url.path
+        served = None
+        try:
+            check_auth(request)
+            parsed = parse_embeddings(parse_json(await read_body(request)))
+            served = await pool.acquire(parsed["model"])
+            if not served.is_embedding:
+                raise not_embedding_model(served.name)
+            vecs, n = await run_in_threadpool(embed_request, served.embedder, served.model.hp.n_vocab, parsed)
+            doc = embeddings_body(vecs, parsed["format"], served.name, n)
+        except ApiError as e:
+            return respond_error(endpoint, e)
+        except ClientDisconnect:
+            metrics.on_request(endpoint, 499)
+            return Response(status_code=499)
+        finally:
+            if served is not None:
+                pool.release(served)
+        metrics.on_request(endpoint, 200)
+        return JSONResponse(doc)
+
+    # -- the rest --------------------------------------------------------------------------
     async def models(request: Request) -> Response:
         try:
             check_auth(request)
         except ApiError as e:
             return respond_error("/v1/models", e)
         metrics.on_request("/v1/models", 200)
-        return JSONResponse({"object": "list", "data": [{
-            "id": model_id, "object": "model", "created": created, "owned_by": "minfer",
-            "meta": {"n_ctx": scheduler.n_ctx, "slots": len(scheduler.slots), "arch": model.hp.arch}}]})
+        data = []
+        for name in pool.names():
+            s = pool.loaded.get(name)
+            entry = {"id": name, "object": "model", "created": s.created if s else created, "owned_by": "minfer"}
+            if s is not None:
+                entry["meta"] = {"n_ctx": s.scheduler.n_ctx, "slots": len(s.scheduler.slots), "arch": s.model.hp.arch,
+                                 "loaded": True, "embedding": s.is_embedding, "tool_format": s.tool_format.name}
+            else:
+                entry["meta"] = {"loaded": False}
+            data.append(entry)
+        return JSONResponse({"object": "list", "data": data})
+
+    created = int(time.time())
 
     async def health(request: Request) -> Response:
-        if not scheduler.alive:
+        if not pool.alive:
             return JSONResponse({"status": "error", "message": "the scheduler is not running"}, status_code=503)
-        return JSONResponse({"status": "ok", "slots_idle": len(scheduler.slots) - scheduler.slots_busy,
-                             "slots_busy": scheduler.slots_busy, "queue": scheduler.queue_depth})
+        slots = sum(len(s.scheduler.slots) for s in pool.loaded.values())
+        busy = sum(s.scheduler.slots_busy for s in pool.loaded.values())
+        queue = sum(s.scheduler.queue_depth for s in pool.loaded.values())
+        doc = {"status": "ok", "slots_idle": slots - busy, "slots_busy": busy, "queue": queue}
+        if pool.single is None:
+            doc["models_loaded"] = list(pool.loaded)
+        return JSONResponse(doc)
 
     async def metrics_route(request: Request) -> Response:
         try:
             check_auth(request)
         except ApiError as e:
             return respond_error("/metrics", e)
-        return PlainTextResponse(metrics.render(scheduler.queue_depth, scheduler.slots_busy, len(scheduler.slots),
-                                                scheduler.ctx.builds),
+        ss = list(pool.loaded.values())
+        return PlainTextResponse(metrics.render(sum(s.scheduler.queue_depth for s in ss),
+                                                sum(s.scheduler.slots_busy for s in ss),
+                                                sum(len(s.scheduler.slots) for s in ss),
+                                                sum(s.scheduler.ctx.builds for s in ss)),
                                  media_type="text/plain; version=0.0.4")
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -406,15 +473,19 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        if not scheduler.alive:
-            scheduler.start()
+        pool.start()
         yield
-        await run_in_threadpool(scheduler.stop)
+        await run_in_threadpool(pool.stop)
 
     return Starlette(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", responses, methods=["POST"]),
+            Route("/v1/responses/{rid}", get_response, methods=["GET"]),
+            Route("/v1/messages", messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),
@@ -422,23 +493,6 @@ def create_app(model, scheduler: Scheduler, metrics: Metrics, api_key: str | Non
         exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
     )
-
-
-class _Choice:
-    def __init__(self):
-        self.parts: list[str] = []
-        self.lps: list[Event] = []
-        self.done: Event | None = None
-
-
-def _sum_usage(usages: list[dict]) -> dict:
-    """One request's usage over its choices: the prompt once, the completions summed."""
-    u = dict(usages[0])
-    if len(usages) > 1:
-        done = sum(x["completion_tokens"] for x in usages)
-        u["completion_tokens"] = done
-        u["total_tokens"] = u["prompt_tokens"] + done
-    return u
 
 
 def _token_entry(tok, t: int, lp: float) -> dict:
@@ -473,11 +527,3 @@ def _sse(doc: dict) -> str:
 
 def _finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
-
-
-
-def _event_error(ev: Event) -> ApiError:
-    if ev.kind == "done":  # cancelled without a client gone: the server is stopping
-        return ApiError(503, "the request was cancelled: the server is shutting down", code="shutting_down")
-    code = "shutting_down" if ev.status == 503 else "inference_failed"
-    return ApiError(ev.status, ev.message, code=code)

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pathlib import Path
+
 from minfer.errors import MinferError
 from minfer.server.app import Limits, create_app
 from minfer.server.metrics import Metrics
+from minfer.server.models import ModelPool, Served
 from minfer.server.scheduler import Scheduler, SpecRequest
 
 log = logging.getLogger("minfer.server")
@@ -50,6 +53,11 @@ class ServeConfig:
     speculate: str | None = None  # "ngram" | "draft": requests speculate unless they send "speculate": "off"
     draft_max: int = 8
     draft_model: object | None = None  # an opened Model: requests may send "speculate": "draft"
+    models: list | None = None    # several GGUF paths behind one endpoint (loaded on first request)
+    models_max: int = 1           # models loaded at once; the least recently used idle one is unloaded
+    load_timeout: float = 300.0   # seconds a request waits for its model to load
+    backends: list | None = None  # for models loaded later
+    threads: int | None = None
 
 
 def make_protocol(header_timeout: float):
@@ -77,7 +85,7 @@ def make_protocol(header_timeout: float):
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config, sched: Scheduler | None = None, drain_s: float = 10.0):
+    def __init__(self, config, sched: "Scheduler | ModelPool | None" = None, drain_s: float = 10.0):
         super().__init__(config)
         self.sched = sched
         self.drain_s = drain_s
@@ -109,17 +117,48 @@ class _Server(uvicorn.Server):
                 signal.signal(s, h)
 
 
+def make_served(model, cfg: ServeConfig, metrics: Metrics, draft_model=None) -> Served:
+    """A model's serving state. An embedding model (its GGUF declares a pooling type)
+    generates nothing: its scheduler gets one small slot."""
+    from minfer.server.embeddings import pooling_of
+
+    embedding = pooling_of(model) is not None
+    sched = Scheduler(model, n_slots=1 if embedding else cfg.slots, n_ctx=min(cfg.ctx, 64) if embedding else cfg.ctx,
+                      max_queue=cfg.max_queue, chunk=cfg.chunk, max_batch=cfg.max_batch, metrics=metrics,
+                      speculate=SpecRequest(cfg.speculate, cfg.draft_max) if cfg.speculate and not embedding else None,
+                      draft_model=None if embedding else draft_model)
+    return Served(model, sched)
+
+
 def build(model, cfg: ServeConfig):
+    """(app, pool, metrics). With a model: that model, loaded (every request's 'model'
+    maps to it). Without one: cfg.models, each loaded on its first request."""
     metrics = Metrics()
-    sched = Scheduler(model, n_slots=cfg.slots, n_ctx=cfg.ctx, max_queue=cfg.max_queue, chunk=cfg.chunk,
-                      max_batch=cfg.max_batch, metrics=metrics,
-                      speculate=SpecRequest(cfg.speculate, cfg.draft_max) if cfg.speculate else None,
-                      draft_model=cfg.draft_model)
-    app = create_app(model, sched, metrics, api_key=cfg.api_key, limits=cfg.limits)
-    return app, sched, metrics
+    if model is not None:
+        pool = ModelPool(default=make_served(model, cfg, metrics, cfg.draft_model))
+    else:
+        if not cfg.models:
+            raise MinferError("no model to serve")
+        from minfer.model import Model
+
+        paths = {}
+        for p in cfg.models:
+            p = Path(p)
+            if p.name in paths:
+                raise MinferError(f"two models are named {p.name} ({paths[p.name]} and {p})")
+            paths[p.name] = p
+
+        def loader(path: Path) -> Served:
+            s = make_served(Model.open(path, backends=cfg.backends, n_threads=cfg.threads), cfg, metrics)
+            s.scheduler.start()
+            return s
+
+        pool = ModelPool(paths, loader, max_loaded=cfg.models_max, load_timeout=cfg.load_timeout)
+    app = create_app(pool, metrics, api_key=cfg.api_key, limits=cfg.limits)
+    return app, pool, metrics
 
 
-def uvicorn_server(app, cfg: ServeConfig, sched: Scheduler | None = None) -> uvicorn.Server:
+def uvicorn_server(app, cfg: ServeConfig, sched: "Scheduler | ModelPool | None" = None) -> uvicorn.Server:
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                             http=make_protocol(cfg.header_timeout), timeout_keep_alive=cfg.keep_alive,
                             timeout_graceful_shutdown=cfg.shutdown_timeout + 5, lifespan="on",
@@ -142,21 +181,28 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(model, cfg: ServeConfig) -> None:
-    """Serve until SIGTERM/SIGINT; returns normally after a graceful shutdown."""
+    """Serve until SIGTERM/SIGINT; returns normally after a graceful shutdown. model:
+    an opened Model, or None to serve cfg.models (several, loaded on demand)."""
     sock = listen(cfg.host, cfg.port)
-    app, sched, _ = build(model, cfg)
-    server = uvicorn_server(app, cfg, sched)
-    sys.stderr.write(f"minfer serve: {model.path.name} on http://{cfg.host}:{cfg.port} "
-                     f"({cfg.slots} slots x {sched.n_ctx} tokens, batch up to {sched.max_batch}, "
-                     f"{model.n_threads} threads"
-                     + (f", speculate {cfg.speculate} up to {cfg.draft_max}" if cfg.speculate else "")
-                     + (f", draft model {cfg.draft_model.path.name}" if cfg.draft_model is not None else "") + ")\n")
+    app, pool, _ = build(model, cfg)
+    server = uvicorn_server(app, cfg, pool)
+    if model is not None:
+        sched = pool.single.scheduler
+        kind = "embeddings" if pool.single.is_embedding else \
+            f"{cfg.slots} slots x {sched.n_ctx} tokens, batch up to {sched.max_batch}"
+        sys.stderr.write(f"minfer serve: {model.path.name} on http://{cfg.host}:{cfg.port} "
+                         f"({kind}, {model.n_threads} threads"
+                         + (f", speculate {cfg.speculate} up to {cfg.draft_max}" if cfg.speculate else "")
+                         + (f", draft model {cfg.draft_model.path.name}" if cfg.draft_model is not None else "") + ")\n")
+    else:
+        sys.stderr.write(f"minfer serve: {len(pool.paths)} models on http://{cfg.host}:{cfg.port} "
+                         f"(up to {pool.max_loaded} loaded, each {cfg.slots} slots x {cfg.ctx} tokens)\n")
     sys.stderr.flush()
     server.run(sockets=[sock])
     if threading.current_thread() is threading.main_thread():
         # A second signal during the last cleanup must not kill the process with it.
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
-    if not sched.stop(timeout=cfg.shutdown_timeout):
+    if not pool.stop(timeout=cfg.shutdown_timeout):
         log.error("the scheduler did not stop in time")
     sys.stderr.write("minfer serve: stopped\n")
