@@ -70,10 +70,31 @@ def make_data(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
         x[6] = np.round(x[6] * 40) / 40  # already on a grid
         x[7, 32:64] = 3.0
         return x
+    if kind == "blocks":  # every 16/32-element group drawn differently (the K-quants search
+        # eight sub-blocks side by side: lanes must not leak into each other)
+        x = np.empty((rows, cols), np.float32)
+        g = x.reshape(-1, 16)
+        pick = rng.integers(0, 7, len(g))
+        for i, p in enumerate(pick):
+            if p == 0:
+                g[i] = rng.standard_normal(16) * 10.0 ** rng.uniform(-4, 1)
+            elif p == 1:
+                g[i] = rng.integers(-3, 4, 16) * 0.01  # few distinct values
+            elif p == 2:
+                g[i] = -abs(rng.standard_normal()) * 0.05  # one negative constant
+            elif p == 3:
+                g[i] = abs(rng.standard_normal()) * 0.05  # one positive constant
+            elif p == 4:
+                g[i] = np.abs(rng.standard_normal(16)) * 0.03
+            elif p == 5:
+                g[i] = 0.0
+            else:
+                g[i] = rng.standard_t(1, 16) * 0.01  # Cauchy
+        return x
     raise ValueError(kind)
 
 
-KINDS = ["normal", "heavy", "outliers", "structured"]
+KINDS = ["normal", "heavy", "outliers", "structured", "blocks"]
 
 
 # ---- blocks: gguf's dequantization == minfer's, bitwise ----------------------------------

@@ -19,6 +19,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "cpu/quants.h"
 
 namespace minfer::cpu::qz {
@@ -197,7 +201,9 @@ void row_q8_0(const float* x, block_q8_0* y, int64_t k) {
 
 // Scale and min for n values in [0, nmax] levels, weighted least squares over a search of
 // nstep+1 candidate scales (ggml's make_qkx2_quants). Returns the scale; *the_min = -min.
-float make_qkx2_quants(int n, int nmax, const float* x, const float* weights, uint8_t* L, float* the_min,
+// The scalar forms below are what the 8-lane versions (make_qkx2_quants8,
+// make_qx_quants8) compute per lane; kept as their readable specification.
+[[maybe_unused]] float make_qkx2_quants(int n, int nmax, const float* x, const float* weights, uint8_t* L, float* the_min,
                        uint8_t* Laux, float rmin, float rdelta, int nstep, bool use_mad) {
     float min = x[0];
     float max = x[0];
@@ -272,7 +278,7 @@ float make_qkx2_quants(int n, int nmax, const float* x, const float* weights, ui
 
 // Symmetric scale for n values in [-nmax, nmax-1], weighted by x^2 (rmse_type 1 without
 // importance weights), searching 18 scales around -nmax/max (ggml's make_qx_quants).
-float make_qx_quants_rmse1(int n, int nmax, const float* x, int8_t* L) {
+[[maybe_unused]] float make_qx_quants_rmse1(int n, int nmax, const float* x, int8_t* L) {
     float max = 0;
     float amax = 0;
     for (int i = 0; i < n; ++i) {
@@ -319,6 +325,137 @@ float make_qx_quants_rmse1(int n, int nmax, const float* x, int8_t* L) {
     return scale;
 }
 
+// ---- the same searches, eight sub-blocks at a time -------------------------------------
+//
+// Each lane of these vector versions runs exactly the scalar code's sequence of IEEE
+// operations for one sub-block (same order, no contraction, correctly rounded division
+// and square root), so the results are bit for bit the scalar ones; only the eight
+// independent sub-blocks of a super-block run side by side.
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline v8i nearest_int8(v8f f) {
+    v8f val = f + 12582912.f;
+    return ((v8i)val & 0x007fffff) - 0x00400000;
+}
+inline v8i clamp8(v8i l, int lo, int hi) {
+    l = l < lo ? (v8i){} + lo : l;
+    return l > hi ? (v8i){} + hi : l;
+}
+inline v8f to_f8(v8i l) { return __builtin_convertvector(l, v8f); }
+inline v8f fabs8(v8f v) { return (v8f)((v8i)v & 0x7fffffff); }
+
+// make_qkx2_quants over 8 sub-blocks of n: x[i] and w[i] hold element i of every
+// sub-block (lane j = sub-block j). Returns the scales; L[i] the levels; *the_min.
+v8f make_qkx2_quants8(int n, int nmax, const v8f* x, const v8f* weights, v8i* L, v8f* the_min, float rmin,
+                      float rdelta, int nstep) {
+    v8f min = x[0], max = x[0];
+    v8f sum_w = weights[0];
+    v8f sum_x = sum_w * x[0];
+    for (int i = 1; i < n; ++i) {
+        min = x[i] < min ? x[i] : min;
+        max = x[i] > max ? x[i] : max;
+        v8f w = weights[i];
+        sum_w += w;
+        sum_x += w * x[i];
+    }
+    min = min > 0 ? (v8f){} : min;
+    const v8i flat = max == min;
+    const v8f range = flat ? (v8f){} + 1.0f : max - min;  // flat lanes: results replaced below
+    v8f iscale = (float)nmax / range;
+    v8f scale = 1 / iscale;
+    v8f best_error = {};
+    for (int i = 0; i < n; ++i) {
+        v8i l = clamp8(nearest_int8(iscale * (x[i] - min)), 0, nmax);
+        L[i] = l;
+        v8f diff = scale * to_f8(l) + min - x[i];
+        diff = diff * diff;
+        best_error += weights[i] * diff;
+    }
+    v8i Laux[32];
+    for (int is = 0; is <= nstep; ++is) {
+        // min moves when a candidate wins, and the next candidates scale from it
+        iscale = (rmin + rdelta * is + nmax) / (flat ? (v8f){} + 1.0f : max - min);
+        v8f sum_l = {}, sum_l2 = {}, sum_xl = {};
+        for (int i = 0; i < n; ++i) {
+            v8i l = clamp8(nearest_int8(iscale * (x[i] - min)), 0, nmax);
+            Laux[i] = l;
+            v8f w = weights[i], lf = to_f8(l);
+            sum_l += w * lf;
+            sum_l2 += w * lf * lf;
+            sum_xl += w * lf * x[i];
+        }
+        v8f D = sum_w * sum_l2 - sum_l * sum_l;
+        const v8i ok = D > 0;
+        if (!(ok[0] | ok[1] | ok[2] | ok[3] | ok[4] | ok[5] | ok[6] | ok[7])) continue;
+        v8f this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
+        v8f this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
+        const v8i pos = this_min > 0;
+        this_min = pos ? (v8f){} : this_min;
+        this_scale = pos ? sum_xl / sum_l2 : this_scale;
+        v8f cur_error = {};
+        for (int i = 0; i < n; ++i) {
+            v8f diff = this_scale * to_f8(Laux[i]) + this_min - x[i];
+            diff = diff * diff;
+            cur_error += weights[i] * diff;
+        }
+        const v8i better = ok & ~flat & (cur_error < best_error);
+        for (int i = 0; i < n; ++i) L[i] = better ? Laux[i] : L[i];
+        best_error = better ? cur_error : best_error;
+        scale = better ? this_scale : scale;
+        min = better ? this_min : min;
+    }
+    for (int i = 0; i < n; ++i) L[i] = flat ? (v8i){} : L[i];
+    *the_min = -min;
+    return flat ? (v8f){} : scale;
+}
+
+// make_qx_quants (rmse_type 1, no importance weights) over 8 sub-blocks of n.
+v8f make_qx_quants8(int n, int nmax, const v8f* x, v8i* L) {
+    v8f max = {}, amax = {};
+    for (int i = 0; i < n; ++i) {
+        v8f ax = fabs8(x[i]);
+        const v8i gt = ax > amax;
+        amax = gt ? ax : amax;
+        max = gt ? x[i] : max;
+    }
+    const v8i zero = amax < GROUP_MAX_EPS;
+    const v8f safe_max = zero ? (v8f){} + 1.0f : max;
+    v8f iscale = (float)(-nmax) / safe_max;
+    v8f sumlx = {}, suml2 = {};
+    for (int i = 0; i < n; ++i) {
+        v8i l = clamp8(nearest_int8(iscale * x[i]), -nmax, nmax - 1);
+        L[i] = l + nmax;
+        v8f w = x[i] * x[i], lf = to_f8(l);
+        sumlx += w * x[i] * lf;
+        suml2 += w * lf * lf;
+    }
+    v8f scale = suml2 != 0 ? sumlx / suml2 : (v8f){};
+    v8f best = scale * sumlx;
+    v8i Lc[32];
+    for (int is = -9; is <= 9; ++is) {
+        if (is == 0) continue;
+        iscale = -(nmax + 0.1f * is) / safe_max;
+        sumlx = (v8f){};
+        suml2 = (v8f){};
+        for (int i = 0; i < n; ++i) {
+            v8i l = clamp8(nearest_int8(iscale * x[i]), -nmax, nmax - 1);
+            Lc[i] = l;
+            v8f w = x[i] * x[i], lf = to_f8(l);
+            sumlx += w * x[i] * lf;
+            suml2 += w * lf * lf;
+        }
+        const v8i better = (suml2 > 0) & (sumlx * sumlx > best * suml2);
+        for (int i = 0; i < n; ++i) L[i] = better ? Lc[i] + nmax : L[i];
+        v8f s = sumlx / suml2;
+        scale = better ? s : scale;
+        best = better ? s * sumlx : best;
+    }
+    for (int i = 0; i < n; ++i) L[i] = zero ? (v8i){} : L[i];
+    return zero ? (v8f){} : scale;
+}
+
 inline void get_scale_min_k4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
     if (j < 4) {
         *d = q[j] & 63;
@@ -334,19 +471,30 @@ inline void get_scale_min_k4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
 // value is requantized against the stored (rounded) scales. Fills L[256] and the header.
 template <class Block>
 void k_scales_and_levels(const float* x, Block& y, uint8_t* L, int nmax, float rmin, float rdelta, int nstep) {
-    uint8_t Laux[32];
-    float weights[32];
     float mins[QK_K / 32];
     float scales[QK_K / 32];
     float max_scale = 0;
     float max_min = 0;
+    {
+        // element i of the 8 sub-blocks side by side; weights av_x + |x| per sub-block
+        v8f xv[32], wv[32];
+        v8i Lv[32];
+        for (int i = 0; i < 32; ++i)
+            for (int j = 0; j < 8; ++j) xv[i][j] = x[32 * j + i];
+        v8f sum_x2 = {};
+        for (int i = 0; i < 32; ++i) sum_x2 += xv[i] * xv[i];
+        v8f av_x;
+        for (int j = 0; j < 8; ++j) av_x[j] = std::sqrt(sum_x2[j] / 32);
+        for (int i = 0; i < 32; ++i) wv[i] = av_x + fabs8(xv[i]);
+        v8f mv;
+        v8f sv = make_qkx2_quants8(32, nmax, xv, wv, Lv, &mv, rmin, rdelta, nstep);
+        for (int j = 0; j < 8; ++j) {
+            scales[j] = sv[j];
+            mins[j] = mv[j];
+            for (int i = 0; i < 32; ++i) L[32 * j + i] = (uint8_t)Lv[i][j];
+        }
+    }
     for (int j = 0; j < QK_K / 32; ++j) {
-        float sum_x2 = 0;
-        for (int l = 0; l < 32; ++l) sum_x2 += x[32 * j + l] * x[32 * j + l];
-        float av_x = std::sqrt(sum_x2 / 32);
-        for (int l = 0; l < 32; ++l) weights[l] = av_x + std::fabs(x[32 * j + l]);
-        scales[j] = make_qkx2_quants(32, nmax, x + 32 * j, weights, L + 32 * j, &mins[j], Laux, rmin, rdelta, nstep,
-                                     false);
         float scale = scales[j];
         if (scale > max_scale) max_scale = scale;
         float min = mins[j];
@@ -430,9 +578,19 @@ void row_q6_K(const float* x, block_q6_K* y, int64_t k) {
     for (int64_t i = 0; i < nb; i++) {
         float max_scale = 0;
         float max_abs_scale = 0;
+        for (int g = 0; g < 2; ++g) {
+            v8f xv[16];
+            v8i Lv[16];
+            for (int e = 0; e < 16; ++e)
+                for (int j = 0; j < 8; ++j) xv[e][j] = x[16 * (8 * g + j) + e];
+            v8f sv = make_qx_quants8(16, 32, xv, Lv);
+            for (int j = 0; j < 8; ++j) {
+                scales[8 * g + j] = sv[j];
+                for (int e = 0; e < 16; ++e) L[16 * (8 * g + j) + e] = (int8_t)Lv[e][j];
+            }
+        }
         for (int ib = 0; ib < QK_K / 16; ++ib) {
-            const float scale = make_qx_quants_rmse1(16, 32, x + 16 * ib, L + 16 * ib);
-            scales[ib] = scale;
+            const float scale = scales[ib];
             const float abs_scale = std::fabs(scale);
             if (abs_scale > max_abs_scale) {
                 max_abs_scale = abs_scale;
@@ -486,6 +644,15 @@ void row_f16(const float* x, half* y, int64_t n) {
 }
 void row_bf16(const float* x, uint16_t* y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[i] = to_bf16(x[i]);
+}
+// F16 -> f32 (exact): the F16C instruction where the build has it.
+void deq_f16(const half* x, float* y, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + i))));
+#endif
+    for (; i < n; ++i) y[i] = fp16_to_fp32(x[i]);
 }
 void deq_bf16(const uint16_t* x, float* y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) y[i] = f32_bits((uint32_t)x[i] << 16);
@@ -613,6 +780,7 @@ void dequantize_rows(int32_t type, const void* src, int64_t nrows, int64_t n_per
             const uint8_t* s = (const uint8_t*)src + (size_t)r * rb;
             float* d = dst + r * n_per_row;
             if (type == T_BF16) deq_bf16((const uint16_t*)s, d, n_per_row);
+            else if (type == T_F16) deq_f16((const half*)s, d, n_per_row);
             else dequantize_row(type, s, d, n_per_row);
         }
     });
