@@ -8,7 +8,7 @@ steps per prefill, thread-time computing (summed over threads), the critical pat
 the slowest thread, summed), balance = thread-time / (threads x critical path) (1.0: every
 thread busy for the whole step; 1/threads: one thread works while the rest wait),
 thread-time waiting at barriers, and how many pieces of other threads' runs the repacked
-matmuls stole (MINFER_CPU_STEAL=0 turns stealing off for an A/B). "quantize" is the matmuls' activation quantization, split
+matmuls stole. "quantize" is the matmuls' activation quantization, split
 out of "matmul". The summary line says how many barriers a prefill crosses and what
 fraction of all thread-time went to waiting; comparing the critical path at 1 and at N
 threads separates work that no longer scales (slower threads: clocks, memory) from time

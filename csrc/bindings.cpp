@@ -44,8 +44,7 @@ PYBIND11_MODULE(_core, m) {
                 return v;
             });
 
-    // Every op code of the format, reserved ones included: a backend's lowering picks
-    // the ones it implements.
+    // Every op code of the format: a backend's lowering picks the ones it implements.
     py::dict ops;
     for (int op = OP_ADD; op <= OP_LAST; ++op)
         if (op_format(op)) ops[py::str(op_name(op))] = op;

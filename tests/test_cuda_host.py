@@ -86,7 +86,6 @@ def test_fusion_switches(monkeypatch):
     assert cuda.plan_flags(cp) == 1 | 4
     assert cuda.plan_flags(CParams(n_ctx=8, fuse_quant=True)) == 8
     assert cuda.plan_flags(CParams(n_ctx=8, fuse_rope=True)) == 32
-    assert cuda.plan_flags(CParams(n_ctx=8, fuse_norm=True)) == 0  # the norm fusion is deleted
     all_on = CParams(n_ctx=8, fuse_qkv=True, fuse_ffn=True, fuse_residual=True, fuse_quant=True, fuse_rope=True)
     assert cuda.plan_flags(all_on) == 1 | 2 | 4 | 8 | 32
     assert cuda.plan_flags(CParams(n_ctx=8)) == 0

@@ -27,14 +27,7 @@ const OpFormat* table(int32_t op) {
         {"kv_store", {"K region", "k", "v", "cells", "V region"}, {W, R, R, R, W}},
         {"attn", {"output", "q", "K region", "V region", "positions", "span"}, {W, R, R, R, R, RO}},
     };
-    static const OpFormat reserved[] = {
-        {"fused_qkv", {}, {}},
-        {"qkv_bias_rope_store", {}, {}},
-        {"fused_ffn", {}, {}},
-        {"fused_qkv_norm", {}, {}},
-    };
-    if (op >= OP_ADD && op <= OP_LAST_CORE) return &fmt[op];
-    if (op >= OP_FUSED_QKV && op <= OP_LAST) return &reserved[op - OP_FUSED_QKV];
+    if (op >= OP_ADD && op <= OP_LAST) return &fmt[op];
     return nullptr;
 }
 

@@ -27,12 +27,7 @@ namespace minfer {
 enum OpCode : int32_t {
     OP_ADD = 1, OP_MUL, OP_SILU, OP_SWIGLU, OP_RMS_NORM, OP_QK_NORM, OP_MATMUL,
     OP_GET_ROWS_W, OP_GET_ROWS, OP_ROPE, OP_KV_STORE, OP_ATTN,
-    OP_LAST_CORE = OP_ATTN,
-    // Reserved for the fused decode kernels of the IR (FusedQKV, QkvBiasRopeStore,
-    // FusedFfn, FusedQkvNorm). Their fields are defined by the first backend that
-    // implements them; a backend without them refuses them at validation.
-    OP_FUSED_QKV = 32, OP_QKV_BIAS_ROPE_STORE, OP_FUSED_FFN, OP_FUSED_QKV_NORM,
-    OP_LAST = OP_FUSED_QKV_NORM,
+    OP_LAST = OP_ATTN,
 };
 const char* op_name(int32_t op);  // "?" for an unknown code
 

@@ -231,13 +231,7 @@ void release_pages(const Weight& w) {
 // thread runs. Tables the plan also reads rows from (a tied embedding) stay as they
 // are: their matmul is the one-token logits head, and a second copy of a
 // vocabulary-sized table would cost far more memory than it saves time.
-// MINFER_REPACK=0 turns repacking off (for A/B measurements).
 void prepare_packed(const Plan& plan, const WeightStore& ws, int n_threads) {
-    static const bool enabled = [] {
-        const char* e = std::getenv("MINFER_REPACK");
-        return !(e && std::string(e) == "0");
-    }();
-    if (!enabled) return;
     std::vector<int> tables;
     for (const Step& s : plan.steps)
         if (s.op == OP_GET_ROWS_W) tables.push_back(s.w[0]);
@@ -287,15 +281,6 @@ void quantize_share(int32_t wtype, const float* x, uint8_t* q, int64_t in, size_
     }
 }
 
-// MINFER_CPU_STEAL=0: repacked matmuls keep the static split (for A/B measurements).
-bool stealing() {
-    static const bool on = [] {
-        const char* e = std::getenv("MINFER_CPU_STEAL");
-        return !(e && std::string(e) == "0");
-    }();
-    return on;
-}
-
 void run_matmul(const Ctx& c) {
     const Step& s = c.s;
     const Weight& w = c.ws.get(s.w[0]);
@@ -332,7 +317,7 @@ void run_matmul(const Ctx& c) {
                            meta ? meta + R.t0 * meta_row : nullptr);
             if (bias) add_bias(bias, y, out, R);
         };
-        if (c.nth == 1 || !stealing() || split_items(out, nt, tile) >= (int64_t(1) << 31)) {
+        if (c.nth == 1 || split_items(out, nt, tile) >= (int64_t(1) << 31)) {
             Rect rects[3];
             const int k = matmul_split(out, nt, tile, c.ith, c.nth, rects);
             for (int i = 0; i < k; ++i) run_rect(rects[i]);
@@ -407,8 +392,8 @@ const CpuOp* cpu_op(int32_t op) {
         /* kv_store   */ {run_kv_store, data_kv_store, nullptr, nullptr, nullptr},
         /* attn       */ {run_attn, data_attn, nullptr, attn_scratch, nullptr},
     };
-    static_assert(sizeof(ops) / sizeof(ops[0]) == OP_LAST_CORE + 1, "one CPU entry per core op code");
-    return op >= OP_ADD && op <= OP_LAST_CORE ? &ops[op] : nullptr;
+    static_assert(sizeof(ops) / sizeof(ops[0]) == OP_LAST + 1, "one CPU entry per core op code");
+    return op >= OP_ADD && op <= OP_LAST ? &ops[op] : nullptr;
 }
 
 // Hazard analysis for the barriers between steps. Every thread walks the same steps,

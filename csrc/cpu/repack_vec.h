@@ -166,21 +166,14 @@ constexpr int kNA = 4;
 // and re-streaming it once per group from L3 is what 16 threads then contend on. A
 // thread's groups and one block of activations stay in L2 instead. The order changes
 // no result: each call computes whole (row, token) dot products.
-inline size_t act_block_bytes() {
-    static const size_t v = [] {
-        const char* e = std::getenv("MINFER_TBLOCK");
-        return e ? (size_t)std::atoll(e) : (size_t)(256 << 10);
-    }();
-    return v;
-}
+constexpr size_t kActBlockBytes = 256 << 10;
 // whole_group: one call per group for all 16 lanes (lane0 0, lo/hi within [0, 16)), for
 // kernels that walk both V8 halves in one pass (see kDecodeHalves).
 template <class Fn>
 inline void for_tiles(int64_t r0, int64_t r1, int64_t nt, size_t arb, bool whole_group, Fn&& f) {
     constexpr int G = 16;
     const int step = whole_group ? G : VK::N;
-    const size_t ab = act_block_bytes();
-    const int64_t tb = ab == 0 ? nt : std::max<int64_t>(kNA, (int64_t)(ab / arb) / kNA * kNA);
+    const int64_t tb = std::max<int64_t>(kNA, (int64_t)(kActBlockBytes / arb) / kNA * kNA);
     const int64_t g0 = r0 / G, g1 = (r1 + G - 1) / G;
     for (int64_t b0 = 0; b0 < nt; b0 += tb) {
         const int64_t b1 = std::min(nt, b0 + tb);

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -84,7 +83,7 @@ class Context:
         self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
                                gpu=gpu, fuse_qkv="qkv" in fz, fuse_ffn="ffn" in fz,
                                fuse_residual="residual" in fz, fuse_quant="quant" in fz,
-                               fuse_rope="rope" in fz, fuse_norm="norm" in fz, kv_type=kv_type)
+                               fuse_rope="rope" in fz, kv_type=kv_type)
         # Up to how many token rows a forward gives each row's logits bitwise as a lone
         # step would (None: any number; the CPU kernels are row-independent). The CUDA
         # backend takes a GEMM path above its limit.
@@ -171,9 +170,8 @@ class Context:
         work that does not touch this context (building the tokenizer, 0.9 s for a 152k
         vocabulary, beside the ~0.5 s weight repack). Only where every device can ready
         its weights apart from a run (the CPU). A failure is left to the first forward,
-        which repeats the work and raises it. MINFER_WARM=0 turns it off (A/B runs)."""
-        if os.environ.get("MINFER_WARM") == "0" or not all(
-                hasattr(d, "prepare") for d in self.cache.alloc.devices.values()):
+        which repeats the work and raises it."""
+        if not all(hasattr(d, "prepare") for d in self.cache.alloc.devices.values()):
             yield
             return
         th = threading.Thread(target=_quietly, args=(self.warm,), name="minfer-warm")

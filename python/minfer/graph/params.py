@@ -27,8 +27,6 @@ class CParams:
     fuse_residual: bool = False  # residual add in the matmul epilogue (a CUDA step merge); same reason
     fuse_quant: bool = False     # a decode matvec's int8 input is written by its producer (CUDA); same reason
     fuse_rope: bool = False      # the decode q|k|v matvec also ropes and stores K/V (CUDA); same reason
-    # The norm fusion is deleted (measured slower); session.py still passes fuse_norm=False.
-    fuse_norm: bool = False      # no effect: remove once session.py stops passing it
     explicit_span: bool = False  # attention reads an explicit per-token span input (several sequences)
     fuse_swiglu: bool = True     # the peephole pass folds silu*mul into SwiGLU where the backend can
     kv_type: str = "f16"         # KV element type ("f16" | "f32"): sizes the KV regions, picks the kernels

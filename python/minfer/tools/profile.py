@@ -24,7 +24,7 @@ from minfer.graph.export import graph_json
 
 PROFILE_FORMAT = "minfer-profile"
 PROFILE_VERSION = 1
-MATMUL_OPS = ("MatMul", "FusedQKV", "FusedFFN", "FusedQkvNorm")
+MATMUL_OPS = ("MatMul",)
 
 
 class Profiler:
