@@ -3,6 +3,7 @@ the registry entry's refusal, the fusion switches."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
@@ -82,17 +83,18 @@ def test_fusion_switches(monkeypatch):
         monkeypatch.setenv(cuda.ENV_FUSE, bad)
         with pytest.raises(BackendError, match="unknown fusion"):
             cuda.fusions_from_env()
-    cp = CParams(n_ctx=8, fuse_qkv=True, fuse_residual=True)
-    assert cuda.plan_flags(cp) == 1 | 4
-    assert cuda.plan_flags(CParams(n_ctx=8, fuse_quant=True)) == 8
-    assert cuda.plan_flags(CParams(n_ctx=8, fuse_rope=True)) == 32
-    all_on = CParams(n_ctx=8, fuse_qkv=True, fuse_ffn=True, fuse_residual=True, fuse_quant=True, fuse_rope=True)
-    assert cuda.plan_flags(all_on) == 1 | 2 | 4 | 8 | 32
-    assert cuda.plan_flags(CParams(n_ctx=8)) == 0
-    # the switches are part of the reuse identity
-    assert CParams(n_ctx=8, fuse_ffn=True) != CParams(n_ctx=8)
-    assert CParams(n_ctx=8, fuse_quant=True) != CParams(n_ctx=8)
-    assert CParams(n_ctx=8, fuse_rope=True) != CParams(n_ctx=8)
+    # The step merges are the CUDA backend's plan flags, read at lowering from the
+    # cache's options and the variable: not graph parameters.
+    monkeypatch.setenv(cuda.ENV_FUSE, "qkv,residual")
+    assert cuda.plan_flags({}) == 1 | 4 and cuda.plan_flags({"fuse": True}) == 1 | 4
+    monkeypatch.setenv(cuda.ENV_FUSE, "quant")
+    assert cuda.plan_flags({}) == 8
+    monkeypatch.setenv(cuda.ENV_FUSE, "rope")
+    assert cuda.plan_flags({}) == 32
+    monkeypatch.delenv(cuda.ENV_FUSE)
+    assert cuda.plan_flags({}) == 1 | 2 | 4 | 8 | 32
+    assert cuda.plan_flags({"fuse": False}) == 0
+    assert not any(f.name.startswith("fuse_") and f.name != "fuse_swiglu" for f in dataclasses.fields(CParams))
 
 
 def test_fusion_bits_match_the_executor_header():

@@ -71,10 +71,10 @@ def test_equal_params_reuse_and_any_change_rebuilds(weights):
         assert not c.try_reuse(p), p
 
 
-@pytest.mark.parametrize("flag", ["fuse_qkv", "fuse_ffn"])
-def test_fusion_flags_are_part_of_the_identity(weights, flag):
+@pytest.mark.parametrize("flag", ["fuse_swiglu", "explicit_span"])
+def test_graph_switches_are_part_of_the_identity(weights, flag):
     c = GraphCache(select_backends(["cpu"]), weights, {"threads": 1})
-    on = dataclasses.replace(BASE, cparams=dataclasses.replace(BASE.cparams, **{flag: True}))
+    on = dataclasses.replace(BASE, cparams=dataclasses.replace(BASE.cparams, **{flag: not getattr(BASE.cparams, flag)}))
     gb = c.install(build(BASE), BASE)
     assert not c.try_reuse(on)
     go = c.install(build(on), on)

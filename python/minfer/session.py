@@ -44,11 +44,6 @@ __all__ = ["BatchedRow", "Context", "DeviceRow", "DeviceRows", "GenerationResult
            "Timings", "TokenEvent"]
 
 
-def _cuda_fusions() -> frozenset:
-    from minfer.backends.cuda import fusions_from_env
-    return fusions_from_env()
-
-
 def _cuda_row_exact_max() -> int:
     from minfer import _core
     return int(_core.CUDA_ROW_EXACT_MAX_TOKENS)
@@ -72,18 +67,15 @@ class Context:
         self.n_ctx = int(n_ctx)        # cells per sequence
         self.n_seq = int(n_seq)
         self.reuse = reuse
-        # The backends the model selected (the registry's choice); threads are the CPU device's setting.
-        self.cache = GraphCache(model.entries, model.weights, {"threads": model.n_threads})
+        # The backends the model selected (the registry's choice); threads are the CPU
+        # device's setting, fuse=False turns the backends' step merges (CUDA's fused
+        # decode launches) off as well as the graph's SwiGLU fusion.
+        self.cache = GraphCache(model.entries, model.weights, {"threads": model.n_threads, "fuse": fuse})
+        gpu = self.cache.scheduler.entries[0].name == "cuda"
         # Everything that shapes the graph besides the batch shape; a new value is a new
         # object, so the memo below can never hand out params built from an old one.
-        # With CUDA leading, the decode fusions (step merges in its executor) are on
-        # unless fuse=False or MINFER_CUDA_FUSE says otherwise; they are in the reuse key.
-        gpu = self.cache.scheduler.entries[0].name == "cuda"
-        fz = _cuda_fusions() if gpu and fuse else frozenset()
         self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
-                               gpu=gpu, fuse_qkv="qkv" in fz, fuse_ffn="ffn" in fz,
-                               fuse_residual="residual" in fz, fuse_quant="quant" in fz,
-                               fuse_rope="rope" in fz, kv_type=kv_type)
+                               gpu=gpu, kv_type=kv_type)
         # Up to how many token rows a forward gives each row's logits bitwise as a lone
         # step would (None: any number; the CPU kernels are row-independent). The CUDA
         # backend takes a GEMM path above its limit.

@@ -78,11 +78,14 @@ def fusions_from_env() -> frozenset:
     return frozenset(names)
 
 
-def plan_flags(cparams) -> int:
-    return ((_FLAG_BITS["qkv"] if cparams.fuse_qkv else 0) | (_FLAG_BITS["ffn"] if cparams.fuse_ffn else 0)
-            | (_FLAG_BITS["residual"] if cparams.fuse_residual else 0)
-            | (_FLAG_BITS["quant"] if cparams.fuse_quant else 0)
-            | (_FLAG_BITS["rope"] if cparams.fuse_rope else 0))
+def plan_flags(options) -> int:
+    """The executor's step merges for a decode plan: every fusion MINFER_CUDA_FUSE leaves
+    on (read at each lowering), none where the cache's options say fuse=False."""
+    fz = fusions_from_env() if options.get("fuse", True) else frozenset()
+    out = 0
+    for name in fz:
+        out |= _FLAG_BITS[name]
+    return out
 
 
 class CudaDevice:

@@ -94,8 +94,10 @@ class BackendEntry:
     copy_to: Callable[["BackendEntry"], Optional[CopyRoute]] = _no_route
     copy_from: Callable[["BackendEntry"], Optional[CopyRoute]] = _no_route
     memory: str = "host"                        # where its buffers live ("host": CPU-addressable)
-    # (CParams) -> int: execution switches for the plan of a single-split graph (CUDA:
-    # which step merges, i.e. fused decode ops, its executor may apply).
+    # (cache options) -> int: execution switches for the plan of a single-split graph
+    # (CUDA: which step merges, i.e. fused decode ops, its executor may apply). A
+    # backend's own business: they change no node of the graph, so they are not in
+    # the graph's reuse identity.
     plan_flags: Optional[Callable[[Any], int]] = None
 
     @property

@@ -44,7 +44,9 @@ class GraphCache:
     def __init__(self, entries: list, weights: WeightRegistry, options: Optional[dict] = None) -> None:
         """entries: the participating backends, as the registry selected them (the graph
         never chooses). weights: the model's WeightRegistry. options: run settings each
-        backend reads for itself when it opens its device (the CPU reads "threads")."""
+        backend reads for itself when it opens its device or lowers a plan (the CPU reads
+        "threads"; "fuse": False turns every backend's step merges off, the unfused side of
+        the identity tests)."""
         if not entries:
             raise BackendError("no backend is available")
         for e in entries:
@@ -53,6 +55,7 @@ class GraphCache:
         weights.check_types(entries)
         self.scheduler = BackendScheduler(entries)
         opts = dict(options or {})
+        self.options = opts
         self.alloc = GraphAllocator(self.scheduler.entries, {e.id: e.open_device(opts) for e in self.scheduler.entries})
         self.weights = weights
         self.graph: Optional[ComputeGraph] = None
@@ -78,7 +81,7 @@ class GraphCache:
         self.preview(graph, fuse=params.cparams.fuse_swiglu if params is not None else True)
         self.alloc.alloc_graph(graph)
         splits = self.scheduler.split_graph(graph)
-        lowered = lower_graph(graph, splits, self.alloc, self.weights, params)
+        lowered = lower_graph(graph, splits, self.alloc, self.weights, params, self.options)
         self.replace_graph(graph, params, lowered, splits)
         return graph
 

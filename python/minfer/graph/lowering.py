@@ -86,8 +86,9 @@ class LowerCtx:
         return self.weights.handle(name, node.name)
 
 
-def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, params=None) -> Lowered:
-    """weights: the model's WeightRegistry; each split resolves names on its own backend."""
+def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, params=None, options=None) -> Lowered:
+    """weights: the model's WeightRegistry; each split resolves names on its own backend.
+    options: the cache's run settings, which a backend's plan_flags reads."""
     out = []
     names = lambda bid: name_of(bid, alloc.entries)  # noqa: E731
     for k, sp in enumerate(splits):
@@ -117,7 +118,7 @@ def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, params=None) 
                 raise GraphError(f"node {i} ({node.name}) was not allocated")
         # Step merges (fused decode ops) only when no other split reads this one's buffers.
         if entry.plan_flags is not None and params is not None and len(splits) == 1:
-            plan.flags = int(entry.plan_flags(params.cparams))
+            plan.flags = int(entry.plan_flags(options or {}))
         try:
             device.validate(plan, bound.store)
         except (ValueError, IndexError) as e:

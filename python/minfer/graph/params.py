@@ -22,11 +22,6 @@ KV_TYPES = ("f16", "f32")  # KV element types a graph may ask for; a backend say
 class CParams:
     n_ctx: int
     gpu: bool = False            # a GPU backend participates: assignment is topology
-    fuse_qkv: bool = False       # decode QKV fusion; part of the identity so env A/Bs rebuild
-    fuse_ffn: bool = False       # decode FFN fusion; same reason
-    fuse_residual: bool = False  # residual add in the matmul epilogue (a CUDA step merge); same reason
-    fuse_quant: bool = False     # a decode matvec's int8 input is written by its producer (CUDA); same reason
-    fuse_rope: bool = False      # the decode q|k|v matvec also ropes and stores K/V (CUDA); same reason
     explicit_span: bool = False  # attention reads an explicit per-token span input (several sequences)
     fuse_swiglu: bool = True     # the peephole pass folds silu*mul into SwiGLU where the backend can
     kv_type: str = "f16"         # KV element type ("f16" | "f32"): sizes the KV regions, picks the kernels
