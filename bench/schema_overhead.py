@@ -12,10 +12,12 @@ chat prompt, max_tokens n. Three modes, interleaved round by round:
   sync     the same schema, every mask computed in the hook (no worker): what the
            eager path saves
 
-Per mode: the decode rate, c * (tokens after the first) / (time from the last
-sequence's first token to the last token); the median over rounds; the slowdown of
-schema and sync against free. The constrained runs stop where the JSON ends (or at n):
-the rate is per decode step, which does not depend on the output's text.
+Per mode: the decode rate, the tokens picked from the last sequence's first token to
+the last token over that time; the median over rounds. The slowdown of schema and sync
+against free is the median of each round's own ratio (the three modes of a round run
+back to back, so a round's ratio is what a noisy, shared machine disturbs least). The
+constrained runs stop where the JSON ends (or at n): the rate is per decode step, which
+does not depend on the output's text. The 1-minute load average is printed per level.
 """
 
 from __future__ import annotations
@@ -117,20 +119,22 @@ def main() -> None:
                 rates[mode].append(got["rate"])
                 toks[mode].append(got["per_seq"])
         med = {m: statistics.median(v) for m, v in rates.items()}
+        paired = {m: statistics.median(1 - x / f for x, f in zip(rates[m], rates["free"])) for m in ("schema", "sync")}
         res = {"concurrency": c, "tokens": args.tokens, "rounds": args.rounds, "threads": model.n_threads,
-               "commit": commit, "rates": rates, "median": med,
-               "slowdown_schema": 1 - med["schema"] / med["free"], "slowdown_sync": 1 - med["sync"] / med["free"],
+               "commit": commit, "rates": rates, "median": med, "load1": os.getloadavg()[0],
+               "slowdown_schema": paired["schema"], "slowdown_sync": paired["sync"],
                "constrained_tokens": toks["schema"]}
         results[c] = res
         if args.json:
             print(json.dumps(res))
         else:
             print(f"c={c:2d}  free {med['free']:7.1f} tok/s   schema {med['schema']:7.1f} tok/s "
-                  f"({100 * res['slowdown_schema']:+.1f}% slower)   sync {med['sync']:7.1f} tok/s "
+                  f"(median round {100 * res['slowdown_schema']:+.1f}% slower)   sync {med['sync']:7.1f} tok/s "
                   f"({100 * res['slowdown_sync']:+.1f}%)   rounds {args.rounds}, n {args.tokens}, "
                   f"{model.n_threads} threads, commit {commit}")
             print(f"      rates free {['%.1f' % x for x in rates['free']]} schema "
-                  f"{['%.1f' % x for x in rates['schema']]} sync {['%.1f' % x for x in rates['sync']]}")
+                  f"{['%.1f' % x for x in rates['schema']]} sync {['%.1f' % x for x in rates['sync']]}; "
+                  f"constrained outputs {toks['schema'][0]} tokens; load {res['load1']:.2f}")
     sched.stop()
     executor.shutdown()
 

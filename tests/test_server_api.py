@@ -46,13 +46,14 @@ MSG = [{"role": "user", "content": "hello"}]
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("api") / "tiny.gguf"
-    write_model(path, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, ctx=1024)
+    write_model(path, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, ctx=4096)
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    srv = ServerProcess.custom(model_path, slots=4, ctx=768, chunk=64, timeout=30)
+    # Character-level tokens: the tools' description alone is ~700 of them.
+    srv = ServerProcess.custom(model_path, slots=4, ctx=2048, chunk=256, timeout=30)
     yield srv
     code, err = srv.terminate()
     assert code == 0, err
@@ -174,10 +175,24 @@ def test_a_full_tool_loop_renders_the_history(client):
     call = r.choices[0].message.tool_calls[0]
     msgs = MSG + [r.choices[0].message.model_dump(exclude_none=True),
                   {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 20}'}]
-    r2 = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=5,
+    r2 = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=5, temperature=0)
+    assert r2.choices[0].finish_reason in ("stop", "length")
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens + 40        # the call and its result are in the prompt
+    r3 = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=5,
                                         temperature=0)
-    assert r2.choices[0].finish_reason in ("stop", "length") and r2.choices[0].message.tool_calls is None
-    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+    assert r3.choices[0].message.tool_calls is None and r3.usage.prompt_tokens < r2.usage.prompt_tokens
+
+
+def test_max_completion_tokens_user_stream_options_and_ignored_fields(client):
+    stream = client.chat.completions.create(model="tiny", messages=MSG, max_completion_tokens=3, user="u-1",
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            tools=TOOLS, metadata={"k": "v"}, store=False, service_tier="auto")
+    chunks = list(stream)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens <= 3
+    assert chunks[-1].choices == [] and chunks[0].choices[0].delta.role == "assistant"
+    r = client.chat.completions.create(model="tiny", messages=MSG, max_completion_tokens=2, max_tokens=50)
+    assert r.usage.completion_tokens <= 2
 
 
 # -- bad requests: 400s ----------------------------------------------------------------------
@@ -374,7 +389,7 @@ def test_messages_errors_are_anthropic_shaped(aclient, server):
 
 def test_messages_output_config_json_schema(aclient):
     m = aclient.messages.create(model="tiny", max_tokens=400, messages=[{"role": "user", "content": "a person"}],
-                                output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
+                                extra_body={"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}})
     assert m.stop_reason == "end_turn"
     jsonschema.validate(json.loads(m.content[0].text), SCHEMA)
 

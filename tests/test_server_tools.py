@@ -262,3 +262,23 @@ def test_random_model_required_call_is_a_valid_call(synth_model, engine):
         assert content == "" and len(calls) == 1, text
         spec = {"get_weather": WEATHER, "search": SEARCH}[calls[0].name]["function"]["parameters"]
         jsonschema.validate(json.loads(calls[0].arguments), spec)
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message(synth_model):
+    from types import SimpleNamespace
+
+    from minfer.server.generation import render
+    from minfer.server.protocol import parse_chat
+
+    served = SimpleNamespace(tokenizer=synth_model.tokenizer, model=synth_model)
+    req = parse_chat({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"}], "tools": [WEATHER]})
+    text = synth_model.tokenizer.decode(render(served, req))
+    assert "<tools>" in text and '"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>' in text
+    assert "<tool_response>\ncold\n</tool_response>" in text
+    req.tool_choice = "none"
+    assert "<tools>" not in synth_model.tokenizer.decode(render(served, req))

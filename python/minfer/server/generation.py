@@ -12,6 +12,7 @@ splits an output into text and tool calls as it streams.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from dataclasses import dataclass, field
 
@@ -36,16 +37,53 @@ def _param_of(req: GenRequest) -> str:
     return "messages" if req.kind == "chat" else "prompt"
 
 
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, "
+    "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+
+
+def _plain_tool_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """For a chat template that knows nothing of tools: the tools described in the
+    system message and calls and results written into the text, in the hermes spelling
+    (which the server then parses), as llama.cpp does for such templates."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                             "arguments": c["function"]["arguments"]},
+                                                            ensure_ascii=False) + "\n</tool_call>"
+                              for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        pre = TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + pre}
+        else:
+            out.insert(0, {"role": "system", "content": pre})
+    return out
+
+
 def render(served, req: GenRequest) -> list[int]:
     """The prompt's token ids (a worker thread: templates and tokenizing take time)."""
     tok = served.tokenizer
     try:
         if req.kind == "chat":
             kw = {}
-            if req.tools and req.tool_choice != "none":
-                kw["tools"] = req.tools
+            tools = req.tools if req.tools and req.tool_choice != "none" else None
+            msgs = req.messages
+            if "tool" in (tok.chat_template or ""):
+                if tools:
+                    kw["tools"] = tools
+            elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
+                msgs = _plain_tool_messages(msgs, tools)
             try:
-                text = tok.render_chat(req.messages, add_generation_prompt=True, **kw)
+                text = tok.render_chat(msgs, add_generation_prompt=True, **kw)
             except Exception as e:  # noqa: BLE001 - a template error is the request's fault
                 raise bad(f"the chat template rejected the messages: {e}", param="messages") from None
             return tok.encode(text)
@@ -80,8 +118,6 @@ def constraint(served, req: GenRequest) -> tuple[Grammar | None, ToolFormat | No
         if c.kind == "json_object":
             return served.compiled(("json_object",), eng.json_object), fmt
         if c.kind == "json_schema":
-            import json
-
             key = ("json_schema", json.dumps(c.schema, sort_keys=True), c.strict)
             return served.compiled(key, lambda: eng.json_schema(c.schema, strict=c.strict)), fmt
         if c.kind == "grammar":
