@@ -343,6 +343,8 @@ class Engine:
         keeps the longest prefix the slot already holds (reuse_prefix), so only the rest
         of the prompt is processed. share: a running sequence with the same prompt whose
         prompt KV this one copies once processed (n > 1: no second prefill)."""
+        if seq.slot is not None:
+            raise MinferError("a sequence runs once: make a new one")
         free = self.free_slots()
         if slot is None:
             if not free:
