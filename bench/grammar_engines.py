@@ -180,8 +180,6 @@ class OutlinesCore:
         return Index(regex, self.vocabulary)
 
     def matcher(self, compiled):
-        from outlines_core import Guide
-
         return self.oc.Guide(compiled)
 
     def mask(self, m) -> np.ndarray:

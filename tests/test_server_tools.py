@@ -227,7 +227,7 @@ def _decode(model, grammar, n_seq: int, temperature: float, eager: bool, max_tok
         mask = TokenMask(grammar, 1, ex)
         masks.append(mask)
 
-        def sink(ev, mask=mask, seq_events=[]):
+        def sink(ev, mask=mask):
             if not ev.done and ev.id is not None:
                 mask.on_token(0, ev.id)
         seq = Sequence(prompt, max_tokens, SamplingParams(temperature=temperature, seed=i, top_k=0, top_p=1.0,

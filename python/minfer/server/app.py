@@ -20,7 +20,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 import weakref
 from dataclasses import dataclass
 

@@ -208,10 +208,11 @@ class Run:
         if self.mask is not None:
             mask = self.mask
 
-            def emit(ev: Event, _emit=relay.emit) -> None:   # scheduler thread
+            def masked_emit(ev: Event, _emit=relay.emit) -> None:   # scheduler thread
                 if ev.kind == "token" and ev.id is not None:
                     mask.on_token(ev.index, ev.id)            # the next mask, while the forward runs
                 _emit(ev)
+            emit = masked_emit
         req = prep.req
         self.job = Job(prompt_ids=prep.ids, n_predict=prep.n_predict, sampling=req.sampling, emit=emit,
                        stop=req.stop, stop_at_eog=not req.ignore_eos, speculate=prep.spec, n=req.n,
