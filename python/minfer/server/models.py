@@ -37,7 +37,7 @@ def model_name(path: Path) -> str:
 class Served:
     GRAMMAR_CACHE = 64
 
-    def __init__(self, model, scheduler, name: str | None = None):
+    def __init__(self, model, scheduler, name: str | None = None, embed_arena: int | None = None):
         self.model = model
         self.scheduler = scheduler
         self.name = name or model_name(model.path)
@@ -54,7 +54,9 @@ class Served:
         from minfer.server.embeddings import Embedder, pooling_of
 
         self.pooling = pooling_of(model)
-        self.embedder = Embedder(model, self.pooling) if self.pooling is not None else None
+        self.embedder = None
+        if self.pooling is not None:
+            self.embedder = Embedder(model, self.pooling, **({"arena": embed_arena} if embed_arena else {}))
 
     @property
     def is_embedding(self) -> bool:

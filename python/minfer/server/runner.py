@@ -119,7 +119,8 @@ class _Server(uvicorn.Server):
 
 def make_served(model, cfg: ServeConfig, metrics: Metrics, draft_model=None) -> Served:
     """A model's serving state. An embedding model (its GGUF declares a pooling type)
-    generates nothing: its scheduler gets one small slot."""
+    generates nothing: its scheduler gets one small slot, and --ctx is the most tokens
+    of one embedding forward (the longest input)."""
     from minfer.server.embeddings import pooling_of
 
     embedding = pooling_of(model) is not None
@@ -127,7 +128,7 @@ def make_served(model, cfg: ServeConfig, metrics: Metrics, draft_model=None) -> 
                       max_queue=cfg.max_queue, chunk=cfg.chunk, max_batch=cfg.max_batch, metrics=metrics,
                       speculate=SpecRequest(cfg.speculate, cfg.draft_max) if cfg.speculate and not embedding else None,
                       draft_model=None if embedding else draft_model)
-    return Served(model, sched)
+    return Served(model, sched, embed_arena=cfg.ctx)
 
 
 def build(model, cfg: ServeConfig):
