@@ -116,6 +116,14 @@ def timed(cmd: list[str]) -> float:
 
 
 def compare_files(a: Path, b: Path) -> str:
+    if a.stat().st_size == b.stat().st_size:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            while True:
+                ca, cb = fa.read(1 << 24), fb.read(1 << 24)
+                if ca != cb:
+                    break
+                if not ca:
+                    return "identical files"
     with GGUFFile.open(a) as ga, GGUFFile.open(b) as gb:
         if list(ga.tensors) != list(gb.tensors):
             return "tensor lists differ"
@@ -167,7 +175,7 @@ def rmse_table(model: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default="Q4_K_M")
+    ap.add_argument("--types", default="Q4_K_M", help="comma list, or 'all'")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--record-plans", action="store_true")
@@ -187,7 +195,8 @@ def main() -> None:
     print(f"model: {model.name} ({model.stat().st_size / 2**20:.0f} MiB), threads {args.threads}, cpus {os.cpu_count()}")
     print("| type | minfer quantize (s) | llama-quantize (s) | outputs |")
     print("|---|---|---|---|")
-    for ft in args.types.split(","):
+    # "all" skips F16: the model is F16 already, which minfer quantize refuses
+    for ft in ([t for t in ALL_FTYPES if t != "F16"] if args.types == "all" else args.types.split(",")):
         ours, theirs = out_dir / f"minfer-{ft}.gguf", out_dir / f"llama-{ft}.gguf"
         t_ours = min(timed([minfer_exe(), "quantize", str(model), str(ours), ft, "-t", str(args.threads), "--force"])
                      for _ in range(args.reps))

@@ -294,6 +294,8 @@ def test_cli_quantizes_a_synthetic_model_end_to_end(synth_f32, tmp_path, capsys,
         # metadata: copied, with llama.cpp's file type
         assert gout.get("general.file_type") == qz.FTYPES[ftype][0]
         assert gout.get("general.quantization_version") == 2
+        # llama.cpp's gguf_set_val moves the keys it sets to the end, in this order
+        assert list(gout.metadata)[-2:] == ["general.quantization_version", "general.file_type"]
         for k, v in gin.metadata.items():
             if k not in ("general.file_type", "general.quantization_version"):
                 assert np.array_equal(np.asarray(gout.metadata[k]), np.asarray(v)), k

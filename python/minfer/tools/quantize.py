@@ -6,8 +6,9 @@ This module only plans and writes:
   in src/llama-quant.cpp) for the file types below, with the same tensor order, the same
   per-role counters (attn_v, ffn_down), the same "more bits" layers and the same fallbacks
   for rows that are not a whole number of blocks;
-- the file: the input's metadata copied byte for byte (general.file_type set to llama.cpp's
-  LLAMA_FTYPE value, general.quantization_version to 2, split.* keys dropped unless asked),
+- the file: the input's metadata copied byte for byte (general.quantization_version set to
+  2 and general.file_type to llama.cpp's LLAMA_FTYPE value, both moved last as llama.cpp
+  does; split.* keys dropped unless asked),
   tensors in llama.cpp's order, streamed in row chunks into a temporary file in the output's
   folder that is renamed over OUT only when complete.
 """
@@ -383,16 +384,13 @@ def _kv_u32(key: str, v: int) -> bytes:
 
 
 def output_metadata(raw: list[tuple[str, bytes]], ftype_value: int, keep_split: bool) -> list[tuple[str, bytes]]:
-    """The input's KV pairs with general.file_type / general.quantization_version set (in
-    place when present, else appended) and split.* dropped unless keep_split."""
-    want = {"general.quantization_version": _kv_u32("general.quantization_version", GGML_QNT_VERSION),
-            "general.file_type": _kv_u32("general.file_type", ftype_value)}
-    out = []
-    for key, b in raw:
-        if key in SPLIT_KEYS and not keep_split:
-            continue
-        out.append((key, want.pop(key, b)))
-    out.extend(want.items())
+    """The input's KV pairs, then general.quantization_version and general.file_type (moved
+    to the end as llama.cpp's gguf_set_val moves a key it sets), split.* dropped unless
+    keep_split. With this order the whole file is byte for byte llama-quantize's."""
+    out = [(k, b) for k, b in raw
+           if k not in ("general.quantization_version", "general.file_type") and (keep_split or k not in SPLIT_KEYS)]
+    out.append(("general.quantization_version", _kv_u32("general.quantization_version", GGML_QNT_VERSION)))
+    out.append(("general.file_type", _kv_u32("general.file_type", ftype_value)))
     return out
 
 
@@ -550,7 +548,7 @@ def quantize_file(
             for line in format_plan(plan):
                 echo(line)
             echo(f"dry run: {len(plan)} tensors, {sum(e.converts for e in plan)} converted; "
-                 f"{human(bytes_in)} -> about {human(bytes_out)} ({_bpw(plan):.2f} bits/weight) as {ftype}; "
+                 f"{human(bytes_in)} -> {human(bytes_out)} of tensor data ({_bpw(plan):.2f} bits/weight) as {ftype}; "
                  f"nothing written")
             return Result(plan, 0.0, bytes_in, bytes_out, False)
 
