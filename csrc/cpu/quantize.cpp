@@ -6,6 +6,8 @@
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+// The 8-lane helpers are internal: their vector ABI on builds without AVX does not matter.
+#pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
 #include "cpu/quantize.h"
