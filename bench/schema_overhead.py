@@ -18,6 +18,9 @@ against free is the median of each round's own ratio (the three modes of a round
 back to back, so a round's ratio is what a noisy, shared machine disturbs least). The
 constrained runs stop where the JSON ends (or at n): the rate is per decode step, which
 does not depend on the output's text. The 1-minute load average is printed per level.
+Also per mode: the process's CPU time per token over the same window (every thread:
+the forward's, the scheduler's, the mask worker's), the work a schema adds, which a
+shared machine's other load disturbs less than the wall clock.
 """
 
 from __future__ import annotations
@@ -50,16 +53,18 @@ def run_level(sched: Scheduler, ids: list[int], c: int, n: int, mode: str, gramm
     done = threading.Event()
     lock = threading.Lock()
     stamps: dict[int, list[float]] = {i: [] for i in range(c)}
+    cpus: dict[float, float] = {}        # token time -> the process's CPU time then
     left = [c]
     errors = []
 
     def emit(ev, i, mask):
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if mask is not None and ev.kind == "token" and ev.id is not None:
             mask.on_token(ev.index, ev.id)
         with lock:
             if ev.kind == "token":
                 stamps[i].append(now)
+                cpus[now] = cpu
                 return
             if ev.kind == "error":
                 errors.append(ev.message)
@@ -82,7 +87,9 @@ def run_level(sched: Scheduler, ids: list[int], c: int, n: int, mode: str, gramm
     t0 = max(s[0] for s in stamps.values())
     t1 = max(s[-1] for s in stamps.values())
     picked = sum(sum(1 for t in s if t > t0) for s in stamps.values())
-    return {"rate": picked / (t1 - t0) if t1 > t0 else 0.0, "per_seq": sorted(len(s) for s in stamps.values())}
+    cpu_ms = (cpus[t1] - cpus[t0]) * 1000 / picked if picked else 0.0
+    return {"rate": picked / (t1 - t0) if t1 > t0 else 0.0, "cpu_ms": cpu_ms,
+            "per_seq": sorted(len(s) for s in stamps.values())}
 
 
 def main() -> None:
@@ -111,18 +118,22 @@ def main() -> None:
     results = {}
     for c in levels:
         rates = {"free": [], "schema": [], "sync": []}
+        cpu = {"free": [], "schema": [], "sync": []}
         toks = {"free": [], "schema": [], "sync": []}
         for r in range(args.rounds):
             order = ["free", "schema", "sync"] if r % 2 == 0 else ["sync", "schema", "free"]
             for mode in order:
                 got = run_level(sched, ids, c, args.tokens, mode, grammar, executor)
                 rates[mode].append(got["rate"])
+                cpu[mode].append(got["cpu_ms"])
                 toks[mode].append(got["per_seq"])
         med = {m: statistics.median(v) for m, v in rates.items()}
         paired = {m: statistics.median(1 - x / f for x, f in zip(rates[m], rates["free"])) for m in ("schema", "sync")}
+        cpu_med = {m: statistics.median(v) for m, v in cpu.items()}
         res = {"concurrency": c, "tokens": args.tokens, "rounds": args.rounds, "threads": model.n_threads,
                "commit": commit, "rates": rates, "median": med, "load1": os.getloadavg()[0],
-               "slowdown_schema": paired["schema"], "slowdown_sync": paired["sync"],
+               "slowdown_schema": paired["schema"], "slowdown_sync": paired["sync"], "cpu_ms_per_token": cpu_med,
+               "cpu_overhead_schema": cpu_med["schema"] / cpu_med["free"] - 1,
                "constrained_tokens": toks["schema"]}
         results[c] = res
         if args.json:
@@ -135,6 +146,8 @@ def main() -> None:
             print(f"      rates free {['%.1f' % x for x in rates['free']]} schema "
                   f"{['%.1f' % x for x in rates['schema']]} sync {['%.1f' % x for x in rates['sync']]}; "
                   f"constrained outputs {toks['schema'][0]} tokens; load {res['load1']:.2f}")
+            print(f"      CPU ms per token (all threads): free {cpu_med['free']:.2f} schema {cpu_med['schema']:.2f} "
+                  f"({100 * res['cpu_overhead_schema']:+.1f}%) sync {cpu_med['sync']:.2f}")
     sched.stop()
     executor.shutdown()
 
