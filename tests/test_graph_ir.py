@@ -12,6 +12,7 @@ def test_vocabulary_is_complete():
     # What the models build (python/minfer/models), plus SwiGLU, which FusionPass makes.
     names = {"Input", "Add", "Mul", "Silu", "RmsNorm", "QkNorm", "MatMul", "GetRows", "RoPE",
              "Attn", "KvcacheStore", "KvcacheLoad", "SwiGLU"}
+    names |= {"Sigmoid", "MoeTopK", "MoeWeights", "MatMulId", "MoeSum"}  # mixture of experts (models/moe.py)
     assert {o.name for o in Op} == names
 
 

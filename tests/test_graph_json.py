@@ -26,6 +26,10 @@ CASES = [
     (Op.Attn, AttnMeta(layer=1, n_head=4, n_head_kv=2, hd=16, scale=0.25, n_ctx=64)),
     (Op.KvcacheStore, KvcacheMeta(1, 32, 64)), (Op.KvcacheLoad, KvcacheMeta(1, 32, 64)),
     (Op.SwiGLU, None),
+    # mixture of experts
+    (Op.Sigmoid, None), (Op.MoeTopK, ir.MoeRouteMeta(8, 2)),
+    (Op.MoeWeights, ir.MoeRouteMeta(8, 2, ir.Gating.Softmax, norm=True)),
+    (Op.MatMulId, ir.MatMulIdMeta("blk.0.ffn_gate_exps.weight", 64, 32, 8, wtype=12)), (Op.MoeSum, None),
 ]
 
 

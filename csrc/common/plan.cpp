@@ -26,6 +26,11 @@ const OpFormat* table(int32_t op) {
         {"rope", {"output", "input", "positions"}, {W, R, R}},
         {"kv_store", {"K region", "k", "v", "cells", "V region"}, {W, R, R, R, W}},
         {"attn", {"output", "q", "K region", "V region", "positions", "span"}, {W, R, R, R, R, RO}},
+        {"sigmoid", {"output", "input"}, {W, R}},
+        {"moe_topk", {"ids", "logits"}, {W, R}},
+        {"moe_weights", {"weights", "logits"}, {W, R}},
+        {"matmul_id", {"output", "input", "ids"}, {W, R, R}},
+        {"moe_sum", {"output", "input", "weights"}, {W, R, R}},
     };
     if (op >= OP_ADD && op <= OP_LAST) return &fmt[op];
     return nullptr;
@@ -126,6 +131,33 @@ void step_requirements(const Step& s, const WeightStore& ws, size_t need[8]) {
             if (s.buf[5] >= 0) set(5, ip[0] * 2);
             break;
         }
+        case OP_SIGMOID:
+            for (int i = 0; i < 2; ++i) set(i, ip[0]);
+            break;
+        case OP_MOE_TOPK: case OP_MOE_WEIGHTS:
+            if (ip[1] < 1 || ip[1] > ip[0]) step_fail(s, "k must be in [1, n_expert]");
+            if (s.op == OP_MOE_WEIGHTS && (ip[3] < 1 || ip[3] > 3 || ip[4] > 1))
+                step_fail(s, "gating must be 1 (softmax), 2 (sigmoid) or 3 (softmax of the picked), norm 0 or 1");
+            set(0, ip[1] * ip[2]);
+            set(1, ip[0] * ip[2]);
+            break;
+        case OP_MATMUL_ID: {
+            const Weight& w = need_weight(s, ws, 0);
+            if (ip[3] < 1 || ip[4] < 1 || ip[4] > ip[3]) step_fail(s, "k must be in [1, n_expert]");
+            if (w.ne0 != ip[0] || w.ne1 != ip[1] * ip[3])
+                step_fail(s, "weight " + w.name + " is " + dims(w.ne0, w.ne1) + ", node wants " + std::to_string(ip[3]) +
+                                 " experts of " + dims(ip[0], ip[1]));
+            if (ip[2] != ip[5] && ip[2] != ip[5] * ip[4]) step_fail(s, "x_rows must be nt or nt * k");
+            set(0, ip[1] * ip[4] * ip[5]);
+            set(1, ip[0] * ip[2]);
+            set(2, ip[4] * ip[5]);
+            break;
+        }
+        case OP_MOE_SUM:
+            set(0, ip[0] * ip[2]);
+            set(1, ip[0] * ip[1] * ip[2]);
+            set(2, ip[1] * ip[2]);
+            break;
         default:
             if (table(s.op)) step_fail(s, "reserved op code with no field layout yet");
             step_fail(s, "unknown op code " + std::to_string(s.op));

@@ -23,11 +23,26 @@ namespace minfer {
 //   KV_STORE           buf: K, k, v, cells, V            ip: nt, kv_dim, n_ctx, kv_type
 //   ATTN               buf: y, q, K, V, pos, span|-1     ip: nt, nh, nkv, hd, n_ctx, q_stride, kv_type
 //                                                        fp: scale
+//   SIGMOID            buf: y, x                         ip: n
+//   MOE_TOPK           buf: ids, logits                  ip: n_expert, k, nt
+//   MOE_WEIGHTS        buf: w, logits                    ip: n_expert, k, nt, gating, norm  fp: scale
+//   MATMUL_ID          buf: y, x, ids     w: W           ip: in_dim, out_dim, x_rows, n_expert, k, nt
+//   MOE_SUM            buf: y, x, w                      ip: d, k, nt
 // kv_type is the GGML type of the K/V regions' elements: 0 = F32, 1 = F16.
+// The mixture-of-experts steps (cpu/moe.h): MOE_TOPK writes, per token, the ids of the k
+// largest of its n_expert router logits (i32, descending; ties to the lower id);
+// MOE_WEIGHTS the k routing weights of that same selection (gating 1: softmax over all
+// experts, then picked; 2: sigmoid; 3: softmax over the k picked logits; norm 1: divided
+// by their sum; scale 0 or 1: none). MATMUL_ID multiplies by expert ids[t][j]'s out_dim
+// rows of W (ne1 = out_dim * n_expert, expert e's rows from e * out_dim): x holds
+// x_rows = nt rows (one per token, shared by its k slots) or nt * k (one per slot), y
+// nt * k rows of out_dim (row t * k + j). MOE_SUM: y[t] = sum over j, in order, of
+// w[t][j] * x[t * k + j].
 enum OpCode : int32_t {
     OP_ADD = 1, OP_MUL, OP_SILU, OP_SWIGLU, OP_RMS_NORM, OP_QK_NORM, OP_MATMUL,
     OP_GET_ROWS_W, OP_GET_ROWS, OP_ROPE, OP_KV_STORE, OP_ATTN,
-    OP_LAST = OP_ATTN,
+    OP_SIGMOID, OP_MOE_TOPK, OP_MOE_WEIGHTS, OP_MATMUL_ID, OP_MOE_SUM,
+    OP_LAST = OP_MOE_SUM,
 };
 const char* op_name(int32_t op);  // "?" for an unknown code
 

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/moe.h"
 #include "cpu/ops.h"
 #include "cpu/quants.h"
 #include "cpu/repack.h"
@@ -42,12 +43,14 @@ struct Scratch {
     std::vector<uint8_t> act[2];    // quantized activations: [0] Q8_0 family, [1] Q8_K
     std::vector<uint8_t> meta[2];   // their per-block summaries for the repacked kernels
     std::vector<float> attn;        // nth * per-thread attention scratch
+    moe::Scratch moe;               // the grouped expert matmul's gathered rows (MATMUL_ID)
 };
 
 struct ScratchNeed {
     size_t act[2] = {0, 0};   // bytes per activation slot
     size_t meta[2] = {0, 0};  // bytes of its summaries (repack::act_meta)
     size_t attn = 0;          // floats per thread
+    size_t moe_act = 0, moe_meta = 0, moe_out = 0;  // moe::Scratch (bytes, bytes, floats)
 };
 
 // The quantized-activation memo: which input (buffer, row count) each scratch slot
@@ -237,7 +240,8 @@ void prepare_packed(const Plan& plan, const WeightStore& ws, int n_threads) {
         if (s.op == OP_GET_ROWS_W) tables.push_back(s.w[0]);
     static std::mutex mu;
     for (const Step& s : plan.steps) {
-        if (s.op != OP_MATMUL || std::find(tables.begin(), tables.end(), s.w[0]) != tables.end()) continue;
+        if ((s.op != OP_MATMUL && s.op != OP_MATMUL_ID) || std::find(tables.begin(), tables.end(), s.w[0]) != tables.end())
+            continue;
         const Weight& w = ws.get(s.w[0]);
         if (!repack::packable(w.type) || std::atomic_load(&w.prepared)) continue;
         std::lock_guard<std::mutex> lock(mu);
@@ -281,32 +285,42 @@ void quantize_share(int32_t wtype, const float* x, uint8_t* q, int64_t in, size_
     }
 }
 
-void run_matmul(const Ctx& c) {
-    const Step& s = c.s;
-    const Weight& w = c.ws.get(s.w[0]);
-    const int64_t in = s.ip[0], out = s.ip[1], nt = s.ip[2];
-    const int slot = act_slot_of_type(w.type);
+// A matmul's input rows (buf[1]: ip[2] rows of `in` floats) in the form its weight type
+// multiplies: f32 as they are, else quantized into the memo's scratch slot (by the team,
+// then a barrier) unless the slot already holds them.
+struct ActRows {
     const uint8_t* act;
     size_t arb;
     const uint8_t* meta = nullptr;  // the activations' summaries (repack::act_meta)
     size_t meta_row = 0;
-    if (slot < 0) {
-        act = (const uint8_t*)c.F(1);
-        arb = (size_t)in * 4;
-    } else {
-        arb = act_row_bytes(w.type, in);
-        uint8_t* q = c.scratch.act[slot].data();
-        const size_t mbb = meta_bytes_for(w.type);
-        if (c.memo.enter(slot, s)) {
-            quantize_share(w.type, c.F(1), q, in, arb, nt, c.ith, c.nth, c.scratch.meta[slot].data(), mbb);
-            c.sync();
-        }
-        act = q;
-        if (mbb) {
-            meta = c.scratch.meta[slot].data();
-            meta_row = mbb * (size_t)(in / type_block_elems(act_type_for(w.type)));
-        }
+};
+ActRows act_rows(const Ctx& c, const Weight& w, int64_t in, int64_t nt) {
+    const Step& s = c.s;
+    const int slot = act_slot_of_type(w.type);
+    if (slot < 0) return {(const uint8_t*)c.F(1), (size_t)in * 4};
+    ActRows r{c.scratch.act[slot].data(), act_row_bytes(w.type, in)};
+    uint8_t* q = c.scratch.act[slot].data();
+    const size_t mbb = meta_bytes_for(w.type);
+    if (c.memo.enter(slot, s)) {
+        quantize_share(w.type, c.F(1), q, in, r.arb, nt, c.ith, c.nth, c.scratch.meta[slot].data(), mbb);
+        c.sync();
     }
+    if (mbb) {
+        r.meta = c.scratch.meta[slot].data();
+        r.meta_row = mbb * (size_t)(in / type_block_elems(act_type_for(w.type)));
+    }
+    return r;
+}
+
+void run_matmul(const Ctx& c) {
+    const Step& s = c.s;
+    const Weight& w = c.ws.get(s.w[0]);
+    const int64_t in = s.ip[0], out = s.ip[1], nt = s.ip[2];
+    const ActRows ar = act_rows(c, w, in, nt);
+    const uint8_t* act = ar.act;
+    const size_t arb = ar.arb;
+    const uint8_t* meta = ar.meta;
+    const size_t meta_row = ar.meta_row;
     float* y = c.F(0);
     const float* bias = s.w[1] >= 0 ? (const float*)c.ws.get(s.w[1]).data : nullptr;
     if (const auto pk = packed_of(w)) {
@@ -375,6 +389,48 @@ void run_attn(const Ctx& c) {
     attention_f32(a, base + c.attn_floats * c.ith, c.ith, c.nth, c.work);
 }
 
+// ---- mixture of experts (cpu/moe.h) ---------------------------------------------------
+
+void run_sigmoid(const Ctx& c) { moe::sigmoid_f32(c.F(1), c.F(0), c.ip()[0], c.ith, c.nth); }
+void run_moe_topk(const Ctx& c) {
+    const int64_t* ip = c.ip();
+    moe::topk_ids(c.F(1), (int32_t*)c.F(0), ip[0], ip[1], ip[2], c.ith, c.nth);
+}
+void run_moe_weights(const Ctx& c) {
+    const int64_t* ip = c.ip();
+    moe::topk_weights(c.F(1), c.F(0), ip[0], ip[1], ip[2], (int)ip[3], (int)ip[4], c.s.fp[0], c.ith, c.nth);
+}
+void run_moe_sum(const Ctx& c) {
+    const int64_t* ip = c.ip();
+    moe::weighted_sum(c.F(1), c.F(2), c.F(0), ip[0], ip[1], ip[2], c.ith, c.nth);
+}
+
+// The matmul's activation slot and quantization (x_rows = ip[2] rows, so the memo
+// shares them with the other matmuls reading the same input), then the grouped product.
+void run_matmul_id(const Ctx& c) {
+    const Step& s = c.s;
+    const Weight& w = c.ws.get(s.w[0]);
+    const ActRows ar = act_rows(c, w, s.ip[0], s.ip[2]);
+    const auto pk = packed_of(w);
+    moe::MatmulIdArgs a{&w, pk.get(), ar.act, ar.arb, ar.meta, ar.meta_row, c.I(2),
+                        s.ip[0], s.ip[1], s.ip[3], s.ip[4], s.ip[5], s.ip[2], c.F(0)};
+    moe::matmul_id(a, c.scratch.moe, c.work, c.ith, c.nth, [&c]() { c.sync(); });
+}
+
+void matmul_id_scratch(const Step& s, const WeightStore& ws, ScratchNeed& n) {
+    matmul_scratch(s, ws, n);  // the activation slot: ip[2] rows of ip[0], as a matmul's
+    const Weight& w = ws.get(s.w[0]);
+    const int slot = act_slot_of_type(w.type);
+    const size_t arb = slot < 0 ? (size_t)s.ip[0] * 4 : act_row_bytes(w.type, s.ip[0]);
+    const size_t mrow = slot < 0 ? 0 : repack::meta_block_bytes(act_type_for(w.type)) *
+                                           (size_t)(s.ip[0] / type_block_elems(act_type_for(w.type)));
+    size_t act, meta, out;
+    moe::scratch_need(s.ip[5], s.ip[4], s.ip[1], arb, mrow, act, meta, out);
+    n.moe_act = std::max(n.moe_act, act);
+    n.moe_meta = std::max(n.moe_meta, meta);
+    n.moe_out = std::max(n.moe_out, out);
+}
+
 const CpuOp* cpu_op(int32_t op) {
     //                          run              check_data        act_slot         scratch         check
     static const CpuOp ops[] = {
@@ -391,6 +447,11 @@ const CpuOp* cpu_op(int32_t op) {
         /* rope       */ {run_rope, nullptr, nullptr, nullptr, nullptr},
         /* kv_store   */ {run_kv_store, data_kv_store, nullptr, nullptr, nullptr},
         /* attn       */ {run_attn, data_attn, nullptr, attn_scratch, nullptr},
+        /* sigmoid    */ {run_sigmoid, nullptr, nullptr, nullptr, nullptr},
+        /* moe_topk   */ {run_moe_topk, nullptr, nullptr, nullptr, nullptr},
+        /* moe_weights*/ {run_moe_weights, nullptr, nullptr, nullptr, nullptr},
+        /* matmul_id  */ {run_matmul_id, nullptr, matmul_act_slot, matmul_id_scratch, check_matmul},
+        /* moe_sum    */ {run_moe_sum, nullptr, nullptr, nullptr, nullptr},
     };
     static_assert(sizeof(ops) / sizeof(ops[0]) == OP_LAST + 1, "one CPU entry per core op code");
     return op >= OP_ADD && op <= OP_LAST ? &ops[op] : nullptr;
@@ -506,6 +567,9 @@ void run_plan(const Plan& plan, Pool& pool, const WeightStore& ws, int n_threads
         if (scratch.act[k].size() < need.act[k]) scratch.act[k].resize(need.act[k]);
         if (scratch.meta[k].size() < need.meta[k]) scratch.meta[k].resize(need.meta[k]);
     }
+    if (scratch.moe.act.size() < need.moe_act) scratch.moe.act.resize(need.moe_act);
+    if (scratch.moe.meta.size() < need.moe_meta) scratch.moe.meta.resize(need.moe_meta);
+    if (scratch.moe.out.size() < need.moe_out) scratch.moe.out.resize(need.moe_out);
     need.attn = (need.attn + 15) / 16 * 16;  // whole cache lines per thread (run_attn)
     if (scratch.attn.size() < need.attn * nth + 16) scratch.attn.resize(need.attn * nth + 16);
 

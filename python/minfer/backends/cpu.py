@@ -28,11 +28,18 @@ KV_TYPES = ("f16", "f32")   # KV element types the kernels store and attend over
 
 _ELEMENTWISE = {Op.Add, Op.Mul, Op.Silu, Op.SwiGLU}
 
+# Mixture of experts (cpu/moe.h); MoeTopK writes i32 ids, the others f32.
+_MOE = {Op.Sigmoid, Op.MoeTopK, Op.MoeWeights, Op.MoeSum}
+
 
 def supports_op(node, weight_types: frozenset = WEIGHT_TYPES) -> bool:
     op = node.op
     if op is Op.Input:
         return node.out_dtype in (DType.F32, DType.I32)
+    if op in _MOE:
+        return node.out_dtype is (DType.I32 if op is Op.MoeTopK else DType.F32)
+    if op is Op.MatMulId:
+        return node.out_dtype is DType.F32 and int(node.meta.wtype) in weight_types
     if node.out_dtype is not DType.F32:
         return False
     if op in _ELEMENTWISE or op in (Op.RmsNorm, Op.QkNorm, Op.KvcacheStore, Op.KvcacheLoad):

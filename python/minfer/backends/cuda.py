@@ -26,8 +26,17 @@ KV_TYPES = ("f16",)  # K/V regions hold f16 (the attention kernels read f16 rows
 _ELEMENTWISE = {Op.Add, Op.Mul, Op.Silu, Op.SwiGLU}
 
 
+# Ops the CPU runs and this backend has no kernel for yet. Assignment would hand them to
+# the CPU, a silent fallback on a GPU run: they are refused instead, naming the op.
+_NO_KERNEL = {Op.Sigmoid, Op.MoeTopK, Op.MoeWeights, Op.MatMulId, Op.MoeSum}
+
+
 def supports_op(node) -> bool:
     op = node.op
+    if op in _NO_KERNEL:
+        from minfer.errors import BackendError
+        raise BackendError(f"the cuda backend has no kernel for op {op} (node {node.name}, mixture of experts); "
+                           f"run this model with --backend cpu")
     if op is Op.Input:
         return node.out_dtype in (DType.F32, DType.I32)
     if node.out_dtype is not DType.F32:

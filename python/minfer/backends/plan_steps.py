@@ -74,4 +74,23 @@ def lower_node(node, graph, ctx) -> list:
         span = ctx.src(node, 3) if len(src) > 3 else -1
         return [(_code("attn"), [y, ctx.src(node, 0), k_id, v_id, ctx.src(node, 2), span],
                  [nt, m.n_head, m.n_head_kv, m.hd, m.n_ctx, q.out_shape[0], _KV_CODE[m.kv_type]], [m.scale], [])]
+    if op is Op.Sigmoid:
+        return [(_code("sigmoid"), [y, ctx.src(node, 0)], [n], [], [])]
+    if op is Op.MoeTopK:
+        m = node.meta
+        return [(_code("moe_topk"), [y, ctx.src(node, 0)], [m.n_expert, m.k, nt], [], [])]
+    if op is Op.MoeWeights:
+        m = node.meta
+        return [(_code("moe_weights"), [y, ctx.src(node, 0)], [m.n_expert, m.k, nt, m.gating.value, int(m.norm)],
+                 [m.scale], [])]
+    if op is Op.MatMulId:
+        m = node.meta
+        x, ids = graph.nodes[src[0]], graph.nodes[src[1]]
+        return [(_code("matmul_id"), [y, ctx.src(node, 0), ctx.src(node, 1)],
+                 [m.in_dim, m.out_dim, x.n_rows, m.n_expert, ids.out_shape[0], ids.n_rows], [],
+                 [ctx.weight(m.weight_name, node)])]
+    if op is Op.MoeSum:
+        w = graph.nodes[src[1]]
+        return [(_code("moe_sum"), [y, ctx.src(node, 0), ctx.src(node, 1)], [node.out_shape[0], w.out_shape[0], nt],
+                 [], [])]
     raise GraphError(f"node {node.id} ({node.name}): op {op} has no plan-step lowering")

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from minfer.graph.ir import (
     AttnMeta, CNode, ComputeGraph, DType, EmbedMeta, GraphError, KvcacheMeta, MatMulMeta, NormMeta, Op, RoPEMeta,
 )
+from minfer.graph.ir import MatMulIdMeta, MoeRouteMeta  # mixture of experts
 
 
 _KV_DTYPES = (DType.F32, DType.F16)
@@ -215,3 +216,57 @@ class GraphBuilder:
                      kv_type: DType = DType.F32) -> int:
         return self.node(name or self._auto(f"kv_load.{layer}"), Op.KvcacheLoad, [], (kv_dim, n_ctx),
                          meta=_kv_meta(layer, kv_dim, n_ctx, kv_type))
+
+    # ---- mixture of experts (models/moe.py) ----
+
+    def sigmoid(self, x: int, name: Optional[str] = None) -> int:
+        self._check_f32("sigmoid", x)
+        return self.node(name or self._auto("sigmoid"), Op.Sigmoid, [x], self._shape(x))
+
+    def _route(self, what: str, logits: int, meta: MoeRouteMeta) -> int:
+        self._check_f32(what, logits)
+        if self._shape(logits)[0] != meta.n_expert:
+            raise GraphError(f"{what}: router logits are {self._shape(logits)[0]} wide, not n_expert {meta.n_expert}")
+        if not 1 <= meta.k <= meta.n_expert:
+            raise GraphError(f"{what}: k {meta.k} is not in [1, n_expert {meta.n_expert}]")
+        return self._rows(logits)
+
+    def moe_topk(self, logits: int, meta: MoeRouteMeta, name: Optional[str] = None) -> int:
+        """logits [n_expert, nt] -> the ids of the k largest per token, i32 [k, nt] (best first)."""
+        nt = self._route("moe_topk", logits, meta)
+        return self.node(name or self._auto("moe_topk"), Op.MoeTopK, [logits], (meta.k, nt), DType.I32, meta=meta)
+
+    def moe_weights(self, logits: int, meta: MoeRouteMeta, name: Optional[str] = None) -> int:
+        """logits [n_expert, nt] -> the routing weights of the same picks, f32 [k, nt]."""
+        nt = self._route("moe_weights", logits, meta)
+        return self.node(name or self._auto("moe_weights"), Op.MoeWeights, [logits], (meta.k, nt), meta=meta)
+
+    def matmul_id(self, x: int, ids: int, weight_name: str, wtype: int, in_dim: int, out_dim: int, n_expert: int,
+                  name: Optional[str] = None) -> int:
+        """Each token's k picked experts: x [in_dim, nt] (shared by a token's k slots) or
+        [in_dim, k, nt] (one row per slot) times expert ids[j, t] of a weight of GGUF shape
+        [in_dim, out_dim, n_expert] -> [out_dim, k, nt]."""
+        self._check_f32("matmul_id", x)
+        idn = self._nodes[ids]
+        if idn.out_dtype is not DType.I32 or idn.out_shape[2:] != (1, 1):
+            raise GraphError(f"matmul_id {weight_name}: ids {idn.name!r} must be i32 [k, nt]")
+        k, nt = idn.out_shape[0], idn.out_shape[1]
+        if self._shape(x)[0] != in_dim:
+            raise GraphError(f"matmul_id {weight_name}: input width {self._shape(x)[0]} != in_dim {in_dim}")
+        if self._rows(x) not in (nt, nt * k):
+            raise GraphError(f"matmul_id {weight_name}: input has {self._rows(x)} rows, needs {nt} or {nt * k}")
+        if not 1 <= k <= n_expert:
+            raise GraphError(f"matmul_id {weight_name}: k {k} is not in [1, n_expert {n_expert}]")
+        return self.node(name or self._auto(weight_name), Op.MatMulId, [x, ids], (out_dim, k, nt),
+                         meta=MatMulIdMeta(weight_name, in_dim, out_dim, n_expert, wtype))
+
+    def moe_sum(self, x: int, w: int, name: Optional[str] = None) -> int:
+        """x [d, k, nt] (k * nt rows of d, slot-minor) weighted by w [k, nt] and summed over
+        the k slots, in order -> [d, nt]. With k = 1 it scales each token's row (a [d, nt]
+        x and a [1, nt] w: the shared expert's gate)."""
+        self._check_f32("moe_sum", x, w)
+        ws = self._shape(w)
+        k, nt = ws[0], ws[1]
+        if ws[2:] != (1, 1) or self._rows(x) != k * nt:
+            raise GraphError(f"moe_sum: input {self._shape(x)} and weights {ws} are not [d, k, nt] and [k, nt]")
+        return self.node(name or self._auto("moe_sum"), Op.MoeSum, [x, w], (self._shape(x)[0], nt))

@@ -102,6 +102,14 @@ _DETAIL = {
     Op.KvcacheStore: lambda n: f"store K,V of layer {n.meta.layer} (kv_dim={n.meta.kv_dim})",
     Op.KvcacheLoad: lambda n: f"K/V region of layer {n.meta.layer} (n_ctx={n.meta.n_ctx})",
     Op.SwiGLU: lambda n: "silu(gate) * up (fused)",
+    Op.Sigmoid: lambda n: "sigmoid(x)",
+    Op.MoeTopK: lambda n: f"top {n.meta.k} of {n.meta.n_expert} experts",
+    Op.MoeWeights: lambda n: (f"{n.meta.gating.name.lower()} weights of the top {n.meta.k} of {n.meta.n_expert}"
+                              f"{' normalised' if n.meta.norm else ''}"
+                              f"{f' x{n.meta.scale:g}' if n.meta.scale not in (0.0, 1.0) else ''}"),
+    Op.MatMulId: lambda n: (f"{n.meta.weight_name} [{_wtype_name(n.meta.wtype)}] {n.meta.n_expert} experts "
+                            f"{n.meta.in_dim}->{n.meta.out_dim}, k={n.out_shape[1]}"),
+    Op.MoeSum: lambda n: "weighted sum over the k experts' rows",
 }
 
 # Ops that stand for several unfused ones (rewritten by FusionPass).

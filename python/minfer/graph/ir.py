@@ -36,6 +36,13 @@ class Op(enum.Enum):
     KvcacheStore = "KvcacheStore"
     KvcacheLoad = "KvcacheLoad"
     SwiGLU = "SwiGLU"
+    # Mixture of experts (models/moe.py): the router's picks and weights, the grouped
+    # expert matmul (llama.cpp's mul_mat_id) and the weighted sum of the experts' rows.
+    Sigmoid = "Sigmoid"
+    MoeTopK = "MoeTopK"        # i32 [k, nt]: the picked experts (MoeRouteMeta)
+    MoeWeights = "MoeWeights"  # f32 [k, nt]: their routing weights (MoeRouteMeta)
+    MatMulId = "MatMulId"      # [out, k, nt]: each slot's expert times its input row (MatMulIdMeta)
+    MoeSum = "MoeSum"          # [d, nt]: the k slots' rows weighted and summed
 
     def __str__(self) -> str:
         return self.value
@@ -127,7 +134,36 @@ class EmbedMeta:
     wtype: int = 0
 
 
-NodeMeta = Union[None, MatMulMeta, NormMeta, RoPEMeta, AttnMeta, KvcacheMeta, EmbedMeta]
+class Gating(enum.Enum):
+    """How a MoE router turns its logits into the picked experts' weights (the plan's
+    gating codes, llama.cpp's expert_gating_func values)."""
+    Softmax = 1        # softmax over every expert, then the picked probabilities
+    Sigmoid = 2        # sigmoid of each picked logit
+    SoftmaxTopK = 3    # softmax over the picked logits only
+
+
+@dataclass(frozen=True)
+class MoeRouteMeta:
+    """MoeTopK / MoeWeights: k of n_expert picked per token by the largest logit."""
+    n_expert: int
+    k: int
+    gating: Gating = Gating.Softmax
+    norm: bool = False      # the picked weights divided by their sum
+    scale: float = 0.0      # then multiplied by this (0 or 1: not)
+
+
+@dataclass(frozen=True)
+class MatMulIdMeta:
+    """MatMulId: a 3-D expert weight of GGUF shape [in_dim, out_dim, n_expert]."""
+    weight_name: str
+    in_dim: int
+    out_dim: int
+    n_expert: int
+    wtype: int = 0
+
+
+NodeMeta = Union[None, MatMulMeta, NormMeta, RoPEMeta, AttnMeta, KvcacheMeta, EmbedMeta, MoeRouteMeta,
+                 MatMulIdMeta]
 
 # Ops whose kernels write the layer's persistent K/V regions (the allocator ensures them).
 KV_WRITERS = frozenset({Op.KvcacheStore})
