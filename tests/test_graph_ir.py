@@ -13,6 +13,7 @@ def test_vocabulary_is_complete():
     names = {"Input", "Add", "Mul", "Silu", "RmsNorm", "QkNorm", "MatMul", "GetRows", "RoPE",
              "Attn", "KvcacheStore", "KvcacheLoad", "SwiGLU"}
     names |= {"Sigmoid", "MoeTopK", "MoeWeights", "MatMulId", "MoeSum"}  # mixture of experts (models/moe.py)
+    names |= {"Scale", "Gelu", "GeGLU", "Softcap", "Slice"}  # llama / gemma / phi3 (models/blocks.py); GeGLU by FusionPass
     assert {o.name for o in Op} == names
 
 

@@ -30,6 +30,9 @@ CASES = [
     (Op.Sigmoid, None), (Op.MoeTopK, ir.MoeRouteMeta(8, 2)),
     (Op.MoeWeights, ir.MoeRouteMeta(8, 2, ir.Gating.Softmax, norm=True)),
     (Op.MatMulId, ir.MatMulIdMeta("blk.0.ffn_gate_exps.weight", 64, 32, 8, wtype=12)), (Op.MoeSum, None),
+    # the dense families beyond Qwen (llama, gemma2/3, phi3)
+    (Op.Scale, ir.ScalarMeta(8.0)), (Op.Gelu, None), (Op.GeGLU, None), (Op.Softcap, ir.ScalarMeta(30.0)),
+    (Op.Slice, ir.SliceMeta(16)),
 ]
 
 

@@ -391,9 +391,9 @@ def test_template_sandbox_blocks_python_internals():
 @pytest.mark.parametrize(
     "over, exc, match",
     [
-        ({"tokenizer.ggml.pre": "llama-bpe"}, UnsupportedModelError, "llama-bpe"),
+        ({"tokenizer.ggml.pre": "command-r"}, UnsupportedModelError, "command-r"),
         ({"tokenizer.ggml.pre": None}, UnsupportedModelError, "pre"),
-        ({"tokenizer.ggml.model": "llama"}, UnsupportedModelError, "llama"),
+        ({"tokenizer.ggml.model": "bert"}, UnsupportedModelError, "bert"),
         ({"tokenizer.ggml.model": None}, GGUFError, "tokenizer.ggml.model"),
         ({"tokenizer.ggml.tokens": None}, GGUFError, "tokens"),
         ({"tokenizer.ggml.tokens": "abc"}, GGUFError, "array of strings"),

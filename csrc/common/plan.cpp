@@ -31,6 +31,11 @@ const OpFormat* table(int32_t op) {
         {"moe_weights", {"weights", "logits"}, {W, R}},
         {"matmul_id", {"output", "input", "ids"}, {W, R, R}},
         {"moe_sum", {"output", "input", "weights"}, {W, R, R}},
+        {"scale", {"output", "input"}, {W, R}},
+        {"gelu", {"output", "input"}, {W, R}},
+        {"geglu", {"output", "input", "input"}, {W, R, R}},
+        {"softcap", {"output", "input"}, {W, R}},
+        {"slice", {"output", "input"}, {W, R}},
     };
     if (op >= OP_ADD && op <= OP_LAST) return &fmt[op];
     return nullptr;
@@ -107,6 +112,8 @@ void step_requirements(const Step& s, const WeightStore& ws, size_t need[8]) {
             break;
         case OP_ROPE:
             if (ip[3] > ip[2] || ip[3] % 2) step_fail(s, "n_rot must be even and <= head dim");
+            if (ip[4] > 1) step_fail(s, "rope style must be 0 (neox) or 1 (normal)");
+            f32_vector(s, ws, 0, ip[3] / 2, "rope factors");
             set(0, ip[0] * ip[1] * ip[2]);
             set(1, ip[0] * ip[1] * ip[2]);
             set(2, ip[0]);
@@ -124,6 +131,7 @@ void step_requirements(const Step& s, const WeightStore& ws, size_t need[8]) {
             if (ip[2] <= 0 || ip[1] % ip[2]) step_fail(s, "head count must be a multiple of the KV head count");
             const size_t eb = kv_elem_bytes(ip[6]);
             if (!eb) step_fail(s, "KV element type " + std::to_string(ip[6]) + " is not f32 (0) or f16 (1)");
+            if (!(s.fp[1] >= 0)) step_fail(s, "attention soft-cap must be >= 0");
             set(0, ip[0] * ip[1] * ip[3]);
             set(1, ip[0] > 0 ? (ip[0] - 1) * ip[5] + ip[1] * ip[3] : 0);
             need[2] = need[3] = (size_t)(ip[4] * ip[2] * ip[3]) * eb;
@@ -133,6 +141,18 @@ void step_requirements(const Step& s, const WeightStore& ws, size_t need[8]) {
         }
         case OP_SIGMOID:
             for (int i = 0; i < 2; ++i) set(i, ip[0]);
+            break;
+        case OP_SCALE: case OP_GELU: case OP_SOFTCAP:
+            if (s.op == OP_SOFTCAP && !(s.fp[0] > 0)) step_fail(s, "soft-cap must be > 0");
+            for (int i = 0; i < 2; ++i) set(i, ip[0]);
+            break;
+        case OP_GEGLU:
+            for (int i = 0; i < 3; ++i) set(i, ip[0]);
+            break;
+        case OP_SLICE:
+            if (ip[3] + ip[0] > ip[2]) step_fail(s, "slice columns run past the source row");
+            set(0, ip[0] * ip[1]);
+            set(1, ip[2] * ip[1]);
             break;
         case OP_MOE_TOPK: case OP_MOE_WEIGHTS:
             if (ip[1] < 1 || ip[1] > ip[0]) step_fail(s, "k must be in [1, n_expert]");

@@ -19,16 +19,31 @@ namespace minfer {
 //   MATMUL             buf: y, x          w: W, bias|-1  ip: in_dim, out_dim, nt
 //   GET_ROWS_W         buf: y, ids        w: table       ip: d, n, n_table_rows
 //   GET_ROWS           buf: y, x, ids                    ip: d, n, n_src_rows
-//   ROPE               buf: y, x, pos                    ip: nt, nh, hd, n_rot   fp: freq_base
+//   ROPE               buf: y, x, pos         w: factors|-1  ip: nt, nh, hd, n_rot, style
+//                                                        fp: freq_base, freq_scale, attn_factor
 //   KV_STORE           buf: K, k, v, cells, V            ip: nt, kv_dim, n_ctx, kv_type
-//   ATTN               buf: y, q, K, V, pos, span|-1     ip: nt, nh, nkv, hd, n_ctx, q_stride, kv_type
-//                                                        fp: scale
+//   ATTN               buf: y, q, K, V, pos, span|-1     ip: nt, nh, nkv, hd, n_ctx, q_stride, kv_type, window
+//                                                        fp: scale, softcap
 //   SIGMOID            buf: y, x                         ip: n
 //   MOE_TOPK           buf: ids, logits                  ip: n_expert, k, nt
 //   MOE_WEIGHTS        buf: w, logits                    ip: n_expert, k, nt, gating, norm  fp: scale
 //   MATMUL_ID          buf: y, x, ids     w: W           ip: in_dim, out_dim, x_rows, n_expert, k, nt
 //   MOE_SUM            buf: y, x, w                      ip: d, k, nt
+//   SCALE, SOFTCAP     buf: y, x                         ip: n                   fp: value
+//   GELU               buf: y, x                         ip: n
+//   GEGLU              buf: y, g, u                      ip: n
+//   SLICE              buf: y, x                         ip: width, nt, src_width, offset
 // kv_type is the GGML type of the K/V regions' elements: 0 = F32, 1 = F16.
+// ROPE (llama.cpp's rope_ext with ext_factor 0): style 0 = NeoX (element i pairs with
+// i + n_rot/2), 1 = normal (pairs 2i, 2i+1); the angle of pair i at position p is
+// p * freq_scale * freq_base^(-2i/n_rot) / factors[i] (factors: f32[n_rot/2], or none),
+// cos and sin are multiplied by attn_factor; freq_scale and attn_factor 0 mean 1.
+// ATTN: window > 0 limits a query at cell span [lo, hi) to [max(lo, hi - window), hi)
+// (the last `window` positions, the sliding-window layers); softcap > 0 maps every
+// scaled score s to softcap * tanh(s / softcap) before the softmax.
+// SCALE: y = x * value. SOFTCAP: y = value * tanh(x / value). GELU: the tanh
+// approximation. GEGLU: gelu(g) * u, bitwise GELU then MUL. SLICE: y[t] = columns
+// [offset, offset + width) of row t of x (rows of src_width floats).
 // The mixture-of-experts steps (cpu/moe.h): MOE_TOPK writes, per token, the ids of the k
 // largest of its n_expert router logits (i32, descending; ties to the lower id);
 // MOE_WEIGHTS the k routing weights of that same selection (gating 1: softmax over all
@@ -42,7 +57,8 @@ enum OpCode : int32_t {
     OP_ADD = 1, OP_MUL, OP_SILU, OP_SWIGLU, OP_RMS_NORM, OP_QK_NORM, OP_MATMUL,
     OP_GET_ROWS_W, OP_GET_ROWS, OP_ROPE, OP_KV_STORE, OP_ATTN,
     OP_SIGMOID, OP_MOE_TOPK, OP_MOE_WEIGHTS, OP_MATMUL_ID, OP_MOE_SUM,
-    OP_LAST = OP_MOE_SUM,
+    OP_SCALE, OP_GELU, OP_GEGLU, OP_SOFTCAP, OP_SLICE,
+    OP_LAST = OP_SLICE,
 };
 const char* op_name(int32_t op);  // "?" for an unknown code
 

@@ -266,6 +266,10 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
             for (int64_t j = 0; j < nj; ++j) {
                 float* Sr = S + (i + j) * BK;
                 for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = T[c - c0][j] * a.scale;
+                if (a.softcap > 0.0f) {  // Gemma 2: softcap * tanh(s / softcap), per score
+                    const float inv = 1.0f / a.softcap;
+                    for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = a.softcap * std::tanh(Sr[c - c0] * inv);
+                }
             }
         }
         // Online softmax update, row by row.
@@ -350,6 +354,7 @@ void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::ato
                 lo = 0;
                 hi = (int64_t)a.pos[tk] + 1;
             }
+            if (a.window > 0) lo = std::max(lo, hi - a.window);  // sliding window: the last `window` cells
             for (int64_t h = h0; h < h1; ++h) {
                 Row& rw = rows[nrows];
                 rw.q = a.q + tk * a.q_stride + h * a.hd;

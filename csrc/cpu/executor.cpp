@@ -359,7 +359,12 @@ void run_get_rows_w(const Ctx& c) {
 void run_get_rows(const Ctx& c) { get_rows_f32(c.F(1), c.ip()[0], c.I(2), c.ip()[1], c.F(0), c.ith, c.nth); }
 void run_rope(const Ctx& c) {
     const int64_t* ip = c.ip();
-    rope_neox_f32(c.F(1), c.F(0), c.I(2), ip[0], ip[1], ip[2], ip[3], c.s.fp[0], c.ith, c.nth);
+    RopeExt ext;
+    ext.style = (int)ip[4];
+    if (c.s.fp[1] != 0.0f) ext.freq_scale = c.s.fp[1];
+    if (c.s.fp[2] != 0.0f) ext.attn_factor = c.s.fp[2];
+    if (c.s.w[0] >= 0) ext.factors = (const float*)c.ws.get(c.s.w[0]).data;
+    rope_f32(c.F(1), c.F(0), c.I(2), ip[0], ip[1], ip[2], ip[3], c.s.fp[0], ext, c.ith, c.nth);
 }
 
 void run_kv_store(const Ctx& c) {
@@ -372,6 +377,8 @@ AttnArgs attn_args(const Step& s) {
     a.nt = s.ip[0]; a.nh = s.ip[1]; a.nkv = s.ip[2]; a.hd = s.ip[3]; a.n_ctx = s.ip[4]; a.q_stride = s.ip[5];
     a.kv_type = (int32_t)s.ip[6];
     a.scale = s.fp[0];
+    a.window = s.ip[7];
+    a.softcap = s.fp[1];
     return a;
 }
 void attn_scratch(const Step& s, const WeightStore&, ScratchNeed& n) {
@@ -431,6 +438,16 @@ void matmul_id_scratch(const Step& s, const WeightStore& ws, ScratchNeed& n) {
     n.moe_out = std::max(n.moe_out, out);
 }
 
+// The dense families' element-wise ops (ops_dense.cpp).
+void run_scale(const Ctx& c) { scale_f32(c.F(1), c.F(0), c.s.fp[0], c.ip()[0], c.ith, c.nth); }
+void run_gelu(const Ctx& c) { gelu_f32(c.F(1), c.F(0), c.ip()[0], c.ith, c.nth); }
+void run_geglu(const Ctx& c) { geglu_f32(c.F(1), c.F(2), c.F(0), c.ip()[0], c.ith, c.nth); }
+void run_softcap(const Ctx& c) { softcap_f32(c.F(1), c.F(0), c.s.fp[0], c.ip()[0], c.ith, c.nth); }
+void run_slice(const Ctx& c) {
+    const int64_t* ip = c.ip();
+    slice_f32(c.F(1), c.F(0), ip[0], ip[1], ip[2], ip[3], c.ith, c.nth);
+}
+
 const CpuOp* cpu_op(int32_t op) {
     //                          run              check_data        act_slot         scratch         check
     static const CpuOp ops[] = {
@@ -452,6 +469,11 @@ const CpuOp* cpu_op(int32_t op) {
         /* moe_weights*/ {run_moe_weights, nullptr, nullptr, nullptr, nullptr},
         /* matmul_id  */ {run_matmul_id, nullptr, matmul_act_slot, matmul_id_scratch, check_matmul},
         /* moe_sum    */ {run_moe_sum, nullptr, nullptr, nullptr, nullptr},
+        /* scale      */ {run_scale, nullptr, nullptr, nullptr, nullptr},
+        /* gelu       */ {run_gelu, nullptr, nullptr, nullptr, nullptr},
+        /* geglu      */ {run_geglu, nullptr, nullptr, nullptr, nullptr},
+        /* softcap    */ {run_softcap, nullptr, nullptr, nullptr, nullptr},
+        /* slice      */ {run_slice, nullptr, nullptr, nullptr, nullptr},
     };
     static_assert(sizeof(ops) / sizeof(ops[0]) == OP_LAST + 1, "one CPU entry per core op code");
     return op >= OP_ADD && op <= OP_LAST ? &ops[op] : nullptr;

@@ -243,8 +243,8 @@ void rms_norm_f32(const float* x, const float* w, float* y, int64_t d, int64_t n
     }
 }
 
-void rope_neox_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd,
-                   int64_t n_rot, float freq_base, int ith, int nth) {
+void rope_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
+              float freq_base, const RopeExt& ext, int ith, int nth) {
     // Rows are (token, head) pairs; a thread recomputes cos/sin only when its token changes.
     int64_t r0, r1;
     vm::share(nt * nh, ith, nth, 1, r0, r1);
@@ -254,10 +254,15 @@ void rope_neox_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int
     static thread_local std::vector<double> inv_freq;
     if ((int64_t)cs.size() < 2 * half) cs.resize(2 * half);
     if ((int64_t)inv_freq.size() < half) inv_freq.resize(half);
-    for (int64_t i = 0; i < half; ++i)
+    for (int64_t i = 0; i < half; ++i) {
         inv_freq[i] = std::pow((double)freq_base, -2.0 * (double)i / (double)n_rot);
+        // Scaling only where asked, so the plain NeoX angles keep their exact bits.
+        if (ext.freq_scale != 1.0f) inv_freq[i] *= (double)ext.freq_scale;
+        if (ext.factors) inv_freq[i] /= (double)ext.factors[i];
+    }
     float* cosv = cs.data();
     float* sinv = cs.data() + half;
+    const float mscale = ext.attn_factor;
     int64_t cur_t = -1;
     for (int64_t r = r0; r < r1; ++r) {
         const int64_t t = r / nh;
@@ -267,15 +272,27 @@ void rope_neox_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int
                 const double th = (double)pos[t] * inv_freq[i];
                 cosv[i] = (float)std::cos(th);
                 sinv[i] = (float)std::sin(th);
+                if (mscale != 1.0f) {
+                    cosv[i] *= mscale;
+                    sinv[i] *= mscale;
+                }
             }
             cur_t = t;
         }
         const float* xr = x + r * hd;
         float* yr = y + r * hd;
-        for (int64_t i = 0; i < half; ++i) {
-            const float x0 = xr[i], x1 = xr[i + half];
-            yr[i] = x0 * cosv[i] - x1 * sinv[i];
-            yr[i + half] = x0 * sinv[i] + x1 * cosv[i];
+        if (ext.style == 0) {
+            for (int64_t i = 0; i < half; ++i) {
+                const float x0 = xr[i], x1 = xr[i + half];
+                yr[i] = x0 * cosv[i] - x1 * sinv[i];
+                yr[i + half] = x0 * sinv[i] + x1 * cosv[i];
+            }
+        } else {
+            for (int64_t i = 0; i < half; ++i) {
+                const float x0 = xr[2 * i], x1 = xr[2 * i + 1];
+                yr[2 * i] = x0 * cosv[i] - x1 * sinv[i];
+                yr[2 * i + 1] = x0 * sinv[i] + x1 * cosv[i];
+            }
         }
         if (yr != xr && n_rot < hd) std::memcpy(yr + n_rot, xr + n_rot, (hd - n_rot) * sizeof(float));
     }

@@ -18,10 +18,18 @@ void swiglu_f32(const float* g, const float* u, float* y, int64_t n, int ith, in
 void rms_norm_f32(const float* x, const float* w, float* y, int64_t d, int64_t nrows,
                   float eps, int ith, int nth);
 
-// NeoX-style (non-interleaved) RoPE: within each head, element i pairs with i + n_rot/2.
-// x and y are [nt][nh * hd]; pos holds nt positions.
-void rope_neox_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh,
-                   int64_t hd, int64_t n_rot, float freq_base, int ith, int nth);
+// RoPE over the first n_rot dims of each head; x and y are [nt][nh * hd], pos holds nt
+// positions. style 0 (NeoX): element i pairs with i + n_rot/2; style 1 (normal, llama):
+// elements 2i and 2i + 1 pair. Pair i turns by pos * freq_scale * base^(-2i/n_rot) /
+// factors[i] (factors null: 1), and cos/sin are scaled by attn_factor (common/plan.h).
+struct RopeExt {
+    int style = 0;
+    float freq_scale = 1.0f;
+    float attn_factor = 1.0f;
+    const float* factors = nullptr;  // n_rot/2 floats, or null
+};
+void rope_f32(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
+              float freq_base, const RopeExt& ext, int ith, int nth);
 
 // Greedy pick over x[0..n): the first index of the maximum, or -1 when any value is
 // NaN or +-Inf (the pick must never be the argmax of broken logits), or when n <= 0.
@@ -52,6 +60,8 @@ struct AttnArgs {
     float* out;          // [nt][nh*hd]
     int64_t nt, nh, nkv, hd, n_ctx;
     float scale;
+    int64_t window = 0;   // > 0: each query sees at most its last `window` cells of the span
+    float softcap = 0.0f; // > 0: scores s -> softcap * tanh(s / softcap)
 };
 // Causal GQA attention with an online softmax (prefill tiles queries, decode splits
 // nothing but heads), accumulating in f32 whatever the KV element type. scratch is
@@ -60,5 +70,15 @@ struct AttnArgs {
 // static round robin of the items).
 size_t attention_scratch_floats(const AttnArgs& a);
 void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::atomic<uint64_t>* next = nullptr);
+
+// The dense-family element-wise ops (ops_dense.cpp). gelu: the tanh approximation,
+// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); geglu is bitwise gelu then mul.
+void scale_f32(const float* x, float* y, float v, int64_t n, int ith, int nth);
+void gelu_f32(const float* x, float* y, int64_t n, int ith, int nth);
+void geglu_f32(const float* g, const float* u, float* y, int64_t n, int ith, int nth);
+void softcap_f32(const float* x, float* y, float cap, int64_t n, int ith, int nth);
+// y[t][0..width) = x[t][offset..offset + width) for nt rows of src_width floats.
+void slice_f32(const float* x, float* y, int64_t width, int64_t nt, int64_t src_width, int64_t offset, int ith,
+               int nth);
 
 }  // namespace minfer::cpu

@@ -1,9 +1,19 @@
-"""Byte-level BPE tokenizer rebuilt from a GGUF file's `tokenizer.*` metadata.
+"""Tokenizers rebuilt from a GGUF file's `tokenizer.*` metadata.
 
-GGUF carries no tokenizer.json: only the vocabulary, merges, token types and special ids.
-We rebuild the tokenizer the model was trained with on top of HF `tokenizers` (fast and
-exact), and keep our own byte table for decoding so that streaming and whole-text decode
-agree byte for byte. Chat templates live in `minfer.chat`; `Tokenizer.render_chat` is the
+GGUF carries no tokenizer.json: only the vocabulary, merges or scores, token types and
+special ids. Two models, as llama.cpp names them in tokenizer.ggml.model:
+
+- "gpt2": byte-level BPE with a named pre-tokenizer split (tokenizer.ggml.pre: qwen2,
+  llama-bpe, smollm, gpt-2, gpt-4o, ...), rebuilt on top of HF `tokenizers` (fast and
+  exact);
+- "llama": SentencePiece BPE (Llama 2, Mistral, TinyLlama, CodeLlama, Gemma, Phi-3):
+  scores, byte fallback (<0xXX> tokens) and the ▁ space, tokenized exactly as llama.cpp's
+  llm_tokenizer_spm does (the highest-scoring adjacent pair merges first, the leftmost on
+  a tie; a space prefix at the start and after every special token when
+  tokenizer.ggml.add_space_prefix, the default).
+
+Either way we keep our own byte table for decoding so that streaming and whole-text
+decode agree byte for byte. Chat templates live in `minfer.chat`; `Tokenizer.render_chat` is the
 entry point the engine and CLI use.
 
 Public API
@@ -20,10 +30,13 @@ Public API
 from __future__ import annotations
 
 import codecs
+import heapq
 import json
 import operator
 import os
+import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from minfer.chat import render_chat as _render_chat
@@ -37,17 +50,50 @@ TOKEN_TYPE_USER_DEFINED = 4
 TOKEN_TYPE_UNUSED = 5
 TOKEN_TYPE_BYTE = 6
 
-# The split regex each `tokenizer.ggml.pre` value stands for. llama.cpp knows these by
-# name only, so a name we have not verified against its reference tokenizer is refused
-# rather than silently tokenized with a wrong split (which would degrade output quietly).
+# The split regexes each `tokenizer.ggml.pre` value stands for, applied in order (each
+# splits the pieces the previous one left, matches and gaps alike, as llama.cpp's
+# unicode_regex_split and a tokenizers Sequence of isolated Splits both do), in the form
+# the model's own tokenizer.json writes them. llama.cpp knows these by name only, so a
+# name we have not verified against its reference tokenizer is refused rather than
+# silently tokenized with a wrong split (which would degrade output quietly).
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZER_SPLITS: dict[str, str] = {
-    "qwen2": _QWEN2_SPLIT,
-}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    splits: tuple            # regexes, applied in order
+    ignore_merges: bool = False  # a whole piece that is a token is taken as is (llama3, tekken)
+    add_bos: bool = False    # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+
+
+_LLAMA3 = PreTokenizer((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
+_DIGITS_GPT2 = PreTokenizer((r"\p{N}", _GPT2_SPLIT))   # llama.cpp's STARCODER / SMOLLM group
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "qwen2": PreTokenizer((_QWEN2_SPLIT,)),
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3,   # Llama 3 / 3.1 / 3.2
+    "smollm": _DIGITS_GPT2, "starcoder": _DIGITS_GPT2,               # SmolLM / SmolLM2, StarCoder
+    "gpt-2": PreTokenizer((_GPT2_SPLIT,)),
+    "gpt-4o": PreTokenizer((_GPT4O_SPLIT,)),                         # Phi-4-mini
+    "tekken": PreTokenizer((_TEKKEN_SPLIT,), ignore_merges=True, add_bos=True),  # Mistral Nemo
+}
 # Texts of end-of-generation tokens across model families, the same list llama.cpp
 # falls back on when a GGUF names no eot/eom id. Only those present in a vocab count.
 _EOG_TEXTS = (
@@ -134,8 +180,69 @@ def _opt_id(metadata: Mapping[str, Any], key: str, n_vocab: int) -> int | None:
     return value
 
 
+class _Spm:
+    """llama.cpp's llm_tokenizer_spm over one fragment of raw text (no special tokens in
+    it): split into characters, repeatedly merge the adjacent pair whose concatenation is
+    the highest-scoring token (the leftmost on a tie), then emit each symbol's id, or its
+    UTF-8 bytes as <0xXX> byte tokens when it is not a token (byte fallback)."""
+
+    def __init__(self, text_to_id: dict, scores: list, byte_ids: list, unk_id: int | None):
+        self.text_to_id, self.scores, self.byte_ids, self.unk_id = text_to_id, scores, byte_ids, unk_id
+
+    def encode(self, text: str, out: list) -> None:
+        n = len(text)
+        if n == 0:
+            return
+        t2i, scores = self.text_to_id, self.scores
+        start = list(range(n))     # symbol i spans text[start[i]:start[i] + size[i]]
+        size = [1] * n
+        prev = list(range(-1, n - 1))
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        heap: list = []
+
+        def bigram(left: int, right: int) -> None:
+            if left < 0 or right < 0:
+                return
+            piece = text[start[left]:start[left] + size[left] + size[right]]
+            tid = t2i.get(piece)
+            if tid is not None:
+                # Max score first, then the leftmost pair (llm_bigram_spm::comparator).
+                heapq.heappush(heap, (-scores[tid], left, right, size[left] + size[right]))
+
+        for i in range(1, n):
+            bigram(i - 1, i)
+        while heap:
+            _, left, right, sz = heapq.heappop(heap)
+            if size[left] == 0 or size[right] == 0 or size[left] + size[right] != sz:
+                continue  # one side was merged away since
+            size[left] += size[right]
+            size[right] = 0
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prev[nxt[right]] = left
+            bigram(prev[left], left)
+            bigram(left, nxt[left])
+        i = 0
+        while i != -1:
+            piece = text[start[i]:start[i] + size[i]]
+            tid = t2i.get(piece)
+            if tid is not None:
+                out.append(tid)
+            else:
+                for b in piece.encode("utf-8"):
+                    bid = self.byte_ids[b]
+                    if bid is None:
+                        if self.unk_id is None:
+                            raise TokenizerError(f"byte 0x{b:02X} has no <0x{b:02X}> token and there is no unknown token")
+                        bid = self.unk_id
+                    out.append(bid)
+            i = nxt[i]
+
+
 class Tokenizer:
-    """A GGUF vocabulary's byte-level BPE tokenizer. Build with `from_metadata`."""
+    """A GGUF vocabulary's tokenizer (byte-level BPE or SentencePiece). Build with
+    `from_metadata`."""
 
     def __init__(
         self,
@@ -148,14 +255,19 @@ class Tokenizer:
         add_bos: bool = False,
         chat_template: str | None = None,
         extra_eog_ids: Iterable[int] = (),
+        *,
+        model: str = "gpt2",
+        scores: list[float] | None = None,
+        add_space_prefix: bool = True,
+        unk_id: int | None = None,
     ) -> None:
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
-
-        if pre not in PRE_TOKENIZER_SPLITS:
+        if model not in ("gpt2", "llama"):
+            raise UnsupportedModelError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; supported: "
+                                        f"gpt2 (byte-level BPE), llama (SentencePiece)")
+        if model == "gpt2" and pre not in PRE_TOKENIZERS:
             raise UnsupportedModelError(
                 f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; "
-                f"supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}"
+                f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
             )
         if len(token_types) != len(tokens):
             raise GGUFError(
@@ -164,6 +276,7 @@ class Tokenizer:
         if not tokens:
             raise GGUFError("tokenizer.ggml.tokens is empty")
 
+        self.model = model
         self._tokens = tokens
         self._types = token_types
         self.pre = pre
@@ -171,6 +284,27 @@ class Tokenizer:
         self.eos_id = eos_id
         self.add_bos = bool(add_bos)
         self.chat_template = chat_template
+        self.add_space_prefix = bool(add_space_prefix) if model == "llama" else False
+        self._text_to_id = {tok: i for i, tok in reversed(list(enumerate(tokens)))}
+
+        if model == "gpt2":
+            self._init_bpe(tokens, token_types, merges, PRE_TOKENIZERS[pre])
+        else:
+            self._init_spm(tokens, token_types, scores, unk_id)
+
+        eog = {i for i in (eos_id, *extra_eog_ids) if i is not None}
+        for text in (*_EOG_TEXTS, *_FIM_EOG_TEXTS):
+            i = self._text_to_id.get(text)
+            # llama.cpp takes these texts as end of generation whatever their type (and
+            # makes them control tokens); a SentencePiece vocabulary often stores them as
+            # user-defined (Gemma's <end_of_turn>, Phi-3's <|end|>).
+            if i is not None and token_types[i] in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
+                eog.add(i)
+        self.eot_ids: frozenset[int] = frozenset(eog)
+
+    def _init_bpe(self, tokens: list[str], token_types: list[int], merges: list[str], pre: PreTokenizer) -> None:
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
 
         special = {i for i, t in enumerate(token_types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)}
         # Control/user-defined tokens decode to their literal text; every other token is a
@@ -189,7 +323,6 @@ class Tokenizer:
             else:
                 vocab.setdefault(tok, i)
             self._bytes.append(raw)
-        self._text_to_id = {tok: i for i, tok in reversed(list(enumerate(tokens)))}
 
         pairs = []
         for k, m in enumerate(merges):
@@ -200,12 +333,12 @@ class Tokenizer:
 
         model = models.BPE(
             vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
-            end_of_word_suffix="", fuse_unk=False, byte_fallback=False,
+            end_of_word_suffix="", fuse_unk=False, byte_fallback=False, ignore_merges=pre.ignore_merges,
         )
         del vocab, pairs  # the BPE model holds its own copy; keep resident memory down
         hf = HFTokenizer(model)
         hf.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.splits),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
         hf.decoder = decoders.ByteLevel()
@@ -224,13 +357,64 @@ class Tokenizer:
         if user:
             hf.add_tokens(user)
         self._hf = hf
+        self._encode_text = lambda text: hf.encode(text, add_special_tokens=False).ids
 
-        eog = {i for i in (eos_id, *extra_eog_ids) if i is not None}
-        for text in (*_EOG_TEXTS, *_FIM_EOG_TEXTS):
-            i = self._text_to_id.get(text)
-            if i is not None and token_types[i] == TOKEN_TYPE_CONTROL:
-                eog.add(i)
-        self.eot_ids: frozenset[int] = frozenset(eog)
+    def _init_spm(self, tokens: list[str], token_types: list[int], scores: list[float] | None,
+                  unk_id: int | None) -> None:
+        if scores is None:
+            scores = [0.0] * len(tokens)
+        if len(scores) != len(tokens):
+            raise GGUFError(f"tokenizer.ggml.scores has {len(scores)} entries but there are {len(tokens)} tokens")
+        # llama.cpp's token_to_id keeps the last of duplicate texts, and the merge loop
+        # looks every text up there, whatever the token's type.
+        t2i = {tok: i for i, tok in enumerate(tokens)}
+        byte_ids: list = [None] * 256
+        self._bytes = []
+        for i, (tok, ty) in enumerate(zip(tokens, token_types)):
+            if ty == TOKEN_TYPE_BYTE:
+                m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", tok)
+                if m is None:
+                    raise GGUFError(f"byte token {i} is spelled {tok!r}, not <0xXX>")
+                b = int(m.group(1), 16)
+                if byte_ids[b] is None:
+                    byte_ids[b] = t2i.get(f"<0x{b:02X}>", i)
+                self._bytes.append(bytes([b]))
+            elif ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN):
+                self._bytes.append(tok.encode("utf-8"))
+            elif ty == TOKEN_TYPE_UNUSED:
+                self._bytes.append(b"")
+            else:  # normal: ▁ stands for a space
+                self._bytes.append(tok.replace("\u2581", " ").encode("utf-8"))
+        self._spm = _Spm(t2i, [float(x) for x in scores], byte_ids, unk_id)
+        # llama.cpp's special-token partition: control, user-defined and unknown tokens are
+        # cut out of the text first, the longest first; the pieces between are SPM text.
+        special = sorted({tok for tok, ty in zip(tokens, token_types)
+                          if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED, TOKEN_TYPE_UNKNOWN) and tok},
+                         key=lambda t: -len(t.encode("utf-8")))
+        self._special_re = re.compile("|".join(map(re.escape, special))) if special else None
+        self._encode_text = self._encode_spm
+
+    def _encode_spm(self, text: str) -> list[int]:
+        out: list[int] = []
+        prev_special = True  # prefix the first fragment with a space, like llama.cpp
+        pos = 0
+        matches = self._special_re.finditer(text) if self._special_re is not None else ()
+        for m in (*matches, None):
+            end = m.start() if m is not None else len(text)
+            if end > pos:
+                frag = text[pos:end]
+                if self.add_space_prefix and prev_special:
+                    frag = " " + frag
+                self._spm.encode(frag.replace(" ", "\u2581"), out)
+                prev_special = False
+            if m is not None:
+                out.append(self._text_to_id_last(m.group(0)))
+                prev_special = True
+                pos = m.end()
+        return out
+
+    def _text_to_id_last(self, text: str) -> int:
+        return self._spm.text_to_id[text]
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -239,18 +423,24 @@ class Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
         if model is None:
             raise GGUFError("metadata has no tokenizer (tokenizer.ggml.model is missing)")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise UnsupportedModelError(
-                f"unsupported tokenizer model tokenizer.ggml.model={model!r}; only byte-level BPE ('gpt2') is supported"
+                f"unsupported tokenizer model tokenizer.ggml.model={model!r}; supported: gpt2 (byte-level BPE), "
+                f"llama (SentencePiece)"
             )
         pre = metadata.get("tokenizer.ggml.pre")
-        if pre is None:
+        if model == "gpt2" and pre is None:
             raise UnsupportedModelError(
                 "tokenizer.ggml.pre is missing, so the pre-tokenizer split is unknown; "
-                f"supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}"
+                f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            )
+        if model == "gpt2" and str(pre) not in PRE_TOKENIZERS:
+            raise UnsupportedModelError(
+                f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; "
+                f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
             )
         tokens = _str_list(metadata, "tokenizer.ggml.tokens")
-        merges = _str_list(metadata, "tokenizer.ggml.merges")
+        merges = _str_list(metadata, "tokenizer.ggml.merges") if model == "gpt2" else []
         raw_types = metadata.get("tokenizer.ggml.token_type")
         if raw_types is None:
             types = [TOKEN_TYPE_NORMAL] * len(tokens)
@@ -259,6 +449,14 @@ class Tokenizer:
                 types = [int(t) for t in raw_types]
             except (TypeError, ValueError):
                 raise GGUFError("tokenizer.ggml.token_type must be an array of integers") from None
+        scores = None
+        if model == "llama":
+            raw = metadata.get("tokenizer.ggml.scores")
+            if raw is not None:
+                try:
+                    scores = [float(x) for x in raw]
+                except (TypeError, ValueError):
+                    raise GGUFError("tokenizer.ggml.scores must be an array of numbers") from None
         n = len(tokens)
         extra = [
             i for i in (_opt_id(metadata, "tokenizer.ggml.eot_token_id", n),
@@ -268,13 +466,33 @@ class Tokenizer:
         template = metadata.get("tokenizer.chat_template")
         if template is not None and not isinstance(template, str):
             raise GGUFError("tokenizer.chat_template must be a string")
+        # llama.cpp's defaults where the file says nothing: SentencePiece adds BOS (ids
+        # 1 and 2 for BOS and EOS, 0 unknown) and a space prefix; BPE adds BOS only for
+        # the pre-tokenizers that ask for it (Llama 3).
+        if model == "llama":
+            add_bos_default = True
+            bos = _opt_id(metadata, "tokenizer.ggml.bos_token_id", n) if "tokenizer.ggml.bos_token_id" in metadata \
+                else (1 if n > 1 else None)
+            eos = _opt_id(metadata, "tokenizer.ggml.eos_token_id", n) if "tokenizer.ggml.eos_token_id" in metadata \
+                else (2 if n > 2 else None)
+            unk = _opt_id(metadata, "tokenizer.ggml.unknown_token_id", n) if "tokenizer.ggml.unknown_token_id" in \
+                metadata else 0
+        else:
+            add_bos_default = PRE_TOKENIZERS[str(pre)].add_bos
+            bos = _opt_id(metadata, "tokenizer.ggml.bos_token_id", n)
+            eos = _opt_id(metadata, "tokenizer.ggml.eos_token_id", n)
+            unk = None
         return cls(
-            tokens, types, merges, str(pre),
-            bos_id=_opt_id(metadata, "tokenizer.ggml.bos_token_id", n),
-            eos_id=_opt_id(metadata, "tokenizer.ggml.eos_token_id", n),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            tokens, types, merges, str(pre) if pre is not None else "default",
+            bos_id=bos,
+            eos_id=eos,
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
             chat_template=template,
             extra_eog_ids=extra,
+            model=str(model),
+            scores=scores,
+            add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
+            unk_id=unk,
         )
 
     @classmethod
@@ -331,7 +549,7 @@ class Tokenizer:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise TokenizerError(f"text is not encodable as UTF-8 at character {e.start}: {e.reason}") from None
-        ids = self._hf.encode(text, add_special_tokens=False).ids
+        ids = self._encode_text(text)
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise TokenizerError("add_bos requested but the model defines no BOS token")

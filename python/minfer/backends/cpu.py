@@ -27,6 +27,9 @@ WEIGHT_TYPES = frozenset(int(t) for t in GGMLQuantizationType if _core.weight_ty
 KV_TYPES = ("f16", "f32")   # KV element types the kernels store and attend over; default first
 
 _ELEMENTWISE = {Op.Add, Op.Mul, Op.Silu, Op.SwiGLU}
+# The dense families beyond Qwen (cpu/ops_dense.cpp).
+_DENSE = {Op.Scale, Op.Gelu, Op.GeGLU, Op.Softcap, Op.Slice}
+
 
 # Mixture of experts (cpu/moe.h); MoeTopK writes i32 ids, the others f32.
 _MOE = {Op.Sigmoid, Op.MoeTopK, Op.MoeWeights, Op.MoeSum}
@@ -49,14 +52,16 @@ def supports_op(node, weight_types: frozenset = WEIGHT_TYPES) -> bool:
     if op is Op.GetRows:
         return not isinstance(node.meta, EmbedMeta) or int(node.meta.wtype) in weight_types
     if op is Op.RoPE:
-        return node.meta.style is RopeStyle.Neox
+        return node.meta.style in (RopeStyle.Neox, RopeStyle.Normal)
+    if op in _DENSE:
+        return True
     if op is Op.Attn:
         return node.meta.mode in (AttnMode.Gqa, AttnMode.Flash) and (not node.meta.explicit_span or supports_attn_span())
     return False
 
 
 def supports_fused(fused: str) -> bool:
-    return fused == "swiglu"
+    return fused in ("swiglu", "geglu")
 
 
 def supports_attn_span() -> bool:

@@ -31,8 +31,36 @@ _ELEMENTWISE = {Op.Add, Op.Mul, Op.Silu, Op.SwiGLU}
 _NO_KERNEL = {Op.Sigmoid, Op.MoeTopK, Op.MoeWeights, Op.MatMulId, Op.MoeSum}
 
 
+# The dense families' ops and variants (llama's interleaved RoPE and its frequency
+# factors or scaling, Gemma's GELU, scale, soft-caps and sliding windows, Phi-3's fused
+# projections) that have no CUDA kernel yet: refused like _NO_KERNEL, naming the op.
+_NO_KERNEL_DENSE = {Op.Scale, Op.Gelu, Op.GeGLU, Op.Softcap, Op.Slice}
+
+
+def _dense_refusal(node) -> str:
+    """What of this node CUDA cannot run ('' when it can)."""
+    op, m = node.op, node.meta
+    if op in _NO_KERNEL_DENSE:
+        return f"op {op}"
+    if op is Op.RoPE:
+        why = [w for w, bad in ((f"{m.style.value} (interleaved) style", m.style is not RopeStyle.Neox),
+                                ("frequency factors", m.factors is not None),
+                                ("linear scaling", m.freq_scale != 1.0),
+                                ("an attention factor", m.attn_factor != 1.0)) if bad]
+        return f"op RoPE with {', '.join(why)}" if why else ""
+    if op is Op.Attn:
+        why = [w for w, bad in (("a sliding window", m.window > 0), ("soft-capping", m.softcap > 0)) if bad]
+        return f"op Attn with {' and '.join(why)}" if why else ""
+    return ""
+
+
 def supports_op(node) -> bool:
     op = node.op
+    what = _dense_refusal(node)
+    if what:
+        from minfer.errors import BackendError
+        raise BackendError(f"the cuda backend has no kernel for {what} (node {node.name}); "
+                           f"run this model with --backend cpu")
     if op in _NO_KERNEL:
         from minfer.errors import BackendError
         raise BackendError(f"the cuda backend has no kernel for op {op} (node {node.name}, mixture of experts); "

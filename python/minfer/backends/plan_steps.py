@@ -5,7 +5,7 @@ weight handles): the step format of csrc/common/plan.h, which every backend that
 from __future__ import annotations
 
 from minfer import _core
-from minfer.graph.ir import DType, EmbedMeta, GraphError, Op
+from minfer.graph.ir import DType, EmbedMeta, GraphError, Op, RopeStyle
 
 _OPS: dict = dict(_core.OPS)
 # The plan's kv_type field is the GGML type id of the K/V elements.
@@ -56,8 +56,9 @@ def lower_node(node, graph, ctx) -> list:
                  [], [])]
     if op is Op.RoPE:
         m = node.meta
-        return [(_code("rope"), [y, ctx.src(node, 0), ctx.src(node, 1)], [nt, m.nh, m.hd, m.n_rot],
-                 [m.freq_base], [])]
+        style = 0 if m.style is RopeStyle.Neox else 1
+        return [(_code("rope"), [y, ctx.src(node, 0), ctx.src(node, 1)], [nt, m.nh, m.hd, m.n_rot, style],
+                 [m.freq_base, m.freq_scale, m.attn_factor], [ctx.weight(m.factors, node)])]
     if op is Op.KvcacheStore:
         m = node.meta
         k_id, v_id = ctx.kv(node, m.layer)
@@ -73,7 +74,8 @@ def lower_node(node, graph, ctx) -> list:
             raise GraphError(f"node {node.id} ({node.name}): kv source {kv_node.name!r} is not layer {m.layer}'s K region")
         span = ctx.src(node, 3) if len(src) > 3 else -1
         return [(_code("attn"), [y, ctx.src(node, 0), k_id, v_id, ctx.src(node, 2), span],
-                 [nt, m.n_head, m.n_head_kv, m.hd, m.n_ctx, q.out_shape[0], _KV_CODE[m.kv_type]], [m.scale], [])]
+                 [nt, m.n_head, m.n_head_kv, m.hd, m.n_ctx, q.out_shape[0], _KV_CODE[m.kv_type], m.window],
+                 [m.scale, m.softcap], [])]
     if op is Op.Sigmoid:
         return [(_code("sigmoid"), [y, ctx.src(node, 0)], [n], [], [])]
     if op is Op.MoeTopK:
@@ -92,5 +94,15 @@ def lower_node(node, graph, ctx) -> list:
     if op is Op.MoeSum:
         w = graph.nodes[src[1]]
         return [(_code("moe_sum"), [y, ctx.src(node, 0), ctx.src(node, 1)], [node.out_shape[0], w.out_shape[0], nt],
+                 [], [])]
+    if op in (Op.Scale, Op.Softcap):
+        return [(_code("scale" if op is Op.Scale else "softcap"), [y, ctx.src(node, 0)], [n], [node.meta.value], [])]
+    if op is Op.Gelu:
+        return [(_code("gelu"), [y, ctx.src(node, 0)], [n], [], [])]
+    if op is Op.GeGLU:
+        return [(_code("geglu"), [y, ctx.src(node, 0), ctx.src(node, 1)], [n], [], [])]
+    if op is Op.Slice:
+        x = graph.nodes[src[0]]
+        return [(_code("slice"), [y, ctx.src(node, 0)], [node.out_shape[0], nt, x.out_shape[0], node.meta.offset],
                  [], [])]
     raise GraphError(f"node {node.id} ({node.name}): op {op} has no plan-step lowering")

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from minfer.graph.ir import (
     AttnMeta, CNode, ComputeGraph, DType, EmbedMeta, GraphError, KvcacheMeta, MatMulMeta, NormMeta, Op, RoPEMeta,
+    ScalarMeta, SliceMeta,
 )
 from minfer.graph.ir import MatMulIdMeta, MoeRouteMeta  # mixture of experts
 
@@ -216,6 +217,36 @@ class GraphBuilder:
                      kv_type: DType = DType.F32) -> int:
         return self.node(name or self._auto(f"kv_load.{layer}"), Op.KvcacheLoad, [], (kv_dim, n_ctx),
                          meta=_kv_meta(layer, kv_dim, n_ctx, kv_type))
+
+    # ---- ops of the dense families beyond Qwen (llama, gemma2/3, phi3) ----
+
+    def scale(self, x: int, value: float, name: Optional[str] = None) -> int:
+        """x * value."""
+        self._check_f32("scale", x)
+        return self.node(name or self._auto("scale"), Op.Scale, [x], self._shape(x), meta=ScalarMeta(float(value)))
+
+    def gelu(self, x: int, name: Optional[str] = None) -> int:
+        """GELU with the tanh approximation (gelu_pytorch_tanh, ggml_gelu)."""
+        self._check_f32("gelu", x)
+        return self.node(name or self._auto("gelu"), Op.Gelu, [x], self._shape(x))
+
+    def geglu(self, gate: int, up: int, name: Optional[str] = None) -> int:
+        return self.node(name or self._auto("geglu"), Op.GeGLU, [gate, up], self._same("geglu", gate, up))
+
+    def softcap(self, x: int, cap: float, name: Optional[str] = None) -> int:
+        """cap * tanh(x / cap)."""
+        self._check_f32("softcap", x)
+        if not cap > 0:
+            raise GraphError(f"softcap: cap {cap} must be > 0")
+        return self.node(name or self._auto("softcap"), Op.Softcap, [x], self._shape(x), meta=ScalarMeta(float(cap)))
+
+    def slice(self, x: int, offset: int, width: int, name: Optional[str] = None) -> int:
+        """Columns [offset, offset + width) of every row of x (a fused projection's part)."""
+        self._check_f32("slice", x)
+        d = self._shape(x)[0]
+        if offset < 0 or width <= 0 or offset + width > d:
+            raise GraphError(f"slice: columns [{offset}, {offset + width}) outside a row of {d}")
+        return self.node(name or self._auto("slice"), Op.Slice, [x], (width, self._rows(x)), meta=SliceMeta(int(offset)))
 
     # ---- mixture of experts (models/moe.py) ----
 

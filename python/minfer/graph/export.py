@@ -76,7 +76,9 @@ def _wtype_name(wtype: int) -> str:
 
 
 def _rope(m) -> str:
-    return f"rope {m.style.value} n_rot={m.n_rot} base={m.freq_base:g} hd={m.hd} nh={m.nh}"
+    extra = (f" scale={m.freq_scale:g}" if m.freq_scale != 1.0 else "") + \
+        (f" attn_factor={m.attn_factor:g}" if m.attn_factor != 1.0 else "") + (f" factors={m.factors}" if m.factors else "")
+    return f"rope {m.style.value} n_rot={m.n_rot} base={m.freq_base:g} hd={m.hd} nh={m.nh}{extra}"
 
 
 def _bias(name) -> str:
@@ -98,10 +100,17 @@ _DETAIL = {
                            if isinstance(n.meta, EmbedMeta) else "gather rows"),
     Op.RoPE: lambda n: _rope(n.meta),
     Op.Attn: lambda n: (f"{n.meta.mode.value} attention layer {n.meta.layer} heads {n.meta.n_head}/{n.meta.n_head_kv} "
-                        f"hd={n.meta.hd} ctx={n.meta.n_ctx}{' span' if n.meta.explicit_span else ''}"),
+                        f"hd={n.meta.hd} ctx={n.meta.n_ctx}{' span' if n.meta.explicit_span else ''}"
+                        f"{f' window={n.meta.window}' if n.meta.window else ''}"
+                        f"{f' softcap={n.meta.softcap:g}' if n.meta.softcap else ''}"),
     Op.KvcacheStore: lambda n: f"store K,V of layer {n.meta.layer} (kv_dim={n.meta.kv_dim})",
     Op.KvcacheLoad: lambda n: f"K/V region of layer {n.meta.layer} (n_ctx={n.meta.n_ctx})",
     Op.SwiGLU: lambda n: "silu(gate) * up (fused)",
+    Op.Scale: lambda n: f"x * {n.meta.value:g}",
+    Op.Gelu: lambda n: "gelu(x) (tanh approximation)",
+    Op.GeGLU: lambda n: "gelu(gate) * up (fused)",
+    Op.Softcap: lambda n: f"{n.meta.value:g} * tanh(x / {n.meta.value:g})",
+    Op.Slice: lambda n: f"columns [{n.meta.offset}, {n.meta.offset + n.out_shape[0]})",
     Op.Sigmoid: lambda n: "sigmoid(x)",
     Op.MoeTopK: lambda n: f"top {n.meta.k} of {n.meta.n_expert} experts",
     Op.MoeWeights: lambda n: (f"{n.meta.gating.name.lower()} weights of the top {n.meta.k} of {n.meta.n_expert}"
@@ -113,7 +122,7 @@ _DETAIL = {
 }
 
 # Ops that stand for several unfused ones (rewritten by FusionPass).
-FUSED_OPS = frozenset({Op.SwiGLU})
+FUSED_OPS = frozenset({Op.SwiGLU, Op.GeGLU})
 
 
 def op_detail(node: CNode) -> str:

@@ -36,6 +36,12 @@ class Op(enum.Enum):
     KvcacheStore = "KvcacheStore"
     KvcacheLoad = "KvcacheLoad"
     SwiGLU = "SwiGLU"
+    # Dense families beyond Qwen (llama, gemma2/3, phi3):
+    Scale = "Scale"        # x * value (ScalarMeta): Gemma's embedding scale
+    Gelu = "Gelu"          # GELU, tanh approximation
+    GeGLU = "GeGLU"        # gelu(gate) * up, fused (FusionPass folds Mul(Gelu(g), u))
+    Softcap = "Softcap"    # value * tanh(x / value) (ScalarMeta): Gemma 2's final logits
+    Slice = "Slice"        # columns [offset, offset + width) of every row (SliceMeta): fused q|k|v, gate|up
     # Mixture of experts (models/moe.py): the router's picks and weights, the grouped
     # expert matmul (llama.cpp's mul_mat_id) and the weighted sum of the experts' rows.
     Sigmoid = "Sigmoid"
@@ -104,6 +110,13 @@ class RoPEMeta:
     hd: int
     nh: int
     style: RopeStyle = RopeStyle.Neox
+    # Scaling as llama.cpp's rope_ext applies it with ext_factor 0: angle = position *
+    # freq_scale * freq_base^(-2i/n_rot) / factors[i], then cos and sin times attn_factor.
+    # factors: the name of an f32[n_rot/2] weight (llama3's rope_freqs, Phi-3's LongRoPE
+    # short/long factors), or None.
+    freq_scale: float = 1.0
+    attn_factor: float = 1.0
+    factors: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,11 @@ class AttnMeta:
     explicit_span: bool = False
     mode: AttnMode = AttnMode.Gqa
     kv_type: DType = DType.F32   # element type of the K/V regions it reads
+    # window > 0: a token at position p sees only cells of positions (p - window, p]
+    # (sliding-window layers; llama.cpp's LLAMA_SWA_TYPE_STANDARD). softcap > 0: every
+    # score s (after scale) becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
+    window: int = 0
+    softcap: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -132,6 +150,16 @@ class EmbedMeta:
     weight_name: str
     n_vocab: int
     wtype: int = 0
+
+
+@dataclass(frozen=True)
+class ScalarMeta:
+    value: float
+
+
+@dataclass(frozen=True)
+class SliceMeta:
+    offset: int             # first column taken; the width is the node's out_shape[0]
 
 
 class Gating(enum.Enum):
@@ -162,8 +190,8 @@ class MatMulIdMeta:
     wtype: int = 0
 
 
-NodeMeta = Union[None, MatMulMeta, NormMeta, RoPEMeta, AttnMeta, KvcacheMeta, EmbedMeta, MoeRouteMeta,
-                 MatMulIdMeta]
+NodeMeta = Union[None, MatMulMeta, NormMeta, RoPEMeta, AttnMeta, KvcacheMeta, EmbedMeta, ScalarMeta, SliceMeta,
+                 MoeRouteMeta, MatMulIdMeta]
 
 # Ops whose kernels write the layer's persistent K/V regions (the allocator ensures them).
 KV_WRITERS = frozenset({Op.KvcacheStore})

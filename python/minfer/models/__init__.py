@@ -12,13 +12,14 @@ if TYPE_CHECKING:
 
 
 def _registry() -> dict[str, type]:
+    from minfer.models.llama import LlamaModel
     from minfer.models.qwen2 import Qwen2Model
     from minfer.models.qwen3 import Qwen3Model
 
-    return {"qwen2": Qwen2Model, "qwen3": Qwen3Model}
+    return {"qwen2": Qwen2Model, "qwen3": Qwen3Model, "llama": LlamaModel}
 
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
 
 
 def load_model(gguf: GGUFFile) -> ModelDef:

@@ -64,6 +64,62 @@ def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(s)
 
 
+class MetaReader:
+    """Checked reads of `<arch>.<key>` metadata: each bad value is refused naming its key."""
+
+    def __init__(self, g: GGUFFile, arch: str):
+        self.g, self.arch, self.md = g, arch, g.metadata
+
+    def key(self, k: str) -> str:
+        return f"{self.arch}.{k}"
+
+    def has(self, k: str) -> bool:
+        return self.key(k) in self.md
+
+    def bad(self, k: str, v, why: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"{self.g.path}: metadata {self.key(k)} = {v!r} {why}")
+
+    def count(self, k: str, default: int | None = None, lo: int = 1) -> int:
+        if self.key(k) not in self.md:
+            if default is None:
+                raise UnsupportedModelError(f"{self.g.path}: missing metadata key {self.key(k)}")
+            return default
+        v = self.md[self.key(k)]
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise self.bad(k, v, "is not an integer")
+        if not lo <= int(v) <= _MAX_DIM:
+            raise self.bad(k, int(v), f"is out of range (must be in [{lo}, {_MAX_DIM}])")
+        return int(v)
+
+    def real(self, k: str, default: float, ok, rule: str) -> float:
+        v = self.md.get(self.key(k), default)
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise self.bad(k, v, "is not a number")
+        v = float(v)
+        if not (math.isfinite(v) and ok(v)):
+            raise self.bad(k, v, f"is invalid (must be {rule})")
+        return v
+
+    def string(self, k: str, default: str | None = None) -> str | None:
+        v = self.md.get(self.key(k), default)
+        if v is not None and not isinstance(v, str):
+            raise self.bad(k, v, "is not a string")
+        return v
+
+    def flags(self, k: str, n: int) -> list[bool] | None:
+        """A per-layer boolean array of n entries (e.g. attention.sliding_window_pattern), or None."""
+        if self.key(k) not in self.md:
+            return None
+        v = self.md[self.key(k)]
+        try:
+            out = [bool(x) for x in v]
+        except TypeError:
+            raise self.bad(k, v, "is not an array") from None
+        if len(out) != n:
+            raise self.bad(k, v, f"has {len(out)} entries, expected one per layer ({n})")
+        return out
+
+
 class ModelDef:
     """Base class: hyper-parameters, tensor lookup and validation shared by the Qwen family."""
 
@@ -79,35 +135,8 @@ class ModelDef:
     def _read_hparams(self, g: GGUFFile) -> HParams:
         # A file is untrusted input: every hyper-parameter is type- and range-checked
         # here, naming the key, so a lying file never reaches the graph as garbage.
-        a = self.arch
-        md = g.metadata
-
-        def key(k: str) -> str:
-            return f"{a}.{k}"
-
-        def bad(k: str, v, why: str) -> UnsupportedModelError:
-            return UnsupportedModelError(f"{g.path}: metadata {key(k)} = {v!r} {why}")
-
-        def count(k: str, default: int | None = None, lo: int = 1) -> int:
-            if key(k) not in md:
-                if default is None:
-                    raise UnsupportedModelError(f"{g.path}: missing metadata key {key(k)}")
-                return default
-            v = md[key(k)]
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise bad(k, v, "is not an integer")
-            if not lo <= int(v) <= _MAX_DIM:
-                raise bad(k, int(v), f"is out of range (must be in [{lo}, {_MAX_DIM}])")
-            return int(v)
-
-        def real(k: str, default: float, ok, rule: str) -> float:
-            v = md.get(key(k), default)
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-                raise bad(k, v, "is not a number")
-            v = float(v)
-            if not (math.isfinite(v) and ok(v)):
-                raise bad(k, v, f"is invalid (must be {rule})")
-            return v
+        md = self.meta = MetaReader(g, self.arch)
+        count, real = md.count, md.real
 
         n_layer = count("block_count")
         n_embd = count("embedding_length")
@@ -125,11 +154,15 @@ class ModelDef:
             raise UnsupportedModelError(f"{g.path}: head counts {n_head}/{n_head_kv} are not a valid GQA layout")
         if head_dim % 2:
             raise UnsupportedModelError(f"{g.path}: head dim {head_dim} must be even for RoPE")
+        if md.has("attention.value_length") and count("attention.value_length") != head_dim:
+            raise UnsupportedModelError(
+                f"{g.path}: {self.arch}: a value head dim ({count('attention.value_length')}) other than the key "
+                f"head dim ({head_dim}) is not supported")
         n_vocab = int(emb.shape[1]) if len(emb.shape) > 1 else 0
         if n_vocab < 1:
             raise UnsupportedModelError(f"{g.path}: token_embd.weight has shape {list(emb.shape)}; expected [n_embd, n_vocab]")
         return HParams(
-            arch=a,
+            arch=self.arch,
             n_layer=n_layer,
             n_embd=n_embd,
             n_head=n_head,

@@ -1,0 +1,90 @@
+"""Llama (GGUF general.architecture "llama"): Llama 2, Llama 3 / 3.1 / 3.2, Mistral 7B,
+SmolLM / SmolLM2, TinyLlama, CodeLlama and the many fine-tunes that keep the layout.
+
+The pre-norm block of blocks.DecoderGraph with llama.cpp's LLAMA rope type: the
+converter permutes q and k so that RoPE rotates interleaved pairs (RopeStyle.Normal).
+What the file says is read and checked:
+
+- head dims: attention.key_length (Mistral Nemo: 128 with n_embd / n_head = 160) and
+  rope.dimension_count, which llama.cpp requires to equal the head dim;
+- RoPE scaling: rope.scaling.type none or linear (rope.scaling.factor, or the older
+  rope.scale_linear), and Llama 3.1 / 3.2's `llama3` scaling, which the converter writes
+  as the per-frequency factors tensor rope_freqs.weight (computed from the HF config's
+  factor, low/high_freq_factor and original context as llama.cpp's convert_hf_to_gguf.py
+  does); anything else is refused by name;
+- optional biases on the q/k/v/output projections and the FFN (llama.cpp loads them
+  when present);
+- tied embeddings: no output.weight means token_embd.weight is the lm head.
+"""
+
+from __future__ import annotations
+
+from minfer.errors import UnsupportedModelError
+from minfer.graph.ir import ComputeGraph, RopeStyle
+from minfer.graph.params import GraphParams
+from minfer.models.base import ModelDef
+from minfer.models.blocks import (AttnSpec, DecoderGraph, RopeSpec, attn_tensors, default_scale, ffn_tensors,
+                                  head_tensors)
+
+
+def rope_scaling(m: ModelDef, supported: tuple = ("none", "linear")) -> float:
+    """freq_scale (1 / factor) from rope.scaling.type / rope.scaling.factor (or the older
+    rope.scale_linear), as llama.cpp reads them: no type means linear, no factor means 1,
+    and type none never scales. Any other type is refused by name."""
+    md = m.meta
+    kind = md.string("rope.scaling.type", "linear")
+    if kind not in supported:
+        raise UnsupportedModelError(f"{m.arch}: rope scaling type {kind!r} is not supported "
+                                    f"(supported: {', '.join(supported)})")
+    key = "rope.scaling.factor" if md.has("rope.scaling.factor") else "rope.scale_linear"
+    factor = md.real(key, 0.0, lambda v: v == 0 or v >= 1e-3, "0 or a positive number")
+    if kind == "none" or factor == 0:
+        return 1.0
+    return 1.0 / factor
+
+
+class LlamaModel(ModelDef):
+    arch = "llama"
+
+    def _read_hparams(self, g):
+        hp = super()._read_hparams(g)
+        md = self.meta
+        n_experts = md.count("expert_count", 0, lo=0)
+        if n_experts:
+            raise UnsupportedModelError(f"{self.arch}: a mixture of experts (expert_count = {n_experts}) is not "
+                                        f"supported by the dense llama graph")
+        n_rot = md.count("rope.dimension_count", hp.head_dim)
+        if n_rot != hp.head_dim:
+            raise UnsupportedModelError(f"{self.arch}: rope.dimension_count {n_rot} must equal the head dim "
+                                        f"{hp.head_dim} (llama.cpp: invalid n_rot)")
+        self.freq_scale = rope_scaling(self)
+        factors = g.tensors.get("rope_freqs.weight")
+        if factors is not None and tuple(int(d) for d in factors.shape) not in ((hp.head_dim // 2,), (hp.head_dim // 2, 1)):
+            raise UnsupportedModelError(f"{g.path}: rope_freqs.weight has shape {list(factors.shape)}, expected "
+                                        f"[{hp.head_dim // 2}]")
+        self.rope_factors = "rope_freqs.weight" if factors is not None else None
+        return hp
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        hp = self.hp
+        t = head_tensors(self)
+        if self.rope_factors:
+            t[self.rope_factors] = (hp.head_dim // 2,)
+        for il in range(hp.n_layer):
+            p = f"blk.{il}."
+            t.update(attn_tensors(self, p, bias="optional", o_bias=True))
+            t.update(ffn_tensors(self, p, bias=True))
+        return t
+
+    def attn_spec(self, il: int) -> AttnSpec:
+        hp = self.hp
+        rope = RopeSpec(hp.rope_base, hp.head_dim, RopeStyle.Normal, freq_scale=self.freq_scale,
+                        factors=self.rope_factors)
+        return AttnSpec(rope, default_scale(hp.head_dim))
+
+    def build_graph(self, params: GraphParams) -> ComputeGraph:
+        g = DecoderGraph(self, params)
+        h = g.embed()
+        for il in range(self.hp.n_layer):
+            h = g.pre_norm_layer(il, h, self.attn_spec(il), qkv_bias="optional", o_bias=True, ffn_bias=True)
+        return g.head(h)
