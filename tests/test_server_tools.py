@@ -282,3 +282,14 @@ def test_a_template_without_tools_gets_them_in_the_system_message(synth_model):
     assert "<tool_response>\ncold\n</tool_response>" in text
     req.tool_choice = "none"
     assert "<tools>" not in synth_model.tokenizer.decode(render(served, req))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": 5}, {"properties": []}, {"anyOf": "x"}, {"enum": []}, {"$ref": 3}, {"type": "string", "pattern": "["},
+    {"type": "string", "minLength": -1}, {"type": "object", "required": "a"}, {"type": "array", "minItems": 5,
+                                                                                 "maxItems": 2},
+    {"allOf": [{"type": "string"}, {"type": "integer"}]}, {"not": {"type": "string"}},
+    {"type": "string", "format": "nonsense"}])
+def test_malformed_schemas_are_grammar_errors_with_the_engines_reason(engine, schema):
+    with pytest.raises(GrammarError, match="cannot be compiled: .+"):
+        engine.json_schema(schema, strict=True)

@@ -161,6 +161,14 @@ class GrammarEngine:
         return self._compile(_llg().LLMatcher.grammar_from_regex(pattern), "regex")
 
     def _compile(self, text: str, what: str) -> "Grammar":
+        try:
+            return self._compile_checked(text, what)
+        except GrammarError:
+            raise
+        except (ValueError, TypeError, RuntimeError, OverflowError) as e:   # the engine's own complaint
+            raise GrammarError(f"the {what} cannot be compiled: {_first_line(str(e))}") from None
+
+    def _compile_checked(self, text: str, what: str) -> "Grammar":
         llg = _llg()
         llt = self.lltokenizer()
         is_err, msgs = llg.LLMatcher.validate_grammar_with_warnings(text, llt)
