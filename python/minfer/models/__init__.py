@@ -12,14 +12,17 @@ if TYPE_CHECKING:
 
 
 def _registry() -> dict[str, type]:
+    from minfer.models.gemma import Gemma2Model, Gemma3Model
     from minfer.models.llama import LlamaModel
+    from minfer.models.phi3 import Phi3Model
     from minfer.models.qwen2 import Qwen2Model
     from minfer.models.qwen3 import Qwen3Model
 
-    return {"qwen2": Qwen2Model, "qwen3": Qwen3Model, "llama": LlamaModel}
+    return {"qwen2": Qwen2Model, "qwen3": Qwen3Model, "llama": LlamaModel, "gemma2": Gemma2Model, "gemma3": Gemma3Model,
+            "phi3": Phi3Model}
 
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama", "gemma2", "gemma3", "phi3")
 
 
 def load_model(gguf: GGUFFile) -> ModelDef:

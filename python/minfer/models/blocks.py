@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from minfer.errors import UnsupportedModelError
 from minfer.graph.builder import GraphBuilder
 from minfer.graph.ir import AttnMeta, ComputeGraph, DType, RoPEMeta, RopeStyle
 
@@ -177,6 +178,24 @@ class DecoderGraph:
         down = self.gated_ffn(p, x, "silu", fused_up, ffn_bias)
         return b.add(residual, down, name=p + "ffn_residual")
 
+    def sandwich_layer(self, il: int, h: int, spec: AttnSpec, *, qk_norm: bool = False, act: str = "gelu") -> int:
+        """Gemma 2 / 3: norms before and after attention and the FFN,
+        x + post_norm(attn(norm(x))), then x + post_norm(ffn(norm(x)))."""
+        b, p = self.b, f"blk.{il}."
+        residual = h
+        x = self.norm(h, p + "attn_norm.weight", p + "attn_norm")
+        q, k, v = self.qkv(p, x)
+        a = self.attention(il, q, k, v, spec, qk_norm)
+        wo = self.mm(a, p + "attn_output.weight")
+        wo, residual = self.tail_rows(il, wo, residual)
+        wo = self.norm(wo, p + "post_attention_norm.weight", p + "post_attention_norm")
+        h = b.add(residual, wo, name=p + "attn_residual")
+        residual = h
+        x = self.norm(h, p + "ffn_norm.weight", p + "ffn_norm")
+        down = self.gated_ffn(p, x, act)
+        down = self.norm(down, p + "post_ffw_norm.weight", p + "post_ffw_norm")
+        return b.add(residual, down, name=p + "ffn_residual")
+
     def head(self, h: int, final_softcap: float = 0.0) -> ComputeGraph:
         """Final norm and lm head (the embedding table when the file ties them); with
         params.hidden the normed hidden states are the output instead (embeddings)."""
@@ -245,6 +264,22 @@ def ffn_tensors(m: ModelDef, p: str, *, fused: bool = False, bias: bool = False)
             if m.has(p + n):
                 t[p + n] = shape
     return t
+
+
+def rope_scaling(m: ModelDef, supported: tuple = ("none", "linear")) -> float:
+    """freq_scale (1 / factor) from rope.scaling.type / rope.scaling.factor (or the older
+    rope.scale_linear), as llama.cpp reads them: no type means linear, no factor means 1,
+    and type none never scales. Any other type is refused by name."""
+    md = m.meta
+    kind = md.string("rope.scaling.type", "linear")
+    if kind not in supported:
+        raise UnsupportedModelError(f"{m.arch}: rope scaling type {kind!r} is not supported "
+                                    f"(supported: {', '.join(supported)})")
+    key = "rope.scaling.factor" if md.has("rope.scaling.factor") else "rope.scale_linear"
+    factor = md.real(key, 0.0, lambda v: v == 0 or v >= 1e-3, "0 or a positive number")
+    if kind == "none" or factor == 0:
+        return 1.0
+    return 1.0 / factor
 
 
 def default_scale(head_dim: int) -> float:

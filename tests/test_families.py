@@ -1,0 +1,324 @@
+"""The dense families beyond Qwen (llama, gemma2, gemma3, phi3) against transformers.
+
+Every variant of tests/families.py is a tiny random-weight transformers checkpoint of
+that family, converted by llama.cpp's convert_hf_to_gguf.py (F32, F16, Q8_0) and
+quantized by `minfer quantize` (Q4_K_M). The reference is transformers' forward of the
+same checkpoint (float32, eager attention); for quantized files, transformers computing
+on the file's own dequantized weights, so what is compared is minfer's arithmetic, not the
+quantization error of random weights (that error is reported beside, not asserted).
+
+Tolerances, as max |minfer - transformers| over every logit of every row, divided by the
+std of transformers' logits ("rel"), and the root mean square of the same ("rms"):
+
+    F32 (f32 KV)          rel <= 1e-4           (measured ~2e-6 .. 1e-5)
+    F16 (f32 KV)          rel <= 1e-4 vs dequantized weights
+    Q8_0, Q4_K_M          rms <= 0.05, rel <= 0.25 vs dequantized weights (minfer, like
+                          llama.cpp, multiplies with 8-bit activations; measured rms
+                          0.006 .. 0.025)
+    F32 with f16 KV       rel <= 5e-3
+
+Greedy continuations: minfer's greedy tokens, teacher-forced through transformers, must
+each be within a margin of transformers' best logit at that position (exactly the best
+for F32/F16 unless two logits are within 1e-3), on a fixed prompt set.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+
+import families
+from minfer.cli import main
+from minfer.session import Context, Session
+
+VARIANTS = list(families.VARIANTS)
+TYPES = list(families.TYPES)
+QUANT = ("Q8_0", "Q4_K_M")
+# Fixed prompts (token ids drawn from a seeded generator; 40 tokens cross every sliding
+# window of 8 several times; phi3-long's original context is 32).
+PROMPT_LENS = (5, 23, 40)
+
+
+@pytest.fixture(scope="session")
+def built():
+    """{variant: {type: path, 'hf': dir}}, built (or found in the cache) once."""
+    return {name: families.ensure(name) for name in VARIANTS}
+
+
+def prompts(name: str) -> list:
+    n_vocab = families.hf_model(name).config.vocab_size
+    rng = np.random.default_rng(sum(map(ord, name)))
+    return [rng.integers(3, n_vocab, size=n).tolist() for n in PROMPT_LENS]
+
+
+def _session(path, n_ctx=128, kv="f32", threads=2, **kw):
+    return Session.open(path, n_ctx=n_ctx, n_threads=threads, backends=["cpu"], kv_type=kv, **kw)
+
+
+def ctx_for(name: str, n_tokens: int) -> int:
+    """LongRoPE variants pick their factors by context (minfer, llama.cpp) or by the
+    positions seen (transformers): a context that covers exactly the original one when
+    the tokens fit in it makes both take the short factors, a longer one the long."""
+    orig = families.VARIANTS[name].config.get("original_max_position_embeddings")
+    if families.VARIANTS[name].config.get("rope_parameters", {}) and orig and n_tokens <= orig:
+        return orig
+    return 128
+
+
+def _stats(got, ref) -> tuple:
+    d = np.abs(np.asarray(got, np.float64) - ref)
+    return float(d.max() / ref.std()), float(np.sqrt((d ** 2).mean()) / ref.std())
+
+
+# ---- logits ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_f32_logits_match_transformers(built, name):
+    """Every row of a prefill, then a decode step by step, against transformers."""
+    path = built[name]["F32"]
+    worst = 0.0
+    for ids in prompts(name):
+        ref = families.hf_logits(name, ids)
+        s = _session(path, ctx_for(name, len(ids)))
+        rel, _ = _stats(s.forward(ids, n_out=len(ids)), ref)
+        worst = max(worst, rel)
+        # The same tokens one at a time through the KV cache (decode graphs, windows).
+        s = _session(path, ctx_for(name, len(ids)))
+        rows = [s.forward(ids[:3], n_out=3)]
+        rows += [s.forward([t]) for t in ids[3:]]
+        rel, _ = _stats(np.concatenate([np.asarray(r).reshape(-1, ref.shape[1]) for r in rows]), ref)
+        worst = max(worst, rel)
+    assert worst <= 1e-4, f"{name} F32: max |minfer - transformers| / std = {worst:.2e}"
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("qtype", ["F16", *QUANT])
+def test_quantized_logits_match_transformers_on_the_same_weights(built, name, qtype):
+    path = built[name][qtype]
+    rels, rmss = [], []
+    for ids in prompts(name):
+        ref = families.hf_logits(name, ids, weights=path)
+        rel, rms = _stats(_session(path, ctx_for(name, len(ids))).forward(ids, n_out=len(ids)), ref)
+        rels.append(rel)
+        rmss.append(rms)
+    if qtype == "F16":
+        assert max(rels) <= 1e-4, f"{name} F16: rel {max(rels):.2e}"
+    else:
+        assert max(rmss) <= 0.05 and max(rels) <= 0.25, f"{name} {qtype}: rms {max(rmss):.3f} rel {max(rels):.3f}"
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_f16_kv_cache_stays_close(built, name):
+    ids = prompts(name)[-1]
+    ref = families.hf_logits(name, ids)
+    rel, _ = _stats(_session(built[name]["F32"], ctx_for(name, len(ids)), kv="f16").forward(ids, n_out=len(ids)), ref)
+    assert rel <= 5e-3, f"{name}: f16 KV rel {rel:.2e}"
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_greedy_continuations_are_consistent(built, name, qtype):
+    """16 greedy tokens per prompt from minfer's engine; transformers, fed the same
+    sequence, must rank each pick at (or within the margin of) its top."""
+    path = built[name][qtype]
+    weights = None if qtype == "F32" else path
+    margin = {"F32": 1e-3, "F16": 1e-3, "Q8_0": 0.25, "Q4_K_M": 0.4}[qtype]
+    for ids in prompts(name):
+        s = _session(path, ctx_for(name, len(ids) + 16), kv="f32")
+        out = s.forward(ids, n_out=1)
+        gen = []
+        for _ in range(16):
+            t = int(np.argmax(np.asarray(out).reshape(-1)))
+            gen.append(t)
+            out = s.forward([t])
+        ref = families.hf_logits(name, ids + gen[:-1], weights=weights)[len(ids) - 1:]
+        for j, t in enumerate(gen):
+            gap = ref[j].max() - ref[j][t]
+            assert gap <= margin, (f"{name} {qtype}: token {j} of the continuation ({t}) is {gap:.4f} below "
+                                   f"transformers' best ({int(ref[j].argmax())})")
+
+
+def test_phi3_longrope_short_and_long_factors(built):
+    """LongRoPE: a context past the original one uses the long factors, else the short
+    ones; transformers switches on the positions seen, so short prompts in a short
+    context and long ones in a long context agree."""
+    name = "phi3-long"
+    path = built[name]["F32"]
+    short = prompts(name)[1]                  # 23 tokens <= 32
+    ref = families.hf_logits(name, short)     # transformers: short factors
+    rel, _ = _stats(_session(path, n_ctx=32).forward(short, n_out=len(short)), ref)
+    assert rel <= 1e-4
+    rel_long, _ = _stats(_session(path, n_ctx=128).forward(short, n_out=len(short)), ref)
+    assert rel_long > 1e-3   # the long factors really are different
+
+
+# ---- the engine's identities on the new ops --------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama3", "gemma2", "gemma3", "phi3"])
+def test_fused_unfused_threads_and_steps_are_bitwise_equal(built, name):
+    path = built[name]["Q4_K_M"]
+    ids = prompts(name)[-1]
+    base = np.asarray(_session(path, threads=2).forward(ids, n_out=len(ids)))
+    assert np.array_equal(base, np.asarray(_session(path, threads=1).forward(ids, n_out=len(ids))))
+    assert np.array_equal(base, np.asarray(_session(path, threads=2, fuse=False).forward(ids, n_out=len(ids))))
+    # Row i of a block forward is bitwise the single step's (speculative decoding relies on it).
+    s = _session(path)
+    first = np.asarray(s.forward(ids[:10], n_out=10))
+    steps = [np.asarray(s.forward([t])).reshape(-1) for t in ids[10:]]
+    assert np.array_equal(base[:10], first) and np.array_equal(base[10:], np.stack(steps))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi3"])
+def test_several_sequences_match_one_at_a_time(built, name):
+    """Sliding windows over explicit per-sequence spans (a context of two sequences)."""
+    path = built[name]["F32"]
+    a, b = prompts(name)[2], prompts(name)[1]
+    solo = [np.asarray(_session(path).forward(p, n_out=1)).reshape(-1) for p in (a, b)]
+    from minfer.model import Model
+
+    ctx = Context(Model.open(path, backends=["cpu"], n_threads=2), n_ctx=64, n_seq=2, kv_type="f32")
+    sa, sb = ctx.session(0), ctx.session(1)
+    sa.forward(a[:-1], n_out=1)
+    sb.forward(b[:-1], n_out=1)
+    rows = ctx.decode_batch([(sa, [a[-1]]), (sb, [b[-1]])])
+    for got, want in zip(np.asarray(rows), solo):
+        assert np.max(np.abs(got - want)) / want.std() <= 1e-5
+
+
+# ---- tokenizers and chat templates --------------------------------------------------------
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello there, how are you?"}],
+    [{"role": "user", "content": "Write 2+2."}, {"role": "assistant", "content": "It is 4."},
+     {"role": "user", "content": "Thanks!  Bye"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "日本語 😀 ok"}],
+]
+
+
+def _texts():
+    from test_tokenizer import CORPUS
+
+    return CORPUS
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_tokenizer_matches_reference(built, name):
+    """Byte-level BPE: transformers' tokenizer of the checkpoint, on the whole corpus.
+    SentencePiece: the sentencepiece library on the checkpoint's tokenizer.model (what
+    llama.cpp follows), and transformers where they agree (transformers' Metaspace does
+    not add the ▁ prefix before text that starts with a space, sentencepiece does)."""
+    from transformers import AutoTokenizer
+
+    from minfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_path(built[name]["F32"])
+    ref = AutoTokenizer.from_pretrained(str(built[name]["hf"]))
+    texts = _texts()
+    if tok.model == "gpt2":
+        bad = [s for s in texts if tok.encode(s, add_bos=False) != ref.encode(s, add_special_tokens=False)]
+        assert not bad, f"{len(bad)} of {len(texts)} differ from transformers; first {bad[:3]!r}"
+    else:
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=str(built[name]["hf"] / "tokenizer.model"))
+        specials = [tok.token_to_piece(i) for i in range(tok.n_vocab) if tok.is_special(i)]
+        plain = [s for s in texts if not any(x in s for x in specials)]
+        bad = [s for s in plain if tok.encode(s, add_bos=False) != sp.encode(s)]
+        assert not bad, f"{len(bad)} of {len(plain)} differ from sentencepiece; first {bad[:3]!r}"
+        agree = [s for s in texts if not s[:1].isspace()]
+        bad = [s for s in agree if tok.encode(s, add_bos=False) != ref.encode(s, add_special_tokens=False)]
+        assert not bad, f"{len(bad)} of {len(agree)} differ from transformers; first {bad[:3]!r}"
+    # Decoding gives the text back (SentencePiece: behind the space prefix it added).
+    prefix = " " if tok.add_space_prefix else ""
+    specials = [tok.token_to_piece(i) for i in range(tok.n_vocab) if tok.is_special(i)]
+    for s in texts:
+        if tok.model == "gpt2":
+            assert tok.decode(tok.encode(s, add_bos=False)) == s
+        elif s and not any(x in s for x in specials):
+            assert tok.decode(tok.encode(s, add_bos=False)) == prefix + s
+
+
+# Where llama.cpp (and so minfer) tokenizes a rendered prompt unlike transformers 5: a
+# SentencePiece vocabulary with a space prefix puts ▁ after every special token, as
+# llama.cpp and Meta's Llama 2 reference code do; transformers 5 does not.
+IDS_DIFFER = {"llama2", "mistral"}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_chat_template_renders_as_transformers(built, name):
+    from transformers import AutoTokenizer
+
+    from minfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_path(built[name]["F32"])
+    ref = AutoTokenizer.from_pretrained(str(built[name]["hf"]))
+    assert tok.chat_template == ref.chat_template
+    checked = 0
+    for conv in CONVERSATIONS:
+        for gen in (True, False):
+            try:
+                theirs = ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+            except Exception as e:  # noqa: BLE001  (the template refuses a system role, say)
+                with pytest.raises(Exception, match=str(e)[:30].replace("(", ".").replace(")", ".")):
+                    tok.render_chat(conv, add_generation_prompt=gen)
+                continue
+            ours = tok.render_chat(conv, add_generation_prompt=gen)
+            assert ours == theirs
+            checked += 1
+            if name not in IDS_DIFFER:
+                ids = ref.apply_chat_template(conv, tokenize=True, add_generation_prompt=gen)
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+                assert tok.encode(ours, add_bos=False) == list(ids)
+    assert checked >= 2
+
+
+def test_end_of_turn_tokens(built):
+    from minfer.tokenizer import Tokenizer
+
+    want = {"llama3": "<|eot_id|>", "smollm2": "<|im_end|>", "gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>",
+            "phi3": "<|end|>", "phi4mini": "<|end|>", "llama2": "</s>", "mistral": "</s>"}
+    for name, text in want.items():
+        tok = Tokenizer.from_gguf_path(built[name]["F32"])
+        assert tok.id_of(text) in tok.eot_ids, (name, text)
+
+
+# ---- the command line ---------------------------------------------------------------------
+
+def _run(capsys, *args):
+    rc = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_cli_runs_the_family(built, name, capsys, tmp_path, monkeypatch):
+    path = built[name]["Q4_K_M"]
+    rc, out, err = _run(capsys, "generate", path, "Hello there", "-n", "8", "--temp", "0", "-t", "2", "-c", "128")
+    assert rc == 0, err
+    rc, out, err = _run(capsys, "generate", path, "Hello there", "-n", "4", "--temp", "0", "--chat", "-c", "128")
+    assert rc == 0, err
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\nAnd again?\n"))
+    rc, out, err = _run(capsys, "chat", path, "-n", "6", "--temp", "0", "-c", "128")
+    assert rc == 0, err
+    rc, out, err = _run(capsys, "bench", path, "-p", "16", "-n", "4", "-r", "1", "-t", "2", "-o", "json")
+    assert rc == 0, err
+    rows = json.loads(out)
+    assert rows and all(r["avg_ts"] > 0 for r in rows)
+    text = tmp_path / "t.txt"
+    text.write_text(families.corpus()[:3000], encoding="utf-8")
+    rc, out, err = _run(capsys, "perplexity", path, "-f", text, "--ctx", "64", "--chunks", "2", "-t", "2")
+    assert rc == 0, err
+    ppl = float(out.split("Final estimate: PPL = ")[1].split()[0])
+    assert math.isfinite(ppl) and ppl > 1
+    dot = tmp_path / "g.dot"
+    rc, out, err = _run(capsys, "generate", path, "Hello", "--dump-graph", dot)
+    assert rc == 0 and dot.read_text().startswith("digraph")
+    js = tmp_path / "g.json"
+    rc, out, err = _run(capsys, "generate", path, "Hello", "--dump-graph-json", js, "--decode")
+    assert rc == 0
+    doc = json.loads(js.read_text())
+    assert doc["format"] == "minfer-graph" and doc["nodes"]
