@@ -17,12 +17,15 @@ def _registry() -> dict[str, type]:
     from minfer.models.phi3 import Phi3Model
     from minfer.models.qwen2 import Qwen2Model
     from minfer.models.qwen3 import Qwen3Model
+    from minfer.models.qwen2moe import Qwen2MoeModel  # mixture of experts (models/moe.py)
+    from minfer.models.qwen3moe import Qwen3MoeModel
 
     return {"qwen2": Qwen2Model, "qwen3": Qwen3Model, "llama": LlamaModel, "gemma2": Gemma2Model, "gemma3": Gemma3Model,
-            "phi3": Phi3Model}
+            "phi3": Phi3Model,
+            "qwen2moe": Qwen2MoeModel, "qwen3moe": Qwen3MoeModel}
 
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
 
 
 def load_model(gguf: GGUFFile) -> ModelDef:
