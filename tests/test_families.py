@@ -322,3 +322,184 @@ def test_cli_runs_the_family(built, name, capsys, tmp_path, monkeypatch):
     assert rc == 0
     doc = json.loads(js.read_text())
     assert doc["format"] == "minfer-graph" and doc["nodes"]
+
+
+def test_chat_prompt_starts_with_one_bos(built):
+    """A template that writes bos_token, encoded the model's way, starts with one BOS."""
+    from minfer.tokenizer import Tokenizer
+
+    for name in ("llama2", "llama3", "mistral", "gemma2", "gemma3"):
+        tok = Tokenizer.from_gguf_path(built[name]["F32"])
+        ids = tok.encode(tok.render_chat(CONVERSATIONS[0], add_generation_prompt=True))
+        assert ids[0] == tok.bos_id and ids[1] != tok.bos_id, name
+        assert tok.encode("hi", add_bos=True)[0] == tok.bos_id
+        assert tok.encode(tok.token_to_piece(tok.bos_id) + "hi", add_bos=True)[:2] == [tok.bos_id] * 2
+
+
+def test_spm_continuation_has_no_space_prefix(built):
+    from minfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_path(built["llama2"]["F32"])
+    assert tok.decode(tok.encode("hello", add_bos=False)) == " hello"
+    assert tok.decode(tok.encode("hello", add_bos=False, add_space_prefix=False)) == "hello"
+
+
+# ---- llama.cpp's tokenizer test vectors -----------------------------------------------------
+
+VECTORS = ["llama-spm", "phi-3", "llama-bpe", "gpt-2", "qwen2", "starcoder"]
+
+
+def _vectors(name: str) -> list:
+    d = families.vocab_dir()
+    inp = (d / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    out = (d / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")[:len(inp)]
+    return [(s, [int(x) for x in o.split()]) for s, o in zip(inp, out)]
+
+
+@pytest.mark.parametrize("name", VECTORS)
+def test_llama_cpp_tokenizer_vectors(name):
+    """test-tokenizer-0's cases (texts tokenized by the model's own HF tokenizer, as
+    llama.cpp's convert_hf_to_gguf_update.py recorded them), on llama.cpp's vocab GGUFs."""
+    from minfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_path(families.vocab_dir() / f"ggml-vocab-{name}.gguf")
+    cases = _vectors(name)
+    assert len(cases) >= 40
+    bad = [(s, want) for s, want in cases if tok.encode(s, add_bos=False) != want]
+    assert not bad, f"{len(bad)} of {len(cases)} differ; first {bad[:2]!r}"
+
+
+def test_spm_matches_sentencepiece_on_llama_vocab():
+    """Llama's real 32k SentencePiece vocabulary (from llama.cpp's vocab GGUF, rebuilt
+    as a sentencepiece model) on the tokenizer corpus."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    from minfer.tokenizer import Tokenizer, read_gguf_metadata
+
+    md = read_gguf_metadata(families.vocab_dir() / "ggml-vocab-llama-spm.gguf")
+    tok = Tokenizer.from_metadata(md)
+    mp = pb.ModelProto()
+    kinds = {1: pb.ModelProto.SentencePiece.NORMAL, 2: pb.ModelProto.SentencePiece.UNKNOWN,
+             3: pb.ModelProto.SentencePiece.CONTROL, 4: pb.ModelProto.SentencePiece.USER_DEFINED,
+             5: pb.ModelProto.SentencePiece.UNUSED, 6: pb.ModelProto.SentencePiece.BYTE}
+    for t, sc, ty in zip(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"], md["tokenizer.ggml.token_type"]):
+        p = mp.pieces.add()
+        p.piece, p.score, p.type = t, float(sc), kinds[int(ty)]
+    mp.trainer_spec.model_type = pb.TrainerSpec.BPE
+    mp.trainer_spec.byte_fallback = True
+    mp.normalizer_spec.name = "identity"
+    mp.normalizer_spec.add_dummy_prefix = True
+    mp.normalizer_spec.remove_extra_whitespaces = False
+    mp.normalizer_spec.escape_whitespaces = True
+    sp = spm.SentencePieceProcessor(model_proto=mp.SerializeToString())
+    specials = [tok.token_to_piece(i) for i in range(tok.n_vocab) if tok.is_special(i)]
+    texts = [s for s in _texts() if not any(x in s for x in specials)]
+    bad = [s for s in texts if tok.encode(s, add_bos=False) != sp.encode(s)]
+    assert len(texts) > 300 and not bad, f"{len(bad)} differ; first {bad[:3]!r}"
+
+
+@pytest.mark.parametrize("name, model, pre", [("command-r", "gpt2", "command-r"), ("qwen35", "gpt2", "qwen35"),
+                                              ("gemma-4", "gemma4", None)])
+def test_unknown_tokenizers_are_refused_by_name(name, model, pre):
+    from minfer.errors import UnsupportedModelError
+    from minfer.tokenizer import Tokenizer
+
+    with pytest.raises(UnsupportedModelError, match=pre or model):
+        Tokenizer.from_gguf_path(families.vocab_dir() / f"ggml-vocab-{name}.gguf")
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+def _patched(src, dst, *, set_kv=None, drop=(), arch=None):
+    """A copy of GGUF `src` with metadata keys set / dropped (tensors as they are)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    a = arch or r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), a)
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k in drop or k == "general.architecture" or (set_kv and k in set_kv):
+            continue
+        v = f.contents()
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, v, vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(k, v, vt)
+    for k, (v, vt) in (set_kv or {}).items():
+        w.add_key_value(k, v, vt)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("name, key, value, match", [
+    ("llama2", "llama.rope.scaling.type", "yarn", "llama: rope scaling type 'yarn' is not supported"),
+    ("llama3", "llama.rope.dimension_count", 32, "rope.dimension_count 32 must equal the head dim 64"),
+    ("phi3", "phi3.rope.scaling.type", "yarn", "phi3: rope scaling type 'yarn' is not supported"),
+    ("gemma3", "gemma3.rope.scaling.type", "yarn", "gemma3: rope scaling type 'yarn' is not supported"),
+])
+def test_unimplemented_features_are_refused_by_name(built, tmp_path, name, key, value, match):
+    import gguf
+
+    from minfer.errors import UnsupportedModelError
+    from minfer.model import Model
+
+    vt = gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.UINT32
+    bad = _patched(built[name]["F32"], tmp_path / "bad.gguf", set_kv={key: (value, vt)})
+    with pytest.raises(UnsupportedModelError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        Model.open(bad, backends=["cpu"])
+    rc, out, err = _run_proc(bad)
+    assert rc == 1 and err.count("\n") == 1 and match.split(":")[0] in err
+
+
+def _run_proc(path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "minfer.cli", "generate", str(path), "hi", "-n", "1"],
+                       capture_output=True, text=True)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("name, what", [
+    ("llama2", "op RoPE with normal (interleaved) style"), ("llama3", "frequency factors"),
+    ("gemma2", "op Scale"), ("gemma3", "op Attn with a sliding window"), ("phi3", "op Slice"),
+])
+def test_cuda_refuses_what_it_has_no_kernel_for(built, name, what):
+    """The CUDA matrix refuses each op or variant it has no kernel for, naming it (so a
+    GPU run of these families is a one-line error, never a silent CPU fallback)."""
+    from minfer.backends import cuda
+    from minfer.errors import BackendError
+    from minfer.graph.params import CParams, GraphParams, GraphType
+    from minfer.io.gguf_file import GGUFFile
+    from minfer.models import load_model
+
+    g = load_model(GGUFFile.open(built[name]["F32"])).build_graph(
+        GraphParams(4, 1, GraphType.Prefill, CParams(n_ctx=64, gpu=True)))
+    msgs = []
+    for node in g.nodes:
+        try:
+            cuda.supports_op(node)
+        except BackendError as e:
+            msgs.append(str(e))
+    assert any(what in m and "--backend cpu" in m and m.count("\n") == 0 for m in msgs), msgs[:3]
+
+
+def test_cuda_refuses_nothing_of_qwen(tmp_path):
+    from minfer.backends import cuda
+    from minfer.graph.params import CParams, GraphParams, GraphType
+    from minfer.io.gguf_file import GGUFFile
+    from minfer.models import load_model
+    from minfer.testing import write_model
+
+    write_model(tmp_path / "q.gguf")
+    g = load_model(GGUFFile.open(tmp_path / "q.gguf")).build_graph(
+        GraphParams(4, 1, GraphType.Prefill, CParams(n_ctx=64, gpu=True)))
+    for n in g.nodes:   # no refusal (whether the tiny head dim has a kernel is another matter)
+        cuda.supports_op(n)

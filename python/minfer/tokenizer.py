@@ -394,9 +394,9 @@ class Tokenizer:
         self._special_re = re.compile("|".join(map(re.escape, special))) if special else None
         self._encode_text = self._encode_spm
 
-    def _encode_spm(self, text: str) -> list[int]:
+    def _encode_spm(self, text: str, first_prefix: bool = True) -> list[int]:
         out: list[int] = []
-        prev_special = True  # prefix the first fragment with a space, like llama.cpp
+        prev_special = first_prefix  # prefix the first fragment with a space, like llama.cpp
         pos = 0
         matches = self._special_re.finditer(text) if self._special_re is not None else ()
         for m in (*matches, None):
@@ -538,10 +538,15 @@ class Tokenizer:
         return i
 
     # -- text <-> ids ----------------------------------------------------------------------
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, add_space_prefix: bool | None = None) -> list[int]:
         """Token ids of `text`; special-token texts in it become their single ids.
 
-        add_bos=None follows the model (tokenizer.ggml.add_bos_token, default False).
+        add_bos=None follows the model (tokenizer.ggml.add_bos_token; absent, llama.cpp's
+        default: SentencePiece and Llama 3's BPE add it, others not), except that a text
+        which already begins with the BOS token (a chat template that writes bos_token)
+        gets no second one, as llama.cpp's chat path strips it. add_space_prefix
+        (SentencePiece only): None follows the model; False encodes the text as a
+        continuation, with no ▁ put before its first piece.
         """
         if not isinstance(text, str):
             raise TokenizerError(f"text to encode must be a str, got {type(text).__name__}")
@@ -549,11 +554,15 @@ class Tokenizer:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise TokenizerError(f"text is not encodable as UTF-8 at character {e.start}: {e.reason}") from None
-        ids = self._encode_text(text)
+        if self.model == "llama" and add_space_prefix is not None:
+            ids = self._encode_spm(text, bool(add_space_prefix))
+        else:
+            ids = self._encode_text(text)
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise TokenizerError("add_bos requested but the model defines no BOS token")
-            ids = [self.bos_id, *ids]
+            if not (add_bos is None and ids[:1] == [self.bos_id]):
+                ids = [self.bos_id, *ids]
         return ids
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
