@@ -19,10 +19,13 @@ What the file says is read and checked:
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from minfer.errors import UnsupportedModelError
 from minfer.graph.ir import ComputeGraph, RopeStyle
 from minfer.graph.params import GraphParams
 from minfer.models.base import ModelDef
+from minfer.models.moe import MoeSpec, moe_layer, moe_tensors, moe_weight_bytes_per_token, read_moe_spec  # MoE
 from minfer.models.blocks import (AttnSpec, DecoderGraph, RopeSpec, attn_tensors, default_scale, ffn_tensors,
                                   head_tensors, rope_scaling)
 
@@ -45,6 +48,19 @@ class LlamaModel(ModelDef):
         self.rope_factors = "rope_freqs.weight" if factors is not None else None
         return hp
 
+    # ---- MoE: llama with experts (Mixtral), models/moe.py --------------------------------
+    @cached_property
+    def moe(self) -> MoeSpec | None:
+        """The experts' layout when the file has expert_count (their width is
+        feed_forward_length, weights renormalised: llama.cpp's llama), else None."""
+        if not self.meta.count("expert_count", 0, lo=0):
+            return None
+        return read_moe_spec(self, norm=True, n_ff=self.hp.n_ff)
+
+    def weight_bytes_per_token(self) -> int:
+        return moe_weight_bytes_per_token(self, self.moe) if self.moe else super().weight_bytes_per_token()
+    # ---- end MoE --------------------------------------------------------------------------
+
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         hp = self.hp
         t = head_tensors(self)
@@ -53,7 +69,11 @@ class LlamaModel(ModelDef):
         for il in range(hp.n_layer):
             p = f"blk.{il}."
             t.update(attn_tensors(self, p, bias="optional", o_bias=True))
-            t.update(ffn_tensors(self, p, bias=True))
+            if self.moe:  # MoE (Mixtral)
+                t[p + "ffn_norm.weight"] = (hp.n_embd,)
+                t.update(moe_tensors(self, p, self.moe))
+            else:
+                t.update(ffn_tensors(self, p, bias=True))
         return t
 
     def attn_spec(self, il: int) -> AttnSpec:
@@ -66,5 +86,8 @@ class LlamaModel(ModelDef):
         g = DecoderGraph(self, params)
         h = g.embed()
         for il in range(self.hp.n_layer):
+            if self.moe:  # MoE (Mixtral): the experts in place of the FFN
+                h = moe_layer(g, il, h, self.attn_spec(il), self.moe, qkv_bias="optional", o_bias=True)
+                continue
             h = g.pre_norm_layer(il, h, self.attn_spec(il), qkv_bias="optional", o_bias=True, ffn_bias=True)
         return g.head(h)
