@@ -293,3 +293,79 @@ def test_a_template_without_tools_gets_them_in_the_system_message(synth_model):
 def test_malformed_schemas_are_grammar_errors_with_the_engines_reason(engine, schema):
     with pytest.raises(GrammarError, match="cannot be compiled: .+"):
         engine.json_schema(schema, strict=True)
+
+
+# -- Qwen3-Coder's XML calls, and the real templates of each family ------------------------------
+
+from minfer.server.tools import Qwen3Coder  # noqa: E402
+
+WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
+                                     "mode": {"type": "integer"}, "tags": {"type": "array"}},
+    "required": ["path", "content"]}}}
+CODER_CALL = ('<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n'
+              'if a < b:\n    x = "<tag>"\n\n</parameter>\n<parameter=mode>\n644\n</parameter>\n'
+              '<parameter=tags>\n["x", 1]\n</parameter>\n</function>\n</tool_call>')
+CODER_ARGS = {"path": "a.py", "content": 'if a < b:\n    x = "<tag>"\n', "mode": 644, "tags": ["x", 1]}
+
+
+def test_qwen3_coder_calls_are_typed_by_their_schema():
+    schemas = {"write_file": WRITE["function"]["parameters"]}
+    text, calls = split_output(Qwen3Coder(), "I will write it.\n" + CODER_CALL, names=["write_file"], schemas=schemas)
+    assert text == "I will write it." and _calls(calls) == [("write_file", CODER_ARGS)]
+    st = ToolStream(Qwen3Coder(), True, ["write_file"], schemas)
+    items = [it for i in range(0, len(CODER_CALL), 5) for it in st.feed(CODER_CALL[i:i + 5])] + st.finish()
+    assert _calls([v for k, v in items if k == "call"]) == [("write_file", CODER_ARGS)]
+    # without <tool_call>, and a string parameter that looks like a number stays a string
+    _, calls = split_output(Qwen3Coder(), "<function=write_file>\n<parameter=path>\n42\n</parameter>\n"
+                                          "<parameter=content>\nx\n</parameter>\n</function>", schemas=schemas)
+    assert _calls(calls) == [("write_file", {"path": "42", "content": "x"})]
+
+
+def test_qwen3_coder_grammar(real_model_path):
+    tok = Tokenizer.from_gguf_path(real_model_path)
+    eng = GrammarEngine(tok)
+    g = eng.lark(Qwen3Coder().grammar([WRITE, SEARCH], True, eng.token_ref, lenient=False))
+    assert g.matcher().valid(tok.encode(CODER_CALL))
+    assert not g.matcher().valid(tok.encode(CODER_CALL.replace("644", '"644"')))
+    assert not g.matcher().valid(tok.encode(CODER_CALL.replace("<parameter=path>\na.py\n</parameter>\n", "")))
+
+
+def test_mistral_small_calls_with_their_own_id():
+    _, calls = split_output(Mistral(args_tag=True), '[TOOL_CALLS]search[CALL_ID]abcDEF123[ARGS]{"q": "x"}',
+                            names=NAMES)
+    assert _calls(calls) == [("search", {"q": "x"})]
+
+
+REAL_TEMPLATES = [
+    ("Qwen-Qwen2.5-7B-Instruct.jinja", "hermes"), ("Qwen-Qwen3-0.6B.jinja", "hermes"),
+    ("Qwen3-Coder.jinja", "qwen3coder"), ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja", "hermes"),
+    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "hermes"),
+    ("meta-llama-Llama-3.1-8B-Instruct.jinja", "llama3"), ("meta-llama-Llama-3.2-3B-Instruct.jinja", "llama3"),
+    ("meta-llama-Llama-3.3-70B-Instruct.jinja", "llama3"), ("mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral"),
+    ("Mistral-Small-3.2-24B-Instruct-2506.jinja", "mistral"), ("unsloth-mistral-Devstral-Small-2507.jinja", "mistral"),
+]
+
+
+@pytest.mark.parametrize("name,family", REAL_TEMPLATES)
+def test_real_templates_detect_their_family_and_render_a_tool_loop(name, family):
+    """llama.cpp's copies of real models' chat templates: the family is detected, and a
+    conversation with tools, a call (its arguments as the object the templates want)
+    and its result renders (Mistral's templates insist on 9-character ids)."""
+    from families import template
+
+    from minfer.chat import render_chat
+    from minfer.server.protocol import parse_chat
+
+    text = template(name)
+    fmt = detect(text)
+    assert fmt.name == family
+    cid = fmt.new_id() if family == "mistral" else "call_1"
+    req = parse_chat({"messages": [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": cid, "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": cid, "content": "sunny"}], "tools": [WEATHER]})
+    out = render_chat(req.messages, add_generation_prompt=True, template=text, tools=req.tools, bos_token="<s>",
+                      eos_token="</s>")
+    assert all(x in out for x in ("get_weather", "Paris", "sunny", "maxLength"))     # the tool and the loop

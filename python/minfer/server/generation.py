@@ -318,7 +318,7 @@ async def collect(run: Run) -> list[ChoiceOut] | Event:
     for c, p in zip(choices, parts):
         c.text = "".join(p)
         if fmt is not None:
-            st = ToolStream(fmt, req.parallel_tool_calls, tool_names(req))
+            st = ToolStream(fmt, req.parallel_tool_calls, tool_names(req), tool_schemas(req))
             items = st.feed(c.text) + st.finish()
             c.calls = [v for k, v in items if k == "call"]
             text = "".join(v for k, v in items if k == "text")
@@ -332,11 +332,16 @@ def tool_names(req: GenRequest) -> list[str]:
     return [t["function"]["name"] for t in req.tools or ()]
 
 
+def tool_schemas(req: GenRequest) -> dict:
+    return {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools or ()}
+
+
 class ChoiceText:
     """A streaming choice: text pieces in, ("text", str) / ("call", ToolCall) items out."""
 
     def __init__(self, fmt: ToolFormat | None, req: GenRequest):
-        self.stream = ToolStream(fmt, req.parallel_tool_calls, tool_names(req)) if fmt is not None else None
+        self.stream = ToolStream(fmt, req.parallel_tool_calls, tool_names(req), tool_schemas(req)) \
+            if fmt is not None else None
         self.calls = 0
 
     def feed(self, text: str) -> list:

@@ -7,6 +7,7 @@ does); the model answers in its family's own spelling:
   hermes   Qwen2.5 / Qwen3 / Hermes:  <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>
   llama3   Llama 3.1+:  {"name": ..., "parameters": {...}} as the whole answer, or after <|python_tag|>
   mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]   or   [TOOL_CALLS]name[ARGS]{...}
+  qwen3coder  Qwen3-Coder:  <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>
 
 `detect(template)` picks the family from the chat template's text (hermes when it names
 none). `ToolStream` parses an output as it streams: text that cannot be part of a call
@@ -52,8 +53,10 @@ class ToolFormat:
         """Where the call block at the start of buf ends (None: not yet / at the end)."""
         return None
 
-    def parse_block(self, block: str) -> list[tuple[str, dict]] | None:
-        """(name, arguments) of each call in a block, or None when it is not calls."""
+    def parse_block(self, block: str, schemas: dict | None = None) -> list[tuple[str, dict]] | None:
+        """(name, arguments) of each call in a block, or None when it is not calls.
+        schemas: each tool's parameters schema by name (formats that write values as
+        text type them by it)."""
         raise NotImplementedError
 
     def grammar(self, tools: list[dict], parallel: bool, ref, lenient: bool) -> str:
@@ -153,7 +156,7 @@ class Hermes(ToolFormat):
         j = buf.find(self.END)
         return None if j < 0 else j + len(self.END)
 
-    def parse_block(self, block: str):
+    def parse_block(self, block: str, schemas: dict | None = None):
         if block.startswith("<tool_call>"):
             body = block[len("<tool_call>"):]
             if body.endswith(self.END):
@@ -179,7 +182,7 @@ class Llama3(ToolFormat):
     starts = ("<|python_tag|>",)
     json_at_start = True
 
-    def parse_block(self, block: str):
+    def parse_block(self, block: str, schemas: dict | None = None):
         body = block[len("<|python_tag|>"):] if block.startswith("<|python_tag|>") else block
         vals = _json_values(body.strip())
         if not vals:
@@ -204,12 +207,13 @@ class Mistral(ToolFormat):
         # Mistral's templates insist on 9 alphanumeric characters.
         return "".join(secrets.choice(self.ALNUM) for _ in range(9))
 
-    def parse_block(self, block: str):
+    def parse_block(self, block: str, schemas: dict | None = None):
         calls = []
         for part in block.split("[TOOL_CALLS]")[1:]:
             part = part.strip()
             if "[ARGS]" in part:
                 name, _, args = part.partition("[ARGS]")
+                name = name.split("[CALL_ID]")[0]        # Mistral Small 3.2 may write its own id
                 a = _json_values(args.strip())
                 if not name.strip() or not a or len(a) != 1 or not isinstance(a[0], dict):
                     return None
@@ -241,11 +245,82 @@ class Mistral(ToolFormat):
         return f"start: {ref('[TOOL_CALLS]')} args\nargs: %json {json.dumps(_with_ws(arr, lenient))}\n"
 
 
-FORMATS = {"hermes": Hermes, "llama3": Llama3, "mistral": Mistral}
+class Qwen3Coder(ToolFormat):
+    """Qwen3-Coder's XML calls: <tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n
+    </function>\n</tool_call>, values as text (typed by the parameter's schema: a
+    string stays text, anything else is read as JSON)."""
+
+    name = "qwen3coder"
+    starts = ("<tool_call>", "<function=")
+    FUNC = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+    PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def block_end(self, buf: str) -> int | None:
+        end = "</tool_call>" if buf.startswith("<tool_call>") else "</function>"
+        j = buf.find(end)
+        return None if j < 0 else j + len(end)
+
+    def parse_block(self, block: str, schemas: dict | None = None):
+        funcs = self.FUNC.findall(block)
+        if not funcs:
+            return None
+        rest = self.FUNC.sub("", block).replace("<tool_call>", "").replace("</tool_call>", "")
+        if rest.strip():
+            return None
+        calls = []
+        for name, body in funcs:
+            name = name.strip()
+            props = ((schemas or {}).get(name) or {}).get("properties") or {}
+            args = {}
+            for pname, raw in self.PARAM.findall(body):
+                pname = pname.strip()
+                t = (props.get(pname) or {}).get("type")
+                if t == "string" or (isinstance(t, list) and "string" in t and raw.strip()[:1] not in "{[\""):
+                    args[pname] = raw
+                    continue
+                try:
+                    args[pname] = json.loads(raw)
+                except ValueError:
+                    args[pname] = raw
+            if self.PARAM.sub("", body).strip():
+                return None
+            calls.append((name, args))
+        return calls
+
+    def grammar(self, tools, parallel, ref, lenient):
+        rules, alts = [], []
+        for k, t in enumerate(tools):
+            f = t["function"]
+            params = _schema(f.get("parameters"), lenient)
+            req = set(params.get("required") or ())
+            parts = []
+            for j, (pname, ps) in enumerate((params.get("properties") or {}).items()):
+                ps = ps if isinstance(ps, dict) else {}
+                head = json.dumps(f"<parameter={pname}>\n")
+                if ps.get("type") == "string":
+                    # Text without "</", then the closing tag, as one lexeme: the text's
+                    # own newlines and the one before the tag cannot be confused.
+                    rules.append(f"v{k}_{j}: /([^<]|<[^\\/])*\\n<\\/parameter>\\n/")
+                    part = f"{head} v{k}_{j}"
+                else:
+                    rules.append(f"v{k}_{j}: %json {json.dumps(_with_ws(ps, lenient))}")
+                    part = f"{head} v{k}_{j} " + json.dumps("\n</parameter>\n")
+                parts.append(part if pname in req else f"({part})?")
+            body = " ".join([json.dumps(f"<function={f['name']}>\n"), *parts, json.dumps("</function>\n")])
+            rules.append(f"f{k}: {body}")
+            alts.append(f"f{k}")
+        call = f"call: {ref('<tool_call>')} \"\\n\" ({' | '.join(alts)}) {ref('</tool_call>')}"
+        rep = ' ("\\n" call)*' if parallel else ""
+        return "\n".join([f"start: call{rep}", call, *rules]) + "\n"
+
+
+FORMATS = {"hermes": Hermes, "llama3": Llama3, "mistral": Mistral, "qwen3coder": Qwen3Coder}
 
 
 def detect(template: str | None) -> ToolFormat:
     t = template or ""
+    if "<function=" in t and "<parameter=" in t:
+        return Qwen3Coder()
     if "[TOOL_CALLS]" in t:
         return Mistral(args_tag="[ARGS]" in t)
     if "<tool_call>" in t:
@@ -260,10 +335,11 @@ class ToolStream:
     finish() return items, ("text", str) or ("call", ToolCall). parallel=False keeps
     the first call only (the rest of the output is dropped)."""
 
-    def __init__(self, fmt: ToolFormat, parallel: bool = True, names=None):
+    def __init__(self, fmt: ToolFormat, parallel: bool = True, names=None, schemas: dict | None = None):
         self.fmt = fmt
         self.parallel = parallel
         self.names = set(names) if names is not None else None   # a call of another name is text
+        self.schemas = schemas
         self.buf = ""
         self.in_call = False
         self.seen_text = False        # non-blank text released (a bare JSON answer is then text)
@@ -304,7 +380,7 @@ class ToolStream:
     def _calls(self, block: str, out: list) -> None:
         if not self.parallel and self.calls:
             return                    # a second call where one was asked for: dropped
-        parsed = self.fmt.parse_block(block)
+        parsed = self.fmt.parse_block(block, self.schemas)
         if parsed is not None and self.names is not None and any(n not in self.names for n, _ in parsed):
             parsed = None
         if parsed is None:
@@ -348,9 +424,10 @@ class ToolStream:
         return out
 
 
-def split_output(fmt: ToolFormat, text: str, parallel: bool = True, names=None) -> tuple[str, list[ToolCall]]:
+def split_output(fmt: ToolFormat, text: str, parallel: bool = True, names=None,
+                 schemas: dict | None = None) -> tuple[str, list[ToolCall]]:
     """A whole output: its text (outside calls, stripped) and its calls."""
-    st = ToolStream(fmt, parallel, names)
+    st = ToolStream(fmt, parallel, names, schemas)
     items = st.feed(text) + st.finish()
     content = "".join(v for k, v in items if k == "text")
     calls = [v for k, v in items if k == "call"]
