@@ -485,3 +485,33 @@ def test_models_dir_loads_on_demand_and_unloads_the_least_recent(tmp_path):
     assert code == 0, err
     assert "Traceback" not in err, err
     assert "Traceback" not in err, err
+
+
+# -- another family end to end: a Llama 3 model (llama3 tool format) ------------------------------
+
+
+def test_a_llama3_model_makes_required_calls_in_its_own_format():
+    """tests/families.py's tiny random-weight Llama 3 (Llama 3.1's chat template, its
+    byte-level vocabulary): a required call is decoded under the llama3 grammar (a bare
+    {"name", "parameters"} object), parsed into tool_calls, streamed and not."""
+    import families
+
+    path = families.ensure("llama3", types=("Q8_0",))["Q8_0"]
+    srv = ServerProcess.custom(str(path), slots=2, ctx=2048, chunk=256, timeout=30)
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert c.models.list().data[0].meta["tool_format"] == "llama3"
+        r = c.chat.completions.create(model="llama3", messages=MSG, tools=TOOLS, tool_choice="required",
+                                      temperature=1.0, seed=7, max_tokens=300)
+        assert r.choices[0].finish_reason == "tool_calls"
+        _check_calls(r.choices[0].message.tool_calls)
+        stream = c.chat.completions.create(model="llama3", messages=MSG, tools=TOOLS, temperature=1.0, seed=8,
+                                           tool_choice={"type": "function", "function": {"name": "search"}},
+                                           max_tokens=300, stream=True)
+        args = "".join(tc.function.arguments or "" for ch in stream for d in ch.choices
+                       for tc in d.delta.tool_calls or [] if tc.function)
+        jsonschema.validate(json.loads(args), PARAMS["search"])
+    finally:
+        code, err = srv.terminate()
+    assert code == 0, err
+    assert "Traceback" not in err, err
