@@ -22,6 +22,7 @@ Nothing else of the conversion is changed.
 
     python tests/families.py                 # build every variant now, print the paths
     python tests/families.py llama3 gemma3   # some
+    python tests/families.py check-tokenize  # against llama.cpp's llama-tokenize (a dev check)
 """
 
 from __future__ import annotations
@@ -430,7 +431,59 @@ def ensure(name: str, types=TYPES) -> dict:
     return out
 
 
+def llama_tokenize_check(names) -> int:
+    """A development check, not a test: minfer's tokenization of the tokenizer corpus and
+    of rendered chat prompts against llama.cpp's own llama-tokenize on each variant's GGUF
+    (needs `ninja llama-tokenize` in llama_quants_ref's build-quantize directory). The
+    tool reads escapes like \\n in its input, so texts with a backslash are skipped; a
+    chat prompt's leading BOS text is dropped before the comparison (the tool adds BOS
+    again where minfer, like llama.cpp's chat path, does not)."""
+    from test_tokenizer import CORPUS
+
+    from minfer.tokenizer import Tokenizer
+
+    b = llama_quants_ref.cache_dir() / "build-quantize" / "bin"
+    env = dict(os.environ, LD_LIBRARY_PATH=str(b))
+    convs = [[{"role": "user", "content": "Hello there, how are you?"}],
+             [{"role": "user", "content": "Write 2+2."}, {"role": "assistant", "content": "It is 4."},
+              {"role": "user", "content": "Thanks!  Bye"}]]
+
+    def lcpp(path, text):
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".txt", delete=False) as f:
+            f.write(text)
+        try:
+            r = subprocess.run([str(b / "llama-tokenize"), "-m", str(path), "-f", f.name, "--ids", "--log-disable"],
+                               capture_output=True, text=True, env=env)
+        finally:
+            os.unlink(f.name)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
+        return json.loads(lines[-1]) if lines else None
+
+    bad = 0
+    for name in names:
+        path = ensure(name, ("F32",))["F32"]
+        tok = Tokenizer.from_gguf_path(path)
+        texts = [t for t in CORPUS if t and "\\" not in t]
+        diff = [t for t in texts if tok.encode(t) != lcpp(path, t)]
+        chat = []
+        for c in convs:
+            try:
+                text = tok.render_chat(c)
+            except Exception:  # noqa: BLE001  (a template that refuses the conversation)
+                continue
+            bos = tok.token_to_piece(tok.bos_id) if tok.bos_id is not None else None
+            if bos and tok.add_bos and text.startswith(bos):
+                text = text[len(bos):]
+            chat.append(tok.encode(text) == lcpp(path, text))
+        print(f"{name}: corpus {len(texts) - len(diff)}/{len(texts)} equal, chat prompts {chat}"
+              + (f"; first differing {diff[:2]!r}" if diff else ""))
+        bad += len(diff) + chat.count(False)
+    return 1 if bad else 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["check-tokenize"]:
+        sys.exit(llama_tokenize_check(sys.argv[2:] or list(VARIANTS)))
     for n in sys.argv[1:] or list(VARIANTS):
         paths = ensure(n)
         print(n, {k: str(p) for k, p in paths.items()})
