@@ -120,15 +120,15 @@ def test_fused_and_unfused_swiglu_are_bitwise_identical(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    path = tmp_path / "llama.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match=r"'llama'.*qwen2, qwen3"):
+    with pytest.raises(UnsupportedModelError, match=r"'falcon'.*qwen2, qwen3, llama"):
         load_model(GGUFFile.open(path))
 
 
