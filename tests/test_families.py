@@ -441,6 +441,7 @@ def _patched(src, dst, *, set_kv=None, drop=(), arch=None):
 @pytest.mark.parametrize("name, key, value, match", [
     ("llama2", "llama.rope.scaling.type", "yarn", "llama: rope scaling type 'yarn' is not supported"),
     ("llama3", "llama.rope.dimension_count", 32, "rope.dimension_count 32 must equal the head dim 64"),
+    ("llama3", "llama.vocab_size", 1000, "llama.vocab_size 1000 disagrees with token_embd.weight's"),
     ("phi3", "phi3.rope.scaling.type", "yarn", "phi3: rope scaling type 'yarn' is not supported"),
     ("gemma3", "gemma3.rope.scaling.type", "yarn", "gemma3: rope scaling type 'yarn' is not supported"),
 ])

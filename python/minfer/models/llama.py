@@ -40,6 +40,10 @@ class LlamaModel(ModelDef):
         if n_rot != hp.head_dim:
             raise UnsupportedModelError(f"{self.arch}: rope.dimension_count {n_rot} must equal the head dim "
                                         f"{hp.head_dim} (llama.cpp: invalid n_rot)")
+        n_vocab = md.count("vocab_size", hp.n_vocab)
+        if n_vocab != hp.n_vocab:
+            raise UnsupportedModelError(f"{g.path}: {self.arch}.vocab_size {n_vocab} disagrees with token_embd.weight's "
+                                        f"{hp.n_vocab} rows")
         self.freq_scale = rope_scaling(self)
         factors = g.tensors.get("rope_freqs.weight")
         if factors is not None and tuple(int(d) for d in factors.shape) not in ((hp.head_dim // 2,), (hp.head_dim // 2, 1)):
