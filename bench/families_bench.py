@@ -9,10 +9,11 @@ its llama3 rope_freqs; Gemma 3 a synthetic 262144-token SentencePiece vocabulary
 weights make the same work per token as trained ones.
 
     python bench/families_bench.py make                  # the models, under $MINFER_CACHE/families-bench
-    python bench/families_bench.py run [-t 2] [-r 3]     # minfer bench, and llama-bench when built
+    python bench/families_bench.py run [-t 2] [-r 3] [--rounds 2]   # minfer bench, and llama-bench when built
 
-llama-bench is taken from tests/llama_quants_ref's build of the sdist's llama.cpp
-(llama-ref/<version>/build-quantize/bin, `ninja llama-bench` there), if present.
+llama-bench is the sdist's llama.cpp (tests/llama_quants_ref fetches it), built once
+natively without AMX under llama-ref/<version>/build-bench-noamx (the first run builds it,
+about 10 minutes on 2 cores), run with -fa 0,1 as the README's llama.cpp rows are.
 """
 
 from __future__ import annotations
@@ -172,36 +173,61 @@ def make(name: str) -> Path:
     return q
 
 
-def llama_bench() -> Path | None:
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def llama_bench(build: bool = False) -> Path | None:
+    """llama-bench of the sdist's llama.cpp, built natively without AMX (VMs that report
+    AMX do not all grant it, and ggml's AMX path then crashes), as bench/cpu_sweep.py
+    builds it; build=True builds it when missing (~10 minutes on 2 cores)."""
     import llama_quants_ref
 
-    p = llama_quants_ref.cache_dir() / "build-quantize" / "bin" / "llama-bench"
-    return p if p.exists() else None
+    d = llama_quants_ref.cache_dir() / "build-bench-noamx"
+    p = d / "bin" / "llama-bench"
+    if p.exists() or not build:
+        return p if p.exists() else None
+    src = llama_quants_ref.unpack_full()
+    subprocess.run(["cmake", "-S", str(src), "-B", str(d), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                    "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_CUDA=OFF",
+                    f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"], check=True)
+    subprocess.run(["cmake", "--build", str(d), "-j2", "--target", "llama-bench"], check=True)
+    return p
 
 
-def run(threads: int, reps: int, pp: int, tg: int) -> list:
+def _minfer(path: Path, threads: int, reps: int, pp: int, tg: int) -> list:
+    r = subprocess.run([sys.executable, "-m", "minfer.cli", "bench", str(path), "-p", str(pp), "-n", str(tg),
+                        "-t", str(threads), "-r", str(reps), "-o", "json"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"minfer bench failed on {path}: {r.stderr[-2000:]}")
+    return [(f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}", "", row["avg_ts"], row["stddev_ts"])
+            for row in json.loads(r.stdout)]
+
+
+def _llama(lb: Path, path: Path, threads: int, reps: int, pp: int, tg: int) -> list:
+    env = dict(os.environ, LD_LIBRARY_PATH=str(lb.parent))
+    r = subprocess.run([str(lb), "-m", str(path), "-p", str(pp), "-n", str(tg), "-t", str(threads), "-r", str(reps),
+                        "-fa", "0,1", "-o", "json"], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"llama-bench failed on {path}: {r.stderr[-2000:]}")
+    return [(f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}", f"fa={int(row.get('flash_attn', 0))}",
+             row["avg_ts"], row["stddev_ts"]) for row in json.loads(r.stdout)]
+
+
+def run(threads: int, reps: int, pp: int, tg: int, rounds: int) -> list:
+    """Rounds alternate the engines (minfer, then llama.cpp, per model), so a neighbour
+    slowing the machine slows both."""
     rows = []
-    for name in SHAPES:
-        path = make(name)
-        r = subprocess.run([sys.executable, "-m", "minfer.cli", "bench", str(path), "-p", str(pp), "-n", str(tg),
-                            "-t", str(threads), "-r", str(reps), "-o", "json"], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"minfer bench failed on {name}: {r.stderr[-2000:]}")
-        for row in json.loads(r.stdout):
-            test = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
-            rows.append({"model": name, "engine": "minfer", "test": test, "t/s": row["avg_ts"],
-                         "stddev": row["stddev_ts"]})
-        lb = llama_bench()
-        if lb is not None:
-            env = dict(os.environ, LD_LIBRARY_PATH=str(lb.parent))
-            r = subprocess.run([str(lb), "-m", str(path), "-p", str(pp), "-n", str(tg), "-t", str(threads),
-                                "-r", str(reps), "-o", "json"], capture_output=True, text=True, env=env)
-            if r.returncode != 0:
-                raise SystemExit(f"llama-bench failed on {name}: {r.stderr[-2000:]}")
-            for row in json.loads(r.stdout):
-                test = f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
-                rows.append({"model": name, "engine": "llama.cpp", "test": test, "t/s": row["avg_ts"],
-                             "stddev": row["stddev_ts"]})
+    lb = llama_bench(build=True)
+    paths = {name: make(name) for name in SHAPES}
+    for rnd in range(rounds):
+        for name, path in paths.items():
+            for test, note, ts, sd in _minfer(path, threads, reps, pp, tg):
+                rows.append({"round": rnd + 1, "model": name, "engine": "minfer", "test": test, "t/s": ts, "stddev": sd})
+            if lb is not None:
+                for test, note, ts, sd in _llama(lb, path, threads, reps, pp, tg):
+                    rows.append({"round": rnd + 1, "model": name, "engine": f"llama.cpp {note}", "test": test,
+                                 "t/s": ts, "stddev": sd})
     return rows
 
 
@@ -214,16 +240,18 @@ def main() -> int:
     r.add_argument("-r", "--repetitions", type=int, default=3)
     r.add_argument("-p", "--n-prompt", type=int, default=512)
     r.add_argument("-n", "--n-gen", type=int, default=128)
+    r.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     if args.cmd == "make":
         for name in SHAPES:
             print(make(name))
         return 0
-    rows = run(args.threads, args.repetitions, args.n_prompt, args.n_gen)
-    print("| model | engine | test | t/s |")
-    print("|---|---|---|---|")
+    rows = run(args.threads, args.repetitions, args.n_prompt, args.n_gen, args.rounds)
+    print("| round | model | engine | test | t/s |")
+    print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['model']} Q4_K_M | {row['engine']} | {row['test']} | {row['t/s']:.2f} ± {row['stddev']:.2f} |")
+        print(f"| {row['round']} | {row['model']} Q4_K_M | {row['engine']} | {row['test']} | "
+              f"{row['t/s']:.2f} ± {row['stddev']:.2f} |", flush=True)
     return 0
 
 
