@@ -23,6 +23,7 @@ Nothing else of the conversion is changed.
     python tests/families.py                 # build every variant now, print the paths
     python tests/families.py llama3 gemma3   # some
     python tests/families.py check-tokenize  # against llama.cpp's llama-tokenize (a dev check)
+    python tests/families.py check-perplexity  # against llama.cpp's llama-perplexity (a dev check)
 """
 
 from __future__ import annotations
@@ -481,9 +482,45 @@ def llama_tokenize_check(names) -> int:
     return 1 if bad else 0
 
 
+def llama_perplexity_check(names) -> int:
+    """A development check, not a test: `minfer perplexity` against llama.cpp's
+    llama-perplexity (built by bench/families_bench.py's llama_bench(build=True) directory,
+    `cmake --build ... --target llama-perplexity`) on every variant and type, 6 chunks of
+    the corpus. llama.cpp pads a context to at least 256 tokens, so the LongRoPE variants
+    use a 64-token context (past their original 32: the long factors on both sides); Phi-3's
+    sliding window, which llama.cpp ignores, makes phi3 differ by design (see
+    docs/models.md). Prints a Markdown table."""
+    import re
+
+    b = llama_quants_ref.cache_dir() / "build-bench-noamx" / "bin" / "llama-perplexity"
+    text = Path(tempfile.mkdtemp()) / "ppl.txt"
+    text.write_text(corpus() * 3, encoding="utf-8")
+
+    def ppl(cmd):
+        for _ in range(3):   # llama.cpp's log thread sometimes loses its last line at exit
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            m = re.search(r"Final estimate: PPL = ([0-9.e+]+)", r.stdout + r.stderr)
+            if m:
+                return float(m.group(1))
+        raise RuntimeError(f"no perplexity from {cmd[0]}: {(r.stdout + r.stderr)[-500:]}")
+
+    print("| variant | type | minfer | llama.cpp | relative difference |\n|---|---|---:|---:|---:|")
+    for name in names:
+        ctx = "64" if VARIANTS[name].config.get("original_max_position_embeddings", 512) < 64 else "128"
+        for t in TYPES:
+            p = str(ensure(name)[t])
+            a = ppl([sys.executable, "-m", "minfer.cli", "perplexity", p, "-f", str(text), "--ctx", ctx, "--chunks", "6",
+                     "-t", "2"])
+            c = ppl([str(b), "-m", p, "-f", str(text), "-c", ctx, "--chunks", "6", "-t", "2", "-fa", "off"])
+            print(f"| {name} | {t} | {a:.6g} | {c:.6g} | {abs(a - c) / c:.1e} |", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["check-tokenize"]:
         sys.exit(llama_tokenize_check(sys.argv[2:] or list(VARIANTS)))
+    if sys.argv[1:2] == ["check-perplexity"]:
+        sys.exit(llama_perplexity_check(sys.argv[2:] or list(VARIANTS)))
     for n in sys.argv[1:] or list(VARIANTS):
         paths = ensure(n)
         print(n, {k: str(p) for k, p in paths.items()})

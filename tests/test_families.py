@@ -430,7 +430,7 @@ def _patched(src, dst, *, set_kv=None, drop=(), arch=None):
     for k, (v, vt) in (set_kv or {}).items():
         w.add_key_value(k, v, vt)
     for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])), raw_dtype=t.tensor_type)
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)   # data in numpy order (bytes for quantized rows)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
