@@ -685,18 +685,23 @@ class Engine:
 
     def _pick_from_row(self, s: Sequence, row: np.ndarray) -> None:
         """A pick that needs the whole row: masked, and/or with logprobs."""
-        use = row
-        if s.mask is not None:
-            allowed = s.mask(s)
-            if allowed is not None:
-                allowed = np.asarray(allowed, dtype=bool)
-                if allowed.shape != (row.size,):
-                    raise MinferError(f"a token mask must have {row.size} entries, got {allowed.shape}")
-                if not allowed.any():
-                    self._fail(s, MinferError("the token mask allows no token"))
-                    return
-                use = np.where(allowed, row, np.float32(-3.0e38)).astype(np.float32)
-        t = int(np.argmax(use)) if s.sampling.plain_greedy else s.sampler.sample(use)
+        allowed = s.mask(s) if s.mask is not None else None
+        if allowed is None:
+            t = int(np.argmax(row)) if s.sampling.plain_greedy else s.sampler.sample(row)
+        else:
+            allowed = np.asarray(allowed, dtype=bool)
+            if allowed.shape != (row.size,):
+                raise MinferError(f"a token mask must have {row.size} entries, got {allowed.shape}")
+            ids = np.flatnonzero(allowed)
+            if ids.size == 0:
+                self._fail(s, MinferError("the token mask allows no token"))
+                return
+            if s.sampling.plain_greedy:   # the first best allowed id, as argmax of the masked row
+                t = int(ids[np.argmax(row[ids])])
+            else:
+                # Disallowed ids far below any logit (finite: the candidate selection
+                # refuses NaN/Inf), so no filter keeps them and their weight is 0.
+                t = s.sampler.sample(np.where(allowed, row, np.float32(-3.0e38)).astype(np.float32))
         lp = top = None
         if s.logprobs is not None:
             lp, top = top_logprobs(row, t, s.logprobs)
