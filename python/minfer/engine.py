@@ -690,8 +690,9 @@ class Engine:
             t = int(np.argmax(row)) if s.sampling.plain_greedy else s.sampler.sample(row)
         else:
             allowed = np.asarray(allowed, dtype=bool)
-            if allowed.shape != (row.size,):
-                raise MinferError(f"a token mask must have {row.size} entries, got {allowed.shape}")
+            if allowed.shape != (row.size,):   # the hook's bug: its own sequence fails
+                self._fail(s, MinferError(f"a token mask must have {row.size} entries, got {allowed.shape}"))
+                return
             ids = np.flatnonzero(allowed)
             if ids.size == 0:
                 self._fail(s, MinferError("the token mask allows no token"))
