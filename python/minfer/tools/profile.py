@@ -90,6 +90,11 @@ class Profiler:
 
     def _bytes(self, node: dict) -> int:
         meta = node.get("meta") or {}
+        if node["op"] == "MatMulId" and "weight_name" in meta:
+            # MoE experts: a step reads the picked experts' rows only, at most k per token.
+            k, nt = node["shape"][1], node["shape"][2]
+            ne = meta["n_expert"]
+            return self.weight_bytes(meta["weight_name"]) * min(ne, k * nt) // ne
         if node["op"] not in MATMUL_OPS or "weight_name" not in meta:
             return 0
         return self.weight_bytes(meta["weight_name"])
