@@ -220,14 +220,21 @@ def run(threads: int, reps: int, pp: int, tg: int, rounds: int) -> list:
     rows = []
     lb = llama_bench(build=True)
     paths = {name: make(name) for name in SHAPES}
-    for rnd in range(rounds):
+    print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    print("| round | model | engine | test | t/s |\n|---|---|---|---|---|", flush=True)
+
+    def add(rnd, name, engine, test, ts, sd):
+        rows.append({"round": rnd, "model": name, "engine": engine, "test": test, "t/s": ts, "stddev": sd})
+        print(f"| {rnd} | {name} Q4_K_M | {engine} | {test} | {ts:.2f} ± {sd:.2f} |", flush=True)
+
+    for rnd in range(1, rounds + 1):
         for name, path in paths.items():
             for test, note, ts, sd in _minfer(path, threads, reps, pp, tg):
-                rows.append({"round": rnd + 1, "model": name, "engine": "minfer", "test": test, "t/s": ts, "stddev": sd})
+                add(rnd, name, "minfer", test, ts, sd)
             if lb is not None:
                 for test, note, ts, sd in _llama(lb, path, threads, reps, pp, tg):
-                    rows.append({"round": rnd + 1, "model": name, "engine": f"llama.cpp {note}", "test": test,
-                                 "t/s": ts, "stddev": sd})
+                    add(rnd, name, f"llama.cpp {note}", test, ts, sd)
+    print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
     return rows
 
 
@@ -246,12 +253,7 @@ def main() -> int:
         for name in SHAPES:
             print(make(name))
         return 0
-    rows = run(args.threads, args.repetitions, args.n_prompt, args.n_gen, args.rounds)
-    print("| round | model | engine | test | t/s |")
-    print("|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['round']} | {row['model']} Q4_K_M | {row['engine']} | {row['test']} | "
-              f"{row['t/s']:.2f} ± {row['stddev']:.2f} |", flush=True)
+    run(args.threads, args.repetitions, args.n_prompt, args.n_gen, args.rounds)
     return 0
 
 
