@@ -27,7 +27,7 @@ from minfer.errors import MinferError
 
 app = typer.Typer(
     name="minfer",
-    help="minfer: a local LLM inference engine (GGUF, Qwen2/Qwen3, CPU kernels).",
+    help="minfer: a local LLM inference engine (GGUF models on CPU and CUDA).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
