@@ -19,6 +19,8 @@ Presets (GGUF shapes; ~2 GB each at Q4_K_M):
   of which 1.22 B are read per token (lm head included).
 - mixtral-2g: llama with 8 experts of 4096, 2 per token (Mixtral's layout), n_embd 2048,
   14 layers, 16 heads of 128, 8 KV heads.
+- qwen3-30b-a3b-4l: 4 of Qwen3-30B-A3B's 48 layers as they are (128 experts of 768, 8 per
+  token) with its vocabulary: 1.9 GB, for the real model's per-layer shapes.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ PRESETS = {
     "qwen3moe-2g": dict(arch="qwen3moe", n_layer=16, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
                         n_expert=8, n_used=2, n_ff_exp=3072, n_ff=6144, norm_w=True, qk_norm=True,
                         rope_base=1000000.0),
+    # Qwen3-30B-A3B's layer exactly (128 experts of 768, 8 per token), 4 of its 48 layers.
+    "qwen3-30b-a3b-4l": dict(arch="qwen3moe", n_layer=4, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+                             n_expert=128, n_used=8, n_ff_exp=768, n_ff=6144, norm_w=True, qk_norm=True,
+                             rope_base=1000000.0),
     "mixtral-2g": dict(arch="llama", n_layer=14, n_embd=2048, n_head=16, n_head_kv=8, head_dim=128,
                        n_expert=8, n_used=2, n_ff_exp=4096, n_ff=4096, norm_w=True, qk_norm=False,
                        rope_base=1000000.0),
