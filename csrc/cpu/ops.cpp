@@ -16,24 +16,6 @@ namespace {
 
 using vm::use_simd;
 
-#ifdef MINFER_VEC_AVX2
-// Applies a binary op f(a, b) over [i0, i1); the last partial vector goes through a
-// padded copy so every element, tail included, takes the SIMD arithmetic. That makes
-// the result independent of how the range was split between threads.
-template <class F>
-inline void map2_avx2(const float* a, const float* b, float* y, int64_t i0, int64_t i1, F f) {
-    int64_t i = i0;
-    for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(y + i, f(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-    if (i < i1) {
-        alignas(32) float ta[8] = {0}, tb[8] = {0}, ty[8];
-        const int64_t m = i1 - i;
-        std::memcpy(ta, a + i, m * 4);
-        std::memcpy(tb, b + i, m * 4);
-        _mm256_store_ps(ty, f(_mm256_load_ps(ta), _mm256_load_ps(tb)));
-        std::memcpy(y + i, ty, m * 4);
-    }
-}
-#endif
 
 // 1 when the float's exponent bits are all ones (NaN or +-Inf): integer arithmetic, so
 // the check vectorizes and costs nothing beside the max.
@@ -145,7 +127,7 @@ void add_f32(const float* a, const float* b, float* y, int64_t n, int ith, int n
     vm::share(n, ith, nth, 16, i0, i1);
 #ifdef MINFER_VEC_AVX2
     if (use_simd()) {
-        map2_avx2(a, b, y, i0, i1, [](__m256 x, __m256 z) { return _mm256_add_ps(x, z); });
+        vm::map2(a, b, y, i0, i1, [](__m256 x, __m256 z) { return _mm256_add_ps(x, z); });
         return;
     }
 #endif
@@ -157,7 +139,7 @@ void mul_f32(const float* a, const float* b, float* y, int64_t n, int ith, int n
     vm::share(n, ith, nth, 16, i0, i1);
 #ifdef MINFER_VEC_AVX2
     if (use_simd()) {
-        map2_avx2(a, b, y, i0, i1, [](__m256 x, __m256 z) { return _mm256_mul_ps(x, z); });
+        vm::map2(a, b, y, i0, i1, [](__m256 x, __m256 z) { return _mm256_mul_ps(x, z); });
         return;
     }
 #endif
@@ -170,7 +152,7 @@ void silu_f32(const float* x, float* y, int64_t n, int ith, int nth) {
 #ifdef MINFER_VEC_AVX2
     if (use_simd()) {
         // b is unused; passing x keeps one helper for both arities.
-        map2_avx2(x, x, y, i0, i1, [](__m256 v, __m256) { return vm::silu8(v); });
+        vm::map2(x, x, y, i0, i1, [](__m256 v, __m256) { return vm::silu8(v); });
         return;
     }
 #endif
@@ -182,7 +164,7 @@ void swiglu_f32(const float* g, const float* u, float* y, int64_t n, int ith, in
     vm::share(n, ith, nth, 16, i0, i1);
 #ifdef MINFER_VEC_AVX2
     if (use_simd()) {
-        map2_avx2(g, u, y, i0, i1, [](__m256 a, __m256 b) { return _mm256_mul_ps(vm::silu8(a), b); });
+        vm::map2(g, u, y, i0, i1, [](__m256 a, __m256 b) { return _mm256_mul_ps(vm::silu8(a), b); });
         return;
     }
 #endif

@@ -45,32 +45,6 @@ inline __m256 gelu8(__m256 x) {
     return _mm256_mul_ps(h, _mm256_add_ps(_mm256_set1_ps(1.0f), tanh8(u)));
 }
 
-// f over [i0, i1); the tail through a padded copy so every element takes the SIMD math.
-template <class F>
-inline void map1(const float* x, float* y, int64_t i0, int64_t i1, F f) {
-    int64_t i = i0;
-    for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(y + i, f(_mm256_loadu_ps(x + i)));
-    if (i < i1) {
-        alignas(32) float tx[8] = {0}, ty[8];
-        const int64_t m = i1 - i;
-        std::memcpy(tx, x + i, m * 4);
-        _mm256_store_ps(ty, f(_mm256_load_ps(tx)));
-        std::memcpy(y + i, ty, m * 4);
-    }
-}
-template <class F>
-inline void map2(const float* a, const float* b, float* y, int64_t i0, int64_t i1, F f) {
-    int64_t i = i0;
-    for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(y + i, f(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-    if (i < i1) {
-        alignas(32) float ta[8] = {0}, tb[8] = {0}, ty[8];
-        const int64_t m = i1 - i;
-        std::memcpy(ta, a + i, m * 4);
-        std::memcpy(tb, b + i, m * 4);
-        _mm256_store_ps(ty, f(_mm256_load_ps(ta), _mm256_load_ps(tb)));
-        std::memcpy(y + i, ty, m * 4);
-    }
-}
 #endif
 
 }  // namespace
@@ -86,7 +60,7 @@ void gelu_f32(const float* x, float* y, int64_t n, int ith, int nth) {
     vm::share(n, ith, nth, 16, i0, i1);
 #ifdef MINFER_VEC_AVX2
     if (use_simd()) {
-        map1(x, y, i0, i1, [](__m256 v) { return gelu8(v); });
+        vm::map1(x, y, i0, i1, [](__m256 v) { return gelu8(v); });
         return;
     }
 #endif
@@ -98,7 +72,7 @@ void geglu_f32(const float* g, const float* u, float* y, int64_t n, int ith, int
     vm::share(n, ith, nth, 16, i0, i1);
 #ifdef MINFER_VEC_AVX2
     if (use_simd()) {
-        map2(g, u, y, i0, i1, [](__m256 a, __m256 b) { return _mm256_mul_ps(gelu8(a), b); });
+        vm::map2(g, u, y, i0, i1, [](__m256 a, __m256 b) { return _mm256_mul_ps(gelu8(a), b); });
         return;
     }
 #endif
@@ -115,7 +89,7 @@ void softcap_f32(const float* x, float* y, float cap, int64_t n, int ith, int nt
 #ifdef MINFER_VEC_AVX2
     if (use_simd()) {
         const __m256 vi = _mm256_set1_ps(inv), vc = _mm256_set1_ps(cap);
-        map1(x, y, i0, i1, [&](__m256 v) { return _mm256_mul_ps(vc, tanh8(_mm256_mul_ps(v, vi))); });
+        vm::map1(x, y, i0, i1, [&](__m256 v) { return _mm256_mul_ps(vc, tanh8(_mm256_mul_ps(v, vi))); });
         return;
     }
 #endif

@@ -6,6 +6,7 @@
 // depending on the inlining context; that keeps swiglu bit-identical to silu + mul.
 #pragma once
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 
 #include "common/simd.h"
@@ -88,6 +89,35 @@ inline __m256 silu8(__m256 x) {
     return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
 }
 
+
+// f over [i0, i1) of one / two inputs; the last partial vector goes through a padded copy
+// so every element, tail included, takes the SIMD arithmetic. That makes the result
+// independent of how the range was split between threads.
+template <class F>
+inline void map1(const float* x, float* y, int64_t i0, int64_t i1, F f) {
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(y + i, f(_mm256_loadu_ps(x + i)));
+    if (i < i1) {
+        alignas(32) float tx[8] = {0}, ty[8];
+        const int64_t m = i1 - i;
+        std::memcpy(tx, x + i, m * 4);
+        _mm256_store_ps(ty, f(_mm256_load_ps(tx)));
+        std::memcpy(y + i, ty, m * 4);
+    }
+}
+template <class F>
+inline void map2(const float* a, const float* b, float* y, int64_t i0, int64_t i1, F f) {
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(y + i, f(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    if (i < i1) {
+        alignas(32) float ta[8] = {0}, tb[8] = {0}, ty[8];
+        const int64_t m = i1 - i;
+        std::memcpy(ta, a + i, m * 4);
+        std::memcpy(tb, b + i, m * 4);
+        _mm256_store_ps(ty, f(_mm256_load_ps(ta), _mm256_load_ps(tb)));
+        std::memcpy(y + i, ty, m * 4);
+    }
+}
 #endif  // MINFER_VEC_AVX2
 
 }  // namespace minfer::cpu::vm
