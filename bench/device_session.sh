@@ -6,7 +6,8 @@
 # with the tree (carry the folder), e.g.
 #
 #   pip download --no-deps gguf==0.19.0 uvicorn h11 click starlette anyio sniffio idna -d .whl/
-#   run(command="bash bench/device_session.sh", carry=[".whl"])
+#   python tests/gpu_models.py gpu_models   # the family / MoE checkpoints of the GPU suite
+#   run(command="bash bench/device_session.sh", carry=[".whl", "gpu_models"])
 #
 # Knobs (environment): TESTS=0 skips the GPU suite, TESTS_K=expr narrows it (pytest -k);
 # BENCH=none|0.5b|7b|all (default all) and REPS (default 3) for bench/cuda_bench.py;
@@ -72,6 +73,9 @@ build_extra() {  # NAME DEFS SRC
 if [ -n "${BUILD_B:-}" ] || [ -n "${BUILD_B_SRC:-}" ]; then build_extra b "${BUILD_B:-}" "${BUILD_B_SRC:-.}"; fi
 if [ -n "${BUILD_C:-}" ] || [ -n "${BUILD_C_SRC:-}" ]; then build_extra c "${BUILD_C:-}" "${BUILD_C_SRC:-.}"; fi
 
+# The family / MoE checkpoints of the GPU suite, made where transformers is (carry the
+# folder: python tests/gpu_models.py gpu_models).
+[ -d gpu_models ] && export MINFER_GPU_MODELS=$PWD/gpu_models
 if [ "${TESTS:-1}" = 1 ]; then
   t0=$SECONDS
   python3 -m pytest tests/test_cuda*.py -m cuda -q -p no:cacheprovider --durations=10 ${TESTS_K:+-k "$TESTS_K"} \
