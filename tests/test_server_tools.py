@@ -369,3 +369,28 @@ def test_real_templates_detect_their_family_and_render_a_tool_loop(name, family)
     out = render_chat(req.messages, add_generation_prompt=True, template=text, tools=req.tools, bos_token="<s>",
                       eos_token="</s>")
     assert all(x in out for x in ("get_weather", "Paris", "sunny", "maxLength"))     # the tool and the loop
+
+
+def test_sentencepiece_vocabulary_under_a_schema():
+    """A SentencePiece vocabulary (Mistral's kind): the grammar engine's encoder gives a
+    piece of output as a continuation (no ▁ before it), and a decode under a schema
+    gives valid JSON."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import families
+    from minfer.grammar import _Vocab
+
+    model = Model.open(families.ensure("mistral", ("Q8_0",))["Q8_0"], n_threads=2)
+    tok = model.tokenizer
+    vocab = _Vocab(tok, model.hp.n_vocab)
+    for text in ('{"name": "x"}', "abc", " a"):
+        assert vocab(text) == tok.encode(text, add_bos=False, add_space_prefix=False)
+        assert tok.decode(vocab(text)) == text
+    assert vocab("abc") != tok.encode("abc", add_bos=False)   # the model's own prefix puts a ▁ first
+    g = GrammarEngine(tok, n_vocab=model.hp.n_vocab).json_schema(SCHEMA)
+    seqs, _ = _decode(model, g, 2, 1.0, True, max_tokens=300)
+    for s in seqs:
+        assert s.finish_reason == "eos", s.finish_reason
+        jsonschema.validate(json.loads(tok.decode(s.ids)), SCHEMA)

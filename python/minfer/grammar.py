@@ -87,7 +87,9 @@ class _Vocab:
     def __call__(self, text) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_bos=False)
+        # llguidance encodes pieces of the output (forced text, lexemes), which continue
+        # a generation: a SentencePiece vocabulary must not put a ▁ before them.
+        return self._tok.encode(text, add_bos=False, add_space_prefix=False)
 
 
 class GrammarEngine:
