@@ -110,3 +110,40 @@ def test_mask_hook_constrains_every_pick(model):
     for t, row in zip(got, step_rows(model, p, got)):
         row[~allowed] = -np.inf
         assert t == int(np.argmax(row))
+
+
+def test_masks_apply_on_the_device_as_on_the_host_rows(model, monkeypatch):
+    """Masked greedy and sampled sequences batched beside an unmasked one: the masks
+    applied where the logits are (Context.mask_rows) give the picks of the same masks
+    over the rows read back, every pick obeys its mask, and only the first forward's
+    rows come back (before it, the engine cannot know where the logits will be)."""
+    from types import SimpleNamespace
+
+    from minfer import _core
+
+    n = model.hp.n_vocab
+    real = Engine._masks_on_device
+
+    def hook(seed):
+        return lambda s: np.random.default_rng([seed, len(s.ids), *s.ids[-2:]]).random(n) < 0.2
+
+    def run(on_device: bool):
+        monkeypatch.setattr(Engine, "_masks_on_device", lambda self, rows: on_device and real(self, rows))
+        ctx = Context(model, n_ctx=128, n_seq=3)
+        eng = Engine(ctx, [ctx.session(i) for i in range(3)])
+        sps = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=7), SamplingParams(temperature=0.0)]
+        masks = [hook(1), hook(2), None]
+        seqs = [Sequence(prompt(20 + i), 10, sps[i], stop_at_eog=False, mask=masks[i]) for i in range(3)]
+        for i, s in enumerate(seqs):
+            eng.add(s, i)
+        _core.testing.cuda_reset_counters()
+        eng.run()
+        return [s.ids for s in seqs], _core.testing.cuda_counters()["d2h_bytes"], masks
+
+    host, host_bytes, _ = run(False)
+    dev, dev_bytes, masks = run(True)
+    assert dev == host
+    for ids, m in zip(dev, masks):
+        if m is not None:
+            assert all(m(SimpleNamespace(ids=ids[:i]))[t] for i, t in enumerate(ids))
+    assert dev_bytes <= 3 * 4 * n + 65536 < host_bytes, (dev_bytes, host_bytes)

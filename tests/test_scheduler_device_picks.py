@@ -84,6 +84,19 @@ class PickingCpu:
             out.append((ids.astype(np.int64), row[ids].astype(np.float32), at))
         return out
 
+    def mask_rows(self, buf, n, rows, which, words):
+        which, words = np.asarray(which), np.asarray(words)
+        if which.dtype != np.int32 or words.dtype != np.int32 or words.shape != (which.size, (n + 31) // 32):
+            raise ValueError("mask_rows: int32 row ids and ceil(n / 32) int32 words per row")
+        if which.size == 0 or which.min() < 0 or which.max() >= rows:
+            raise ValueError("mask_rows: a row id outside the rows")
+        self.calls["mask_rows"] += 1
+        x = self._rows(buf, n, rows)
+        for r, w in zip(which, words):
+            allowed = np.unpackbits(w.view(np.uint8), bitorder="little", count=n).astype(bool)
+            x[r, ~allowed & np.isfinite(x[r])] = np.float32(-3.0e38)   # kMaskedLogit
+        self._dev.write(buf, x, 0)
+
     def reset(self):
         self.calls.clear()
         self.flagged = 0
@@ -107,13 +120,13 @@ def model(tmp_path_factory) -> Model:
 
 
 def run(sched: Scheduler, specs: list[tuple[list[int], int, SamplingParams]], usage: list | None = None,
-        speculate=None) -> list[list]:
+        speculate=None, masks=None) -> list[list]:
     """Submit every job at once; each job's events (kind, id, text, reason, message).
-    `usage` gets each job's final usage."""
+    `usage` gets each job's final usage; masks[k], job k's token-mask hook."""
     q: queue.Queue = queue.Queue()
     for k, (p, n, sp) in enumerate(specs):
         sched.submit(Job(prompt_ids=p, n_predict=n, sampling=sp, stop_at_eog=False, speculate=speculate,
-                         emit=lambda ev, k=k: q.put((k, ev))))
+                         mask=masks[k] if masks else None, emit=lambda ev, k=k: q.put((k, ev))))
     out: list[list] = [[] for _ in specs]
     left = len(specs)
     while left:
@@ -136,18 +149,18 @@ class Both:
     one on the picking device (`got`, after WARM; `fake`'s counts and `steps` cover the
     jobs only)."""
 
-    def __init__(self, model, specs, speculate=None, **kw):
+    def __init__(self, model, specs, speculate=None, masks=None, **kw):
         self.host, self.dev = Scheduler(model, **kw), Scheduler(model, **kw)
         self.fake = picking(self.dev.ctx)
         self.usage: list = []
         self.host.start()
         self.dev.start()
         try:
-            self.want = run(self.host, specs, speculate=speculate)
+            self.want = run(self.host, specs, speculate=speculate, masks=masks)
             run(self.dev, WARM)
             self.fake.reset()
             steps = self.dev.steps
-            self.got = run(self.dev, specs, self.usage, speculate)
+            self.got = run(self.dev, specs, self.usage, speculate, masks)
             self.steps = self.dev.steps - steps
         finally:
             assert self.host.stop() and self.dev.stop()
@@ -180,6 +193,43 @@ def test_device_picks_equal_the_host_path_and_read_no_row(model, monkeypatch):
     # Every step after the first forward picked on the device; the plain CPU never did
     # (it has no top_k_rows).
     assert len(made) == b.dev.steps - 1 and all(c is b.dev.ctx for c in made)
+
+
+class _Mask:
+    """A token mask that changes with the sequence: about a third of the ids, drawn from
+    the ids so far (so both paths see the same masks, and a test can redraw them)."""
+
+    def __init__(self, seed: int, n_vocab: int):
+        self.seed, self.n_vocab = seed, n_vocab
+
+    def allowed(self, ids: list[int]) -> np.ndarray:
+        return np.random.default_rng([self.seed, len(ids), *ids[-3:]]).random(self.n_vocab) < 0.33
+
+    def __call__(self, seq) -> np.ndarray:
+        return self.allowed(seq.ids)
+
+
+def test_masked_picks_on_the_device_equal_the_host_path_and_read_no_row(model):
+    """A token mask applied where the logits are (mask_rows): greedy and sampled masked
+    jobs beside an unmasked one pick as the host path does (the mask over the row read
+    back), every pick obeys its mask, and no row is read back (but for the whole-row
+    filter top_k=0, which reads its row on both paths)."""
+    masks = [_Mask(k, model.hp.n_vocab) for k in range(4)]
+    masks[2] = None
+    for top_k in (40, 0):
+        specs = [(P[0], 8, SamplingParams(temperature=0.0)), (P[1], 8, SamplingParams(temperature=0.9, seed=4)),
+                 (P[2], 8, SamplingParams(temperature=0.0)),
+                 (P[3], 8, SamplingParams(temperature=0.8, top_k=top_k, seed=5))]
+        b = Both(model, specs, n_slots=4, n_ctx=CTX, chunk=16, masks=masks)
+        assert b.got == b.want
+        for k, m in enumerate(masks):
+            toks = [e[1] for e in b.got[k] if e[0] == "token"]
+            assert len(toks) == 8
+            if m is not None:
+                assert all(m.allowed(toks[:i])[t] for i, t in enumerate(toks)), k
+        assert 0 < b.fake.calls["mask_rows"] <= b.steps, (b.fake.calls, b.steps)
+        if top_k:
+            assert b.fake.calls["view"] == 0 and b.fake.calls["read"] == 0, b.fake.calls
 
 
 def test_device_calls_only_when_a_row_needs_them(model):

@@ -327,6 +327,49 @@ void register_cuda(py::module_& m, py::module_& testing) {
         "their values and the row's values at the row's gather ids (-1: none, 0.0); None for a row "
         "holding NaN or Inf. Two launches, one readback, one wait.");
 
+    m.def("mask_rows", [](DevPool& pool, int id, int64_t n, int rows,
+                          py::array_t<int32_t, py::array::c_style | py::array::forcecast> which,
+                          py::array_t<int32_t, py::array::c_style | py::array::forcecast> words) {
+            const int64_t nw = (n + 31) / 32;
+            const int m = (int)which.size();
+            if (which.ndim() != 1 || m < 1 || m > rows || m > kArgmaxMaxRows)
+                throw py::value_error("mask_rows: 1.." + std::to_string(std::min(rows, kArgmaxMaxRows)) + " row ids");
+            if (words.ndim() != 2 || words.shape(0) != m || words.shape(1) != nw)
+                throw py::value_error("mask_rows: words must be (row ids) x ceil(n / 32)");
+            for (int j = 0; j < m; ++j)
+                if (which.data()[j] < 0 || which.data()[j] >= rows) throw py::value_error("mask_rows: a row id outside the rows");
+            pool.check_range(id, 0, (size_t)n * rows * 4);
+            Context& c = ctx();
+            py::gil_scoped_release nogil;
+            std::lock_guard<std::mutex> lock(readback_mutex());
+            // Row ids then words, staged through one pinned buffer; the event says the last
+            // call's copy out of it is done before it is written again.
+            static int32_t *dev = nullptr, *pin = nullptr;
+            static size_t cap = 0;
+            static cudaEvent_t copied = nullptr;
+            const size_t need = ((size_t)m + (size_t)m * nw) * 4;
+            if (!copied) MC_CHECK(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming));
+            MC_CHECK(cudaEventSynchronize(copied));
+            if (need > cap) {
+                if (dev) MC_CHECK(cudaFree(dev));
+                if (pin) MC_CHECK(cudaFreeHost(pin));
+                dev = (int32_t*)dev_alloc(need);
+                pin = (int32_t*)host_alloc_pinned(need);
+                cap = need;
+            }
+            std::memcpy(pin, which.data(), (size_t)m * 4);
+            std::memcpy(pin + m, words.data(), (size_t)m * nw * 4);
+            MC_CHECK(cudaMemcpyAsync(dev, pin, need, cudaMemcpyHostToDevice, c.stream));
+            MC_CHECK(cudaEventRecord(copied, c.stream));
+            ++c.c.h2d;
+            c.c.h2d_bytes += need;
+            mask_rows((float*)pool.data(id), n, m, dev, (const uint32_t*)(dev + m));
+            forget_pick();  // an argmax a graph took is of the unmasked row
+        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"), py::arg("which"), py::arg("words"),
+        "Token masks applied in place to rows `which` of `rows` consecutive rows of n values: the "
+        "ids whose bit (words[j], little-endian bits of ceil(n/32) words) is 0 get a value below "
+        "every logit, so the picks that follow choose allowed ids only. No wait.");
+
     // Boundary copies for every pair that involves a device pool.
     m.def("copy_buffer", [](DevPool& src, int src_id, DevPool& dst, int dst_id, size_t nbytes) {
             src.check_range(src_id, 0, nbytes);

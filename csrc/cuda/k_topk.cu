@@ -12,6 +12,7 @@
 // selected set, and with the final sort the output, is the same on every run.
 // Stage 1: one block per 2,048-value slice keeps its slice's k best. Stage 2: one block
 // per row selects the k best of those and sorts them.
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 
@@ -201,7 +202,32 @@ __global__ void __launch_bounds__(TK2_THREADS) k_topk_merge(const float* __restr
     }
 }
 
+// Block (slice, j) puts kMaskedLogit at the ids that row rows[j]'s bit words do not
+// allow. NaN and Inf stay: a row is checked for them whatever its mask (the host's
+// masked pick checks the whole row too).
+__global__ void k_mask_rows(float* __restrict__ x, int64_t n, const int32_t* __restrict__ rows,
+                            const uint32_t* __restrict__ words, int64_t nw) {
+    pdl_wait();
+    pdl_trigger();
+    const int j = blockIdx.y;
+    float* row = x + (int64_t)rows[j] * n;
+    const uint32_t* w = words + (int64_t)j * nw;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        if (!((w[i >> 5] >> (i & 31)) & 1u)) {
+            const float v = row[i];
+            if (isfinite(v)) row[i] = kMaskedLogit;
+        }
+    }
+}
+
 }  // namespace
+
+void mask_rows(float* x, int64_t n, int m, const int32_t* rows, const uint32_t* words) {
+    if (m < 1 || m > kArgmaxMaxRows) throw std::invalid_argument("mask_rows: 1..kArgmaxMaxRows rows");
+    const int64_t nw = (n + 31) / 32;
+    const unsigned blocks = (unsigned)std::min<int64_t>((n + 255) / 256, 64);
+    launch(k_mask_rows, dim3(blocks, (unsigned)m), 256, x, n, rows, words, nw);
+}
 
 int topk_slices(int64_t n) { return (int)((n + TK1_SLICE - 1) / TK1_SLICE); }
 

@@ -192,6 +192,12 @@ void argmax(const float* x, int64_t n, int32_t* out, const int* err, int rows = 
 // values. scratch: topk_scratch_bytes(n, rows, k) device bytes, zero at allocation (its
 // flags are left zero by every call). rows <= kArgmaxMaxRows. Two launches.
 constexpr int kTopKMax = 256;
+// A token mask applied in place (k_topk.cu): for each j < m, the ids of row rows[j]
+// (of n values) whose bit in words[j] (ceil(n/32) words, bit i%32 of word i/32) is 0
+// become kMaskedLogit, below any logit and finite, so argmax and top_k pick the allowed
+// ids only, as the host's masked pick does. NaN and Inf are left for those to flag.
+constexpr float kMaskedLogit = -3.0e38f;
+void mask_rows(float* x, int64_t n, int m, const int32_t* rows, const uint32_t* words);
 constexpr size_t topk_row_words(int kcap, int gcap) { return 1 + 2 * (size_t)kcap + gcap; }
 size_t topk_scratch_bytes(int64_t n, int rows, int k);
 void top_k(const float* x, int64_t n, int rows, int k, const int32_t* gather, int g, void* scratch, int32_t* out,

@@ -269,9 +269,9 @@ class Sequence:
 
     @property
     def needs_rows(self) -> bool:
-        """Its picks read whole logits rows (host memory): logprobs, a mask, or followers
-        that pick from the same row."""
-        return self.logprobs is not None or self.mask is not None or bool(self.followers)
+        """Its picks read whole logits rows (host memory): logprobs, or followers that
+        pick from the same row. (A mask too, unless the device applies it: _copy_mode.)"""
+        return self.logprobs is not None or bool(self.followers)
 
     def emit(self, ev: TokenEvent) -> None:
         ev.index = self.index
@@ -570,9 +570,11 @@ class Engine:
         by its argmax, or from candidates it selects); False reads them as a host view
         (free on the CPU) for picks that need whole rows (logprobs, masks, sampled
         verification, shared prompts)."""
+        rows = sum(k for _, _, k in items)
         if any(s.needs_rows for s, _, _ in items):
             return False
-        rows = sum(k for _, _, k in items)
+        if any(s.mask is not None for s, _, _ in items) and not self._masks_on_device(rows):
+            return False
         if len(self.slots) == 1:
             if rows == 1:
                 return None          # Context.argmax_last / last_row
@@ -582,6 +584,38 @@ class Engine:
             ok = rows <= DeviceRows.MAX_ROWS and all(s.plain_greedy for s, _, _ in items)
             return None if ok and DeviceRows.usable(self.ctx, rows) else False
         return None if DeviceRows.usable(self.ctx, rows) else False
+
+    def _masks_on_device(self, rows: int) -> bool:
+        """Whether the device that holds the logits applies token masks in place
+        (Context.mask_rows), so a masked pick reads no row back."""
+        out = self.ctx._out
+        return DeviceRows.usable(self.ctx, rows) and hasattr(out[0], "mask_rows")
+
+    def _mask_of(self, s: Sequence, n: int) -> np.ndarray | None:
+        """The sequence's mask for its next pick (bool[n]); None after failing the
+        sequence (its hook's bug, or nothing allowed)."""
+        allowed = np.asarray(s.mask(s), dtype=bool)
+        if allowed.shape != (n,):   # the hook's bug: its own sequence fails
+            self._fail(s, MinferError(f"a token mask must have {n} entries, got {allowed.shape}"))
+            return None
+        if not allowed.any():
+            self._fail(s, MinferError("the token mask allows no token"))
+            return None
+        return allowed
+
+    def _apply_masks(self, singles: list) -> None:
+        """Masked sequences' masks, applied to their rows on the device (one call), so
+        their picks go the way unmasked ones do."""
+        n = self.ctx._out[2]
+        which, masks = [], []
+        for s, r in singles:
+            if s.mask is not None and not s.done:
+                allowed = self._mask_of(s, n)
+                if allowed is not None:
+                    which.append(r)
+                    masks.append(allowed)
+        if which:
+            self.ctx.mask_rows(which, masks)
 
     # -- collecting ------------------------------------------------------------------
     def _collect(self, launch: Launch) -> None:
@@ -623,6 +657,11 @@ class Engine:
                     return
             else:
                 dev_rows = DeviceRows(ctx)
+        if launch.copy is None and any(s.mask is not None for s, _ in singles):
+            self._apply_masks(singles)
+            # Through DeviceRows: argmax_last may answer from an argmax the graph took
+            # before the mask.
+            dev_rows = dev_rows or DeviceRows(ctx)
         if singles:
             self._pick_singles(launch, singles, dev_rows, picks)
         if blocks:
@@ -665,7 +704,7 @@ class Engine:
                     check_logits_finite(row, step)   # never a pick from NaN/Inf
                     if s.followers:
                         self._seed_followers(s, row)
-                    if s.needs_rows:
+                    if s.needs_rows or s.mask is not None:
                         self._pick_from_row(s, row)
                         continue
                     src = row
@@ -685,18 +724,13 @@ class Engine:
 
     def _pick_from_row(self, s: Sequence, row: np.ndarray) -> None:
         """A pick that needs the whole row: masked, and/or with logprobs."""
-        allowed = s.mask(s) if s.mask is not None else None
-        if allowed is None:
+        if s.mask is None:
             t = int(np.argmax(row)) if s.sampling.plain_greedy else s.sampler.sample(row)
         else:
-            allowed = np.asarray(allowed, dtype=bool)
-            if allowed.shape != (row.size,):   # the hook's bug: its own sequence fails
-                self._fail(s, MinferError(f"a token mask must have {row.size} entries, got {allowed.shape}"))
+            allowed = self._mask_of(s, row.size)
+            if allowed is None:
                 return
             ids = np.flatnonzero(allowed)
-            if ids.size == 0:
-                self._fail(s, MinferError("the token mask allows no token"))
-                return
             if s.sampling.plain_greedy:   # the first best allowed id, as argmax of the masked row
                 t = int(ids[np.argmax(row[ids])])
             else:
@@ -774,7 +808,7 @@ class Engine:
         unless the pick ends the sequence by itself (an end-of-generation id, the last of
         max_tokens, a cancelled request). A stop string found in the text afterwards
         takes the token back (_finish trims the KV)."""
-        if (len(self.slots) != 1 or s.spec is not None or s.needs_rows or s.queued or t in s.text.eog
+        if (len(self.slots) != 1 or s.spec is not None or s.needs_rows or s.mask is not None or s.queued or t in s.text.eog
                 or len(s.text.ids) + 1 >= s.max_tokens or (s.cancelled is not None and s.cancelled())):
             return
         s.next_tok = t

@@ -239,6 +239,19 @@ class Context:
             picks.append(int(np.argmax(logits[i])))
         return picks
 
+    def mask_rows(self, which: list[int], masks: list[np.ndarray]) -> None:
+        """Token masks (bool[n_vocab] each) applied in place to rows `which` of the last
+        forward's logits, by a device that has mask_rows (Engine._masks_on_device):
+        disallowed ids drop below every logit, so the picks that follow choose allowed
+        ids only."""
+        dev, buf, n, rows = self._out
+        words = np.packbits(np.asarray(masks, dtype=bool), axis=1, bitorder="little")
+        pad = (-words.shape[1]) % 4
+        if pad:
+            words = np.pad(words, ((0, 0), (0, pad)))
+        dev.mask_rows(buf, n, rows, np.asarray(which, dtype=np.int32), words.view(np.int32))
+        self._picked = None   # the device forgot its in-graph argmax: the next greedy pick re-arms it
+
     def argmax_last(self, step: int | None = None) -> int:
         """Greedy pick from the last logits row, taken by the backend that holds it (the
         CPU scans it in C++ with the threads that wrote it). Never the argmax of NaNs:
