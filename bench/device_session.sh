@@ -150,6 +150,27 @@ if [ "${GAP:-0}" = 1 ]; then
   done
 fi
 
+# SCHEMA=1: the decode slowdown of JSON-schema output on CUDA (bench/schema_overhead.py,
+# c = 1 and 16) on the 0.5B shape given the real Qwen2 vocabulary (carry the vocab-only
+# GGUF as VOCAB=path, e.g. llama.cpp's ggml-vocab-qwen2.gguf) into schema.txt.
+if [ "${SCHEMA:-0}" = 1 ]; then
+  t0=$SECONDS
+  python3 - "$models" >>"$S" 2>&1 <<'EOF2'
+import sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+from cuda_bench import shapes
+from minfer.testing.synth import write_model
+p = Path(sys.argv[1]) / "qwen2-0.5b-q4km-shape.gguf"
+if not p.exists():
+    write_model(p, seed=1, with_tokenizer=False, fast=True, ctx=4096, **shapes()["0.5b"])
+EOF2
+  python3 bench/with_vocab.py "$models/qwen2-0.5b-q4km-shape.gguf" "${VOCAB:-ggml-vocab-qwen2.gguf}" "$models/schema.gguf" &&
+    python3 bench/schema_overhead.py "$models/schema.gguf" -c 1,16 -n 96 --rounds "${ROUNDS:-3}" >"$OUT/schema.txt" 2>&1
+  phase "schema overhead rc $? in $((SECONDS - t0)) s -> schema.txt"
+  tail -8 "$OUT/schema.txt" >>"$S"
+fi
+
 # HOSTBENCH=1: the host-side benches that need no GPU, on this machine's CPU (the picks'
 # filters, bench/sampling.py; the server's event hop, bench/event_hop.py) into host.txt.
 if [ "${HOSTBENCH:-0}" = 1 ]; then

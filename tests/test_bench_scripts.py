@@ -41,3 +41,39 @@ def test_bench_scripts_do_not_put_the_source_tree_on_sys_path():
 def test_the_check_sees_a_source_tree_insert(tmp_path):
     src = 'import sys\nfrom pathlib import Path\nsys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))\n'
     assert [ast.unparse(n) for n in _path_edits(ast.parse(src))]
+
+
+def test_with_vocab_gives_a_shaped_model_a_real_vocabulary(tmp_path):
+    """bench/with_vocab.py: the model's tensors as they were, the vocabulary file's
+    tokenizer (Qwen2's, from llama.cpp's vocab-only GGUF: its test vectors' ids), and a
+    vocabulary larger than the model's rows refused in one line."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import families
+    from minfer.model import Model
+    from minfer.testing import write_model
+
+    voc = families.converter_dir() / "models" / "ggml-vocab-qwen2.gguf"
+    src, out = tmp_path / "m.gguf", tmp_path / "out.gguf"
+    write_model(src, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=151936, with_tokenizer=False, fast=True)
+    r = subprocess.run([sys.executable, str(BENCH / "with_vocab.py"), str(src), str(voc), str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    tok = Model.open(out).tokenizer
+    inp = (voc.parent / (voc.name + ".inp")).read_text().split("\n__ggml_vocab_test__\n")
+    want = (voc.parent / (voc.name + ".out")).read_text().split("\n")
+    for text, ids in list(zip(inp, want))[:12]:
+        assert tok.encode(text, add_bos=False) == [int(x) for x in ids.split()], text
+    import gguf
+    a, b = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(out))
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    assert all(np.array_equal(x.data, y.data) for x, y in zip(a.tensors, b.tensors))
+    small = tmp_path / "small.gguf"
+    write_model(small, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=1000, with_tokenizer=False, fast=True)
+    r = subprocess.run([sys.executable, str(BENCH / "with_vocab.py"), str(small), str(voc), str(tmp_path / "x.gguf")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "151" in r.stderr

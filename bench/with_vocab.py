@@ -1,0 +1,48 @@
+"""A GGUF with another file's tokenizer: every key and tensor of MODEL, the tokenizer.*
+keys of VOCAB (e.g. llama.cpp's vocab-only ggml-vocab-qwen2.gguf), for benches that need
+a real vocabulary on a shaped random-weight model (bench/schema_overhead.py on the GPU
+machine, which has neither the default model nor a network).
+
+    python bench/with_vocab.py MODEL.gguf VOCAB.gguf OUT.gguf
+
+The vocabulary must not be larger than the model's rows (token_embd); a smaller one
+leaves rows no token names, as a padded real model has.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    import gguf
+
+    if len(argv) != 3:
+        print(__doc__.strip().splitlines()[-5].strip(), file=sys.stderr)
+        return 2
+    src, voc, out = (gguf.GGUFReader(argv[0]), gguf.GGUFReader(argv[1]), argv[2])
+    n_tok = len(voc.fields["tokenizer.ggml.tokens"].contents())
+    emb = next(t for t in src.tensors if t.name == "token_embd.weight")
+    if n_tok > int(emb.shape[-1]):
+        print(f"error: the vocabulary has {n_tok} tokens, the model {int(emb.shape[-1])} rows", file=sys.stderr)
+        return 1
+    arch = src.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(out, arch)
+    for r, keep in ((src, lambda n: not n.startswith("tokenizer.")), (voc, lambda n: n.startswith("tokenizer."))):
+        for f in r.fields.values():
+            if f.name.startswith("GGUF.") or f.name == "general.architecture" or not keep(f.name):
+                continue
+            vt = f.types[0]
+            sub = f.types[1] if vt == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
+            w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+    for t in src.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
