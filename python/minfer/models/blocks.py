@@ -266,6 +266,15 @@ def ffn_tensors(m: ModelDef, p: str, *, fused: bool = False, bias: bool = False)
     return t
 
 
+def full_rotary(m: ModelDef, head_dim: int) -> None:
+    """Refuses a rope.dimension_count other than the head dim, for the families whose
+    llama.cpp graphs rotate whole heads (it calls any other value an invalid n_rot)."""
+    n_rot = m.meta.count("rope.dimension_count", head_dim)
+    if n_rot != head_dim:
+        raise UnsupportedModelError(f"{m.arch}: rope.dimension_count {n_rot} must equal the head dim {head_dim} "
+                                    f"(llama.cpp: invalid n_rot)")
+
+
 def rope_scaling(m: ModelDef, supported: tuple = ("none", "linear")) -> float:
     """freq_scale (1 / factor) from rope.scaling.type / rope.scaling.factor (or the older
     rope.scale_linear), as llama.cpp reads them: no type means linear, no factor means 1,

@@ -30,7 +30,8 @@ from minfer.errors import UnsupportedModelError
 from minfer.graph.ir import ComputeGraph
 from minfer.graph.params import GraphParams
 from minfer.models.base import ModelDef
-from minfer.models.blocks import AttnSpec, DecoderGraph, RopeSpec, attn_tensors, ffn_tensors, head_tensors, rope_scaling
+from minfer.models.blocks import (AttnSpec, DecoderGraph, RopeSpec, attn_tensors, ffn_tensors, full_rotary,
+                                  head_tensors, rope_scaling)
 
 
 class Gemma2Model(ModelDef):
@@ -43,10 +44,7 @@ class Gemma2Model(ModelDef):
     def _read_hparams(self, g):
         hp = super()._read_hparams(g)
         md = self.meta
-        n_rot = md.count("rope.dimension_count", hp.head_dim)
-        if n_rot != hp.head_dim:
-            raise UnsupportedModelError(f"{self.arch}: rope.dimension_count {n_rot} other than the head dim "
-                                        f"{hp.head_dim} is not supported")
+        full_rotary(self, hp.head_dim)
         self.freq_scale = rope_scaling(self)
         self.window = md.count("attention.sliding_window", self.default_window, lo=0)
         self.swa_layers = self._swa_layers(hp.n_layer) if self.window > 0 else [False] * hp.n_layer

@@ -27,7 +27,7 @@ from minfer.graph.params import GraphParams
 from minfer.models.base import ModelDef
 from minfer.models.moe import MoeSpec, moe_layer, moe_tensors, moe_weight_bytes_per_token, read_moe_spec  # MoE
 from minfer.models.blocks import (AttnSpec, DecoderGraph, RopeSpec, attn_tensors, default_scale, ffn_tensors,
-                                  head_tensors, rope_scaling)
+                                  full_rotary, head_tensors, rope_scaling)
 
 
 class LlamaModel(ModelDef):
@@ -36,10 +36,7 @@ class LlamaModel(ModelDef):
     def _read_hparams(self, g):
         hp = super()._read_hparams(g)
         md = self.meta
-        n_rot = md.count("rope.dimension_count", hp.head_dim)
-        if n_rot != hp.head_dim:
-            raise UnsupportedModelError(f"{self.arch}: rope.dimension_count {n_rot} must equal the head dim "
-                                        f"{hp.head_dim} (llama.cpp: invalid n_rot)")
+        full_rotary(self, hp.head_dim)
         n_vocab = md.count("vocab_size", hp.n_vocab)
         if n_vocab != hp.n_vocab:
             raise UnsupportedModelError(f"{g.path}: {self.arch}.vocab_size {n_vocab} disagrees with token_embd.weight's "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import secrets
 
-from minfer.server.generation import ChoiceOut, ChoiceText, Run, event_error, is_failure, new_id
+from minfer.server.generation import ChoiceOut, ChoiceText, Run, event_error, is_failure, new_id, split_stream
 from minfer.server.protocol import (ApiError, Constraint, GenRequest, _common, _max_tokens, _no_unknown, _only, _opt_bool, bad,
                                     check_history, parse_tool_choice, parse_tools)
 
@@ -296,18 +296,14 @@ async def messages_sse(run: Run, served, extra: dict):
                              delta={"type": "input_json_delta", "partial_json": v.arguments})
                 yield _event("content_block_stop", index=state["block"])
 
-    ev = run.first
-    while True:
-        if is_failure(ev):
+    async for items, ev in split_stream(run, ct):
+        if ev is not None and is_failure(ev):
             yield _event("error", error=anthropic_error_body(event_error(ev))["error"])
             return
-        if ev.kind == "token":
-            for piece in handle(ct.feed(ev.text)):
-                yield piece
-            ev = await run.get()
-            continue
-        for piece in handle(ct.feed(ev.text) + ct.finish()):
+        for piece in handle(items):
             yield piece
+        if ev is None:
+            continue
         if state["text_open"]:
             yield _event("content_block_stop", index=state["block"])
         reason, seq = _stop(ev.reason, state["calls"] > 0, extra["stop_sequences"])

@@ -276,6 +276,23 @@ def event_error(ev: Event) -> ApiError:
     return ApiError(ev.status, ev.message, code=code)
 
 
+async def split_stream(run: Run, ct: "ChoiceText"):
+    """A one-choice run's output as it arrives, split into text and tool calls: yields
+    (items, None) per token, then (items, the final event) once, or ([], the failing
+    event) (is_failure) and stops. The streaming loop of the Messages and Responses APIs."""
+    ev = run.first
+    while True:
+        if is_failure(ev):
+            yield [], ev
+            return
+        if ev.kind == "token":
+            yield ct.feed(ev.text), None
+            ev = await run.get()
+            continue
+        yield ct.feed(ev.text) + ct.finish(), ev
+        return
+
+
 @dataclass
 class ChoiceOut:
     """One choice's whole answer."""

@@ -20,7 +20,7 @@ import json
 import threading
 import time
 
-from minfer.server.generation import ChoiceOut, ChoiceText, Run, event_error, is_failure, new_id
+from minfer.server.generation import ChoiceOut, ChoiceText, Run, event_error, is_failure, new_id, split_stream
 from minfer.server.protocol import (ApiError, GenRequest, _common, _max_tokens, _no_unknown, _only, _opt_bool, bad,
                                     check_history, parse_tool_choice, parse_tools, response_format, tool_arguments)
 
@@ -312,19 +312,15 @@ async def responses_sse(run: Run, served, extra: dict, store: ResponseStore):
                 output[idx] = done
                 yield _event(seq, "response.output_item.done", output_index=idx, item=done)
 
-    ev = run.first
-    while True:
-        if is_failure(ev):
+    async for items, ev in split_stream(run, ct):
+        if ev is not None and is_failure(ev):
             err = event_error(ev)
             yield _event(seq, "error", code=err.code, message=err.message, param=None)
             return
-        if ev.kind == "token":
-            for piece in handle(ct.feed(ev.text)):
-                yield piece
-            ev = await run.get()
-            continue
-        for piece in handle(ct.feed(ev.text) + ct.finish()):
+        for piece in handle(items):
             yield piece
+        if ev is None:
+            continue
         if msg["pending"] and msg["pending"].strip() == "" and msg["id"] is not None:
             msg["text"] += msg["pending"]
         for piece in close_message():
