@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 
-from minfer.errors import UnsupportedModelError
 from minfer.graph.ir import ComputeGraph
 from minfer.graph.params import GraphParams
 from minfer.models.base import ModelDef
