@@ -183,7 +183,13 @@ void register_cpu(py::module_& m) {
                               p.data(id) + offset, self);
                 py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
                 return out;
-            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0);
+            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0)
+        .def("copy_within", [](Pool& p, int id, size_t src_off, size_t dst_off, size_t nbytes) {
+                check_range(p, id, src_off, nbytes);
+                check_range(p, id, dst_off, nbytes);
+                std::memmove(p.data(id) + dst_off, p.data(id) + src_off, nbytes);
+            }, py::arg("id"), py::arg("src_off"), py::arg("dst_off"), py::arg("nbytes"),
+            "Bytes moved inside one buffer (KV cells from one sequence's range to another's).");
 
     m.def("copy_buffer", [](const Pool& src, int src_id, Pool& dst, int dst_id, size_t nbytes) {
             check_range(src, src_id, 0, nbytes);

@@ -158,7 +158,19 @@ void register_cuda(py::module_& m, py::module_& testing) {
                               src, self);
                 py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
                 return out;
-            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0);
+            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0)
+        .def("copy_within", [](DevPool& p, int id, size_t src_off, size_t dst_off, size_t nbytes) {
+                const size_t lo = std::min(src_off, dst_off), hi = std::max(src_off, dst_off);
+                if (hi - lo < nbytes) throw std::invalid_argument("copy_within: the ranges overlap");
+                p.check_range(id, src_off, nbytes);
+                p.check_range(id, dst_off, nbytes);
+                Context& c = ctx();
+                uint8_t* base = (uint8_t*)p.data(id);
+                MC_CHECK(cudaMemcpyAsync(base + dst_off, base + src_off, nbytes, cudaMemcpyDeviceToDevice, c.stream));
+                ++c.c.d2d;
+            }, py::arg("id"), py::arg("src_off"), py::arg("dst_off"), py::arg("nbytes"),
+            "Stream-ordered D2D inside one buffer (KV cells from one sequence's range to another's; "
+            "the ranges must not overlap).");
 
     m.def("cuda_validate", [](const Plan& plan, DevPool& pool, PyWeightStore& ws) {
             validate_plan(plan, pool, ws.store, mirror_of(ws));

@@ -333,8 +333,7 @@ class Context:
         alloc = self.cache.alloc
         with self.lock:
             for layer in sorted(alloc.kv):
-                k, v = alloc.read_kv_rows(layer, src, n)
-                alloc.write_kv_rows(layer, dst, n, k, v)
+                alloc.copy_kv_rows(layer, src, dst, n)
 
     def session(self, seq: int) -> "Session":
         return Session(self.model, context=self, seq=seq)

@@ -80,6 +80,7 @@ class CpuDevice:
         self.alloc, self.alloc_fresh, self.free = pool.alloc, pool.alloc_fresh, pool.free
         self.count, self.size = pool.count, pool.size
         self.write, self.read, self.view = pool.write, pool.read, pool.view
+        self.copy_within = pool.copy_within
         # argmax(buf, n): the greedy pick over n f32 values, scanned by the threads that
         # wrote them (a partial, not a method: one Python frame less per decode step);
         # -1 when a value is NaN or Inf, found in the same pass (argmax_checks_finite).

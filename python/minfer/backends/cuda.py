@@ -154,6 +154,10 @@ class CudaDevice:
         # holding NaN or Inf. A sampled step reads back those instead of its row.
         self.top_k_rows = functools.partial(_core.top_k_rows, pool)
         self.top_k_max = _core.top_k_max
+        # mask_rows(buf, n, rows, which, words): token masks applied to the logits in
+        # place, so a masked pick goes through argmax_rows / top_k_rows too.
+        self.mask_rows = functools.partial(_core.mask_rows, pool)
+        self.copy_within = pool.copy_within
 
     def new_plan(self, label: str):
         return self.core.Plan(label)

@@ -491,6 +491,18 @@ class GraphAllocator:
         dev = self.devices[r.backend]
         return dev.read(r.k, "uint8", nb, off), dev.read(r.v, "uint8", nb, off)
 
+    def copy_kv_rows(self, layer: int, src: int, dst: int, n: int) -> None:
+        """KV cells [src, src+n) of a layer copied to [dst, dst+n) where they live (a
+        device copies on the device, ordered with its runs)."""
+        r = self.kv_pair(layer)
+        s_off, nb = self._kv_range(r, src, n)
+        d_off, _ = self._kv_range(r, dst, n)
+        if nb == 0 or src == dst:
+            return
+        dev = self.devices[r.backend]
+        for rid in (r.k, r.v):
+            dev.copy_within(rid, s_off, d_off, nb)
+
     def write_kv_rows(self, layer: int, start: int, n: int, k, v) -> None:
         """The write direction of read_kv_rows: restore cells [start, start+n)."""
         r = self.kv_pair(layer)
