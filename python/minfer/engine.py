@@ -377,12 +377,45 @@ class Engine:
                 ses.reset()
             keep = min(ses.common_prefix(seq.prompt_ids), len(seq.prompt_ids) - 1)
             ses.truncate(keep)
+            if reuse_prefix:
+                keep = self._seed_prefix(ses, seq.prompt_ids, keep)
             seq.timings.cached_tokens = keep
             seq.pending = seq.prompt_ids[keep:]
         self._owner[slot] = seq
         self.seqs.append(seq)
         if seq.max_tokens == 0:
             self._finish(seq, "length")
+
+    # A prefix another slot holds is copied when it saves at least this many tokens of
+    # prefill (below it, the copy's per-layer calls cost about what they save).
+    SEED_MIN = 16
+
+    def _settled(self, ses) -> int:
+        """How many of a slot's tokens have their KV written: all but those of the
+        forward in flight (a device may still be writing them)."""
+        n = ses.n_past
+        if self._launch is not None:
+            for s, toks, _ in self._launch.items:
+                if s.slot is ses:
+                    n -= len(toks)
+        return max(0, n)
+
+    def _seed_prefix(self, ses, prompt: list[int], keep: int) -> int:
+        """A prompt whose prefix another slot holds beyond what this slot keeps (a shared
+        system prompt, document or earlier turn): those KV cells are copied into this
+        slot where the KV lives, so only the rest is prefilled. Returns the new keep."""
+        best, n = None, keep
+        for other in self.slots:
+            if other is ses or other.n_past <= n or not other.tokens or other.tokens[0] != prompt[0]:
+                continue
+            cp = min(other.common_prefix(prompt), self._settled(other), len(prompt) - 1)
+            if cp > n:
+                best, n = other, cp
+        if best is None or n - keep < self.SEED_MIN:
+            return keep
+        self.ctx.copy_cells(best.seq * best.n_ctx + keep, ses.seq * ses.n_ctx + keep, n - keep)
+        ses.tokens.extend(prompt[keep:n])
+        return n
 
     def _check(self, seq: Sequence, ses) -> None:
         """Errors before any work: a prompt and budget that do not fit, ids outside the
