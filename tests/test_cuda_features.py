@@ -147,3 +147,35 @@ def test_masks_apply_on_the_device_as_on_the_host_rows(model, monkeypatch):
         if m is not None:
             assert all(m(SimpleNamespace(ids=ids[:i]))[t] for i, t in enumerate(ids))
     assert dev_bytes <= 3 * 4 * n + 65536 < host_bytes, (dev_bytes, host_bytes)
+
+
+def test_a_prefix_held_by_another_slot_seeds_by_a_device_copy(model):
+    """Engine.add copies a prefix another slot holds (CudaPool.copy_within, D2D) instead
+    of prefilling it: the output equals the prompt's alone, and no KV crossed to the host."""
+    from minfer import _core
+
+    shared, tail_a, tail_b = prompt(40, 48), [7, 8, 9], [11, 12, 13, 14]
+
+    def engine(n):
+        ctx = Context(model, n_ctx=128, n_seq=n)
+        return Engine(ctx, [ctx.session(i) for i in range(n)], chunk=16)
+
+    def alone(p):
+        eng = engine(1)
+        s = Sequence(p, 10, SamplingParams(temperature=0.0), stop_at_eog=False)
+        eng.add(s)
+        eng.run()
+        return s.ids
+
+    eng = engine(2)
+    a = Sequence(shared + tail_a, 10, SamplingParams(temperature=0.0), stop_at_eog=False)
+    eng.add(a, 0)
+    while a.picks < 2:
+        eng.step()
+    b = Sequence(shared + tail_b, 10, SamplingParams(temperature=0.0), stop_at_eog=False)
+    _core.testing.cuda_reset_counters()
+    eng.add(b, 1)
+    c = _core.testing.cuda_counters()
+    assert b.timings.cached_tokens == len(shared) and c["d2d"] >= 2 * model.hp.n_layer and c["d2h_bytes"] == 0
+    eng.run()
+    assert b.ids == alone(shared + tail_b) and a.ids == alone(shared + tail_a)
