@@ -178,6 +178,8 @@ def test_bench_bad_argument_exits_2(sb, models, extra, needle):
     (["chat", "{m}", "--threads", "0"], "--threads"),
     (["profile", "{m}", "hi", "--ctx", "-1"], "--ctx"),
     (["serve", "{m}", "--threads", "0"], "--threads"),
+    (["serve", "{m}", "--ctx", "256", "--slots", "2", "--kv-cells", "100"], "--kv-cells"),
+    (["serve", "{m}", "--ctx", "256", "--slots", "2", "--kv-cells", "600"], "[256, 512]"),
     (["viz", "{m}", "--threads", "-1"], "--threads"),
     (["generate", "{m}", "hi", "--dump-graph-json", "/no/such/folder/g.json"], "does not exist"),
 ])

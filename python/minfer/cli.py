@@ -581,6 +581,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8080,
     slots: Annotated[int, typer.Option("--slots", help="Concurrent conversations (sequences of one KV arena).")] = 4,
     ctx: Annotated[int, typer.Option("--ctx", "-c", help="Context size per slot, in tokens.")] = 4096,
+    kv_cells: Annotated[Optional[int], typer.Option("--kv-cells", help="KV cells (tokens) all slots share: a request takes its prompt plus max_tokens of them while it runs, and waits when they are taken. Default: --ctx for every slot.")] = None,
     threads: ThreadsOpt = None,
     backend: BackendOpt = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY'). Env: MINFER_API_KEY", envvar="MINFER_API_KEY")] = None,
@@ -602,6 +603,9 @@ def serve(
         raise click_exc.UsageError(f"--port must be in 1..65535, got {port}")
     if slots < 1 or ctx < 1 or max_queue < 0:
         raise click_exc.UsageError("--slots and --ctx must be >= 1, --max-queue >= 0")
+    if kv_cells is not None and not ctx <= kv_cells <= ctx * slots:
+        raise click_exc.UsageError(f"--kv-cells must be in [--ctx, --ctx x --slots] = [{ctx}, {ctx * slots}], "
+                                   f"got {kv_cells}")
     if speculate not in (None, "ngram", "draft", "off"):
         raise click_exc.UsageError(f"--speculate must be ngram, draft or off, not {speculate!r}")
     if speculate == "draft" and draft_model is None:
@@ -626,7 +630,8 @@ def serve(
         paths.append(p)
     if model is not None and paths:
         paths.insert(0, _resolve_model(model))
-    cfg = ServeConfig(host=host, port=port, slots=slots, ctx=ctx, api_key=api_key or None, max_queue=max_queue,
+    cfg = ServeConfig(host=host, port=port, slots=slots, ctx=ctx, kv_cells=kv_cells, api_key=api_key or None,
+                      max_queue=max_queue,
                       speculate=None if speculate == "off" else speculate, draft_max=draft_max,
                       backends=_backends(backend), threads=threads)
     if paths:

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minfer.errors import ContextError, MinferError, NumericsError
+from minfer.errors import ContextError, KvPoolFull, MinferError, NumericsError
+from minfer.kv_pool import place
 from minfer.logits_check import check_logits_finite
 from minfer.rows import DeviceRows
 from minfer.sampling import Sampler, SamplingParams, sample_rows, top_logprobs
@@ -328,6 +329,7 @@ class Engine:
         self._launch: Launch | None = None
         self._rr = 0
         self.steps = 0
+        self._used = [0.0] * len(self.slots)   # when each slot's sequence last ended (LRU of the KV pool)
 
     # -- admission -----------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -354,6 +356,9 @@ class Engine:
             raise MinferError(f"slot {slot} is not free")
         ses = self.slots[slot]
         self._check(seq, ses)
+        if not self.reserve(slot, seq.prompt_ids, seq.max_tokens, keep_prefix=share is None and reuse_prefix):
+            raise KvPoolFull(f"no room for {len(seq.prompt_ids)} + {seq.max_tokens} tokens in the KV pool of "
+                             f"{self.ctx.n_cells} cells while the running sequences hold theirs")
         seq.slot = ses
         seq.text = TextState(self.tokenizer, stop=seq.stop, stop_at_eog=seq.stop_at_eog)
         seq.sampler.accept_prompt(seq.prompt_ids)
@@ -386,6 +391,32 @@ class Engine:
         if seq.max_tokens == 0:
             self._finish(seq, "length")
 
+    def reserve(self, slot: int, prompt: list[int], max_tokens: int, keep_prefix: bool = True) -> bool:
+        """Room in a pooled context (kv_pool.py) for a sequence of `prompt` and up to
+        max_tokens more in `slot`, keeping the prefix of `prompt` the slot already
+        holds; idle slots' KV is forgotten, least recently used first, when that is what
+        makes room. False when the running sequences leave too little: nothing changed."""
+        ctx = self.ctx
+        if not ctx.pooled:
+            return True
+        ses = self.slots[slot]
+        need = min(len(prompt) + max_tokens, ctx.n_ctx)
+        keep = min(ses.common_prefix(prompt), max(len(prompt) - 1, 0)) if keep_prefix else 0
+        idle = sorted((i for i in range(len(self.slots)) if i not in self._owner and i != slot
+                       and ctx.ranges[self.slots[i].seq][1] > 0), key=lambda i: self._used[i])
+        seqs = [self.slots[i].seq for i in idle]
+        got = place(ctx.ranges, ctx.n_cells, ses.seq, need, keep, seqs)
+        if got is None:
+            return False
+        for j in got.evict:
+            ctx.ranges[j] = (0, 0)
+            self.slots[idle[seqs.index(j)]].reset()
+        if got.moved:
+            ctx.copy_cells(ses.base, got.base, keep)
+        ses.truncate(keep)
+        ctx.ranges[ses.seq] = (got.base, got.cap)
+        return True
+
     # A prefix another slot holds is copied when it saves at least this many tokens of
     # prefill (below it, the copy's per-layer calls cost about what they save).
     SEED_MIN = 16
@@ -413,7 +444,7 @@ class Engine:
                 best, n = other, cp
         if best is None or n - keep < self.SEED_MIN:
             return keep
-        self.ctx.copy_cells(best.seq * best.n_ctx + keep, ses.seq * ses.n_ctx + keep, n - keep)
+        self.ctx.copy_cells(best.base + keep, ses.base + keep, n - keep)
         ses.tokens.extend(prompt[keep:n])
         return n
 
@@ -533,7 +564,7 @@ class Engine:
                 continue
             # Never draft past max_tokens or the context: a block's last row picks the
             # sequence's last token at most.
-            limit = min(s.max_tokens - s.picks - 1, s.slot.n_ctx - s.slot.n_past - 1, spare)
+            limit = min(s.max_tokens - s.picks - 1, s.slot.cap - s.slot.n_past - 1, spare)
             if s.spec.mode == "draft":
                 d = s.spec.depth(limit)
                 if d > 0:
@@ -779,11 +810,10 @@ class Engine:
         """n > 1: the followers copy the leader's prompt KV (no second prefill) and pick
         their first token from the same row, each with its own sampler."""
         n = len(s.prompt_ids)
-        src = s.slot.seq * s.slot.n_ctx
         for f in s.followers:
             if f.done:
                 continue
-            self.ctx.copy_cells(src, f.slot.seq * f.slot.n_ctx, n)
+            self.ctx.copy_cells(s.slot.base, f.slot.base, n)
             f.slot.tokens[:] = s.prompt_ids
             f.timings.cached_tokens = n
             f.leader = None
@@ -881,6 +911,7 @@ class Engine:
         for i, o in list(self._owner.items()):
             if o is s:
                 del self._owner[i]
+                self._used[i] = time.perf_counter()
 
     def _finish(self, s: Sequence, reason: str) -> None:
         if s.done:

@@ -22,6 +22,11 @@ class ContextError(MinferError):
     """The prompt (plus the tokens to generate) does not fit in the context."""
 
 
+class KvPoolFull(ContextError):
+    """A pooled context has no room for a new sequence while the running ones hold
+    theirs (a server waits for one to end)."""
+
+
 class ModelFetchError(MinferError):
     """The default model could not be fetched or failed verification."""
 

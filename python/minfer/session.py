@@ -53,7 +53,7 @@ class Context:
     """One graph cache + KV arena shared by up to n_seq sequences run together."""
 
     def __init__(self, model, n_ctx: int | None = None, n_seq: int = 1, fuse: bool = True, reuse: bool = True,
-                 kv_type: str = "f16"):
+                 kv_type: str = "f16", n_cells: int | None = None):
         if n_ctx is None or n_ctx == 0:
             n_ctx = model.hp.n_ctx_train
         if n_ctx < 0:
@@ -62,10 +62,19 @@ class Context:
             raise MinferError(f"a context needs at least one sequence, got {n_seq}")
         if kv_type not in KV_TYPES:
             raise MinferError(f"KV type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
-        check_context(int(n_ctx) * int(n_seq))
+        n_cells = int(n_ctx) * int(n_seq) if n_cells is None else int(n_cells)
+        if not int(n_ctx) <= n_cells <= int(n_ctx) * int(n_seq):
+            raise MinferError(f"a KV pool of {n_cells} cells must hold one context of {n_ctx} and at most "
+                              f"{n_seq} x {n_ctx}")
+        check_context(n_cells)
         self.model = model
-        self.n_ctx = int(n_ctx)        # cells per sequence
+        self.n_ctx = int(n_ctx)        # cells one sequence may use at most
         self.n_seq = int(n_seq)
+        self.n_cells = n_cells
+        # Each sequence's cells [base, base + cap) (kv_pool.py): fixed slices, or, with
+        # fewer cells than n_seq full contexts, ranges taken as sequences start.
+        self.pooled = n_cells < self.n_ctx * self.n_seq
+        self.ranges = [(0, 0)] * self.n_seq if self.pooled else [(i * self.n_ctx, self.n_ctx) for i in range(self.n_seq)]
         self.reuse = reuse
         # The backends the model selected (the registry's choice); threads are the CPU
         # device's setting, fuse=False turns the backends' step merges (CUDA's fused
@@ -74,7 +83,7 @@ class Context:
         gpu = self.cache.scheduler.entries[0].name == "cuda"
         # Everything that shapes the graph besides the batch shape; a new value is a new
         # object, so the memo below can never hand out params built from an old one.
-        self.cparams = CParams(n_ctx=self.n_ctx * self.n_seq, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
+        self.cparams = CParams(n_ctx=self.n_cells, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
                                gpu=gpu, kv_type=kv_type)
         # Up to how many token rows a forward gives each row's logits bitwise as a lone
         # step would (None: any number; the CPU kernels are row-independent). The CUDA
@@ -312,7 +321,7 @@ class Context:
             if not 1 <= k <= len(ids):
                 raise MinferError(f"decode_batch: an item of {len(ids)} tokens cannot return {k} rows")
             s._check_room(len(ids))
-            base = s.seq * self.n_ctx
+            base = s.base
             p0 = len(s.tokens)
             for j in range(len(ids)):
                 pos.append(p0 + j)
@@ -416,6 +425,16 @@ class Session:
         return self.context.n_ctx
 
     @property
+    def base(self) -> int:
+        """The first KV cell of this sequence's range in the context's arena."""
+        return self.context.ranges[self.seq][0]
+
+    @property
+    def cap(self) -> int:
+        """How many cells its range holds (n_ctx, unless the context pools its cells)."""
+        return self.context.ranges[self.seq][1]
+
+    @property
     def kv_type(self) -> str:
         return self.context.cparams.kv_type
 
@@ -497,6 +516,9 @@ class Session:
     def _check_room(self, nt: int) -> None:
         if self.n_past + nt > self.n_ctx:
             raise ContextError(f"{self.n_past} + {nt} tokens exceed the context of {self.n_ctx}")
+        if self.n_past + nt > self.cap:   # a pooled context's range: what the engine reserved
+            raise ContextError(f"{self.n_past} + {nt} tokens exceed the {self.cap} KV cells reserved for "
+                               f"sequence {self.seq}")
 
     # -- forward -------------------------------------------------------------------
     def forward(self, tokens, n_out: int = 1, copy: bool | None = True) -> np.ndarray | None:
@@ -514,13 +536,13 @@ class Session:
             tok = int(tokens[0])
             p0 = self.n_past
             with ctx.lock:
-                logits = ctx.run_one(tok, p0, p0 + self.seq * ctx.n_ctx, copy)
+                logits = ctx.run_one(tok, p0, p0 + self.base, copy)
             self.tokens.append(tok)
             return logits
         ids = np.asarray(tokens, dtype=np.int32)
         p0 = self.n_past
         pos = np.arange(p0, p0 + nt, dtype=np.int32)
-        base = self.seq * ctx.n_ctx
+        base = self.base
         cells = pos + base if base else pos
         span = None
         if ctx.cparams.explicit_span:

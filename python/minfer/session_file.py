@@ -72,7 +72,7 @@ def save(session, path: str | Path, meta: dict | None = None) -> int:
     regions = _kv_layers(session)
     alloc = session.context.cache.alloc
     n = session.n_past
-    start = session.seq * session.n_ctx
+    start = session.base
     header = {
         "model_sha256": model_sha256(session.model),
         "model_name": session.model_name,
@@ -164,10 +164,13 @@ def restore(session, path: str | Path) -> dict:
     n = int(header["n_tokens"])
     if n > session.n_ctx:
         raise SessionFileError(f"session file {path} holds {n} tokens, more than the context of {session.n_ctx}")
+    if n > session.cap:
+        raise SessionFileError(f"session file {path} holds {n} tokens; sequence {session.seq} has {session.cap} KV "
+                               f"cells reserved")
     ids = np.frombuffer(payload[:4 * n], dtype="<i4")
     session.model.check_tokens(ids)
     alloc = session.context.cache.alloc
-    start = session.seq * session.n_ctx
+    start = session.base
     off = 4 * n
     elt = KV_ELEMENT_BYTES[header["kv_type"]]
     for r in regions:

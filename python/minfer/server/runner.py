@@ -41,6 +41,7 @@ class ServeConfig:
     port: int = 8080
     slots: int = 4
     ctx: int = 4096              # tokens per slot
+    kv_cells: int | None = None  # KV cells all slots share (None: ctx for every slot)
     api_key: str | None = None
     max_queue: int = 64
     chunk: int = 128             # prompt tokens per step, over all newcomers
@@ -127,7 +128,7 @@ def make_served(model, cfg: ServeConfig, metrics: Metrics, draft_model=None) -> 
     sched = Scheduler(model, n_slots=1 if embedding else cfg.slots, n_ctx=min(cfg.ctx, 64) if embedding else cfg.ctx,
                       max_queue=cfg.max_queue, chunk=cfg.chunk, max_batch=cfg.max_batch, metrics=metrics,
                       speculate=SpecRequest(cfg.speculate, cfg.draft_max) if cfg.speculate and not embedding else None,
-                      draft_model=None if embedding else draft_model)
+                      draft_model=None if embedding else draft_model, kv_cells=None if embedding else cfg.kv_cells)
     return Served(model, sched, embed_arena=cfg.ctx)
 
 
@@ -190,7 +191,8 @@ def serve(model, cfg: ServeConfig) -> None:
     if model is not None:
         sched = pool.single.scheduler
         kind = "embeddings" if pool.single.is_embedding else \
-            f"{cfg.slots} slots x {sched.n_ctx} tokens, batch up to {sched.max_batch}"
+            f"{cfg.slots} slots x {sched.n_ctx} tokens" + \
+            (f" sharing {sched.ctx.n_cells} KV cells" if sched.ctx.pooled else "") + f", batch up to {sched.max_batch}"
         sys.stderr.write(f"minfer serve: {model.path.name} on http://{cfg.host}:{cfg.port} "
                          f"({kind}, {model.n_threads} threads"
                          + (f", speculate {cfg.speculate} up to {cfg.draft_max}" if cfg.speculate else "")

@@ -116,7 +116,7 @@ def default_max_batch(model) -> int:
 class Scheduler:
     def __init__(self, model, n_slots: int = 4, n_ctx: int = 4096, max_queue: int = 64,
                  chunk: int = 128, max_batch: int | None = None, metrics=None,
-                 speculate: SpecRequest | None = None, draft_model=None):
+                 speculate: SpecRequest | None = None, draft_model=None, kv_cells: int | None = None):
         if n_slots < 1:
             raise MinferError(f"--slots must be >= 1, got {n_slots}")
         if speculate is not None and (speculate.mode not in ("ngram", "draft") or not 1 <= speculate.draft_max <= 64):
@@ -125,7 +125,8 @@ class Scheduler:
             raise MinferError("speculating with a draft model needs the draft model (--draft-model PATH)")
         self.model = model
         self.tokenizer = model.tokenizer
-        self.ctx = Context(model, n_ctx=n_ctx, n_seq=n_slots)
+        # kv_cells: the KV cells all slots share (kv_pool.py); None: a full context each.
+        self.ctx = Context(model, n_ctx=n_ctx, n_seq=n_slots, n_cells=kv_cells)
         self.n_ctx = self.ctx.n_ctx
         self.draft_model = draft_model
         self.dctx = None                 # the draft model's context: one sequence per slot
@@ -244,9 +245,14 @@ class Scheduler:
                 continue
             if len(free) < job.n:
                 return
-            self._waiting.popleft()
             first = max(free, key=lambda s: _route_key(s, job.prompt_ids))
             others = [s for s in free if s is not first][:job.n - 1]
+            # A pooled KV: the job waits (first in line) until the running sequences
+            # leave room for all its choices; it never takes cells they hold.
+            if not all(self.engine.reserve(self.slots.index(s), job.prompt_ids, job.n_predict, keep_prefix=s is first)
+                       for s in [first] + others):
+                return
+            self._waiting.popleft()
             self._start(job, [first] + others)
 
     def _start(self, job: Job, slots: list[Slot]) -> None:
