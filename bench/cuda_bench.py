@@ -1,10 +1,11 @@
-"""One command on the GPU machine: write the two benchmark-shaped random-weight qwen2
-models (0.5B and 7B shapes, tensor types as llama.cpp's Q4_K_M gives them), run
-`minfer bench --backend cuda -p 512 -n 128 -r 5` on each, and print the table with the
-ratios to the issue's llama.cpp anchors (llama.cpp 82bb485, one H200, CUDA graphs and
-FA on, medians).
+"""One command on the GPU machine: write the benchmark-shaped random-weight models (qwen2
+0.5B and 7B shapes, and a Llama-3.1-8B shape: tensor types as llama.cpp's Q4_K_M gives
+them), run `minfer bench --backend cuda -p 512 -n 128 -r 5` on each, and print the table
+with the ratios to the issue's llama.cpp anchors (llama.cpp 82bb485, one H200, CUDA graphs
+and FA on, medians). The Llama shape has no anchor yet: llama.cpp is to be measured
+beside it on the same machine (its target is 2x llama.cpp's tg128).
 
-    python bench/cuda_bench.py [--out DIR] [--reps 5] [--only 0.5b|7b]
+    python bench/cuda_bench.py [--out DIR] [--reps 5] [--only 0.5b|7b|llama8b]
 
 Assumes minfer is installed with the CUDA backend (pip install --no-build-isolation
 -C cmake.define.MINFER_CUDA=ON .).
@@ -20,11 +21,14 @@ import sys
 import time
 from pathlib import Path
 
-ANCHORS = {  # llama.cpp tok/s: (pp512, tg128)
+from minfer.testing.synth import LLAMA31_ROPE, write_model
+
+ANCHORS = {  # llama.cpp tok/s: (pp512, tg128); None: not measured yet
     "0.5b": (53583.0, 879.0),
     "7b": (10074.0, 271.0),
+    "llama8b": (None, None),
 }
-TARGETS = {"0.5b": (1.0, 2.0), "7b": (1.5, 2.0)}  # required ratios (pp512, tg128)
+TARGETS = {"0.5b": (1.0, 2.0), "7b": (1.5, 2.0), "llama8b": (None, 2.0)}  # required ratios (pp512, tg128)
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -47,7 +51,21 @@ def shapes():
                           "attn_v": "Q4_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
                           "ffn_down": "Q4_K"},
                    layer_types=lambda i: ({"attn_v": "Q6_K", "ffn_down": "Q6_K"} if use_more_bits(i, 28) else {})),
+        # Llama-3.1-8B: interleaved RoPE with the llama3 rope_freqs factors, base 5e5, GQA
+        # 32/8, untied output; Q4_K_M as llama.cpp makes it (Q4_K, a Q6_K output, and Q6_K
+        # attn_v / ffn_down on the use_more_bits layers: 193 Q4_K and 33 Q6_K tensors).
+        "llama8b": dict(arch="llama", n_layer=32, n_embd=4096, n_ff=14336, n_head=32, n_head_kv=8, n_vocab=128256,
+                        rope_base=500000.0, eps=1e-5, llama3_rope=LLAMA31_ROPE,
+                        types={"token_embd": "Q4_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K",
+                               "attn_v": "Q4_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K",
+                               "ffn_down": "Q4_K"},
+                        layer_types=lambda i: ({"attn_v": "Q6_K", "ffn_down": "Q6_K"} if use_more_bits(i, 32) else {})),
     }
+
+
+def model_path(out: Path, name: str) -> Path:
+    """Where a shape's file goes (the qwen2 shapes' names predate the llama one)."""
+    return out / f"{shapes()[name]['arch']}-{name}-q4km-shape.gguf"
 
 
 def type_bytes(path: Path) -> dict:
@@ -163,7 +181,6 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", choices=sorted(ANCHORS))
     args = ap.parse_args()
-    from minfer.testing.synth import write_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +188,7 @@ def main() -> int:
     for name, cfg in shapes().items():
         if args.only and name != args.only:
             continue
-        path = out / f"qwen2-{name}-q4km-shape.gguf"
+        path = model_path(out, name)
         if not path.exists():
             t0 = time.time()
             write_model(path, seed=1, with_tokenizer=False, fast=True, ctx=4096, **cfg)
@@ -202,12 +219,15 @@ def main() -> int:
             anchor = ANCHORS[name][0 if test == "pp512" else 1]
             need = TARGETS[name][0 if test == "pp512" else 1]
             ts = statistics.median(r["samples_ts"])  # medians of the repetitions, as the anchors
-            rows.append((f"{name} {test}", anchor, ts, ts / anchor, need, r.get("mem_bw_frac")))
+            rows.append((f"{name} {test}", anchor, ts, ts / anchor if anchor else None, need, r.get("mem_bw_frac")))
     print("| test | llama.cpp t/s | minfer t/s | ratio | required | mem_bw_frac |")
     print("|---|---:|---:|---:|---:|---:|")
     for t, a, m, ratio, need, frac in rows:
         fr = f"{frac:.2f}" if frac else ""
-        print(f"| {t} | {a:,.0f} | {m:,.0f} | {ratio:.2f}x | {need:.1f}x | {fr} |")
+        an = f"{a:,.0f}" if a else "(to measure)"
+        rt = f"{ratio:.2f}x" if ratio else ""
+        nd = f"{need:.1f}x" if need else ""
+        print(f"| {t} | {an} | {m:,.0f} | {rt} | {nd} | {fr} |")
     return 0
 
 

@@ -10,7 +10,7 @@ from gguf.quants import dequantize
 
 from minfer.io.gguf_file import GGUFFile
 from minfer.testing import QWEN2_Q4_K_M_TYPES, ROLES, write_model
-from minfer.testing.synth import CHATML_TEMPLATE, SPECIAL_TOKENS, bytes_to_unicode
+from minfer.testing.synth import CHATML_TEMPLATE, LLAMA31_ROPE, SPECIAL_TOKENS, bytes_to_unicode, llama3_rope_factors
 
 
 def _weights(g: GGUFFile, name: str) -> np.ndarray:
@@ -153,7 +153,8 @@ def test_seed_determinism(tmp_path):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        ({"arch": "llama"}, "arch"),
+        ({"arch": "gemma2"}, "arch"),
+        ({"llama3_rope": LLAMA31_ROPE}, "arch must be 'llama'"),
         ({"n_head": 3}, "n_head_kv"),
         ({"head_dim": 32}, "only qwen3"),
         ({"types": {"attn_q": "Q4_K"}}, "block size 256"),
@@ -169,3 +170,43 @@ def test_bad_arguments(tmp_path, kw, match):
 
 def test_roles_cover_every_matrix():
     assert set(ROLES) == set(QWEN2_Q4_K_M_TYPES)
+
+
+def test_llama_loads_and_runs_on_the_cpu(tmp_path):
+    """arch llama: the keys and tensors llama.cpp's converter writes for a Llama 3.1
+    checkpoint (no biases, rope.dimension_count, vocab_size, llama-bpe, rope_freqs.weight
+    from the llama3 scaling; a K-quant mix like Q4_K_M's), loaded by minfer's llama
+    model: interleaved RoPE with the frequency factors, and a forward on the CPU whose
+    logits are finite and spread, the last row of a prefill that of the same token
+    decoded after the others."""
+    from minfer.graph.ir import Op, RopeStyle
+    from minfer.graph.params import CParams, GraphParams, GraphType
+    from minfer.models import load_model
+    from minfer.session import Session
+
+    types = {r: "Q4_K" for r in ROLES} | {"output": "Q6_K", "attn_v": "Q6_K"}
+    cfg = write_model(tmp_path / "l.gguf", arch="llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
+                      rope_base=500000.0, types=types, seed=2, llama3_rope=LLAMA31_ROPE, fast=True)
+    factors = llama3_rope_factors(64, 500000.0, **LLAMA31_ROPE)
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and np.all(np.diff(factors) >= 0)
+    with GGUFFile.open(cfg.path) as g:
+        m = g.metadata
+        assert g.architecture == "llama"
+        assert m["llama.rope.dimension_count"] == 64 and m["llama.vocab_size"] == cfg.n_vocab
+        assert m["llama.rope.freq_base"] == 500000.0 and m["tokenizer.ggml.pre"] == "llama-bpe"
+        assert "llama.attention.key_length" not in m
+        T = g.tensors
+        assert not any(n.endswith(".bias") or "_norm.weight" in n and "attn_q" in n for n in T)
+        assert T["rope_freqs.weight"].shape == (32,)
+        assert np.array_equal(np.frombuffer(g.tensor_data("rope_freqs.weight"), np.float32), factors)
+        graph = load_model(g).build_graph(GraphParams(3, 1, GraphType.Prefill, CParams(n_ctx=64)))
+    ropes = [n.meta for n in graph.nodes if n.op is Op.RoPE]
+    assert ropes and all(r.style is RopeStyle.Normal and r.factors == "rope_freqs.weight" for r in ropes)
+    ids = [5, 77, 120, 9, 31, 250, 17]
+    s = Session.open(cfg.path, n_ctx=64, backends=["cpu"], n_threads=2)
+    block = np.asarray(s.forward(ids, n_out=len(ids)))
+    assert np.isfinite(block).all() and block.std() > 0.1
+    s = Session.open(cfg.path, n_ctx=64, backends=["cpu"], n_threads=2)
+    s.forward(ids[:-1])
+    last = np.asarray(s.forward(ids[-1:])).reshape(-1)
+    assert np.max(np.abs(last - block[-1])) <= 1e-3 * block.std()

@@ -15,6 +15,7 @@
 #include "common/ggml_types.h"
 #include "cuda/kernels.h"
 #include "cuda/layout.h"
+#include "cuda/timeline.h"
 
 namespace minfer::cuda {
 
@@ -79,6 +80,8 @@ struct CudaPlanState : PlanState {
     size_t xn_bytes = 0;
     int* rope_tk = nullptr;  // the q|k|v tail's head tickets: likewise
     size_t rope_tk_bytes = 0;
+    void* moe = nullptr;  // a prefill MATMUL_ID's grouping of slots by expert (kernels.h moe_group)
+    size_t moe_bytes = 0;
     int direct_runs = 0;
     bool no_graph = false;  // capture failed once: launch directly from then on
     cudaGraphExec_t exec = nullptr;
@@ -125,6 +128,7 @@ struct CudaPlanState : PlanState {
         int rope[3] = {-1, -1, -1};
         int role[4] = {0, 0, 0, 0};
         bool early_next = false;  // L_NORM_Q: the launch after it is a q|k|v matvec of one wave: it starts with the norm
+        bool moe_grouped = false;  // a prefill MATMUL_ID whose slots the MATMUL_ID before grouped (moe scratch)
     };
     std::vector<Launch> program;
     // Per step: the decode RMSNorm whose deferred copy (xn) a matvec step reads, else -1
@@ -135,11 +139,11 @@ struct CudaPlanState : PlanState {
     int64_t* stamps = nullptr;
     size_t stamps_cap = 0;
     // The q|k|v tail's pair angles by position (kernels.h rope_table), for one (rows,
-    // n_rot, freq_base): the decode program's.
+    // n_rot, angle parameters): the decode program's.
     float2* rope_table = nullptr;
     int64_t rope_rows = 0;
     int rope_nrot = 0;
-    float rope_freq = 0.0f;
+    RopeCfg rope_cfg;
     ~CudaPlanState() override {
         // The capture dies with the plan, once the stream no longer uses it.
         cudaStreamSynchronize(ctx().stream);
@@ -156,6 +160,7 @@ struct CudaPlanState : PlanState {
         if (xq2) cudaFree(xq2);
         if (xn) cudaFree(xn);
         if (rope_tk) cudaFree(rope_tk);
+        if (moe) cudaFree(moe);
         if (stamps) cudaFree(stamps);
         if (rope_table) cudaFree(rope_table);
     }
@@ -179,7 +184,24 @@ const Weight& need_weight(const Step& s, const WeightStore& ws, int slot) {
     return ws.get(s.w[slot]);
 }
 
-enum LaunchKind { L_STEP = 0, L_MV, L_SWIGLU, L_MV_ADD, L_ROPE_STORE, L_NORM_Q, L_ARGMAX };
+// A ROPE step's style and angles (fp 0 for freq_scale or attn_factor means 1).
+RopeCfg rope_cfg(const Step& s, const DevWeights& dw) {
+    RopeCfg r;
+    r.base = s.fp[0];
+    r.scale = s.fp[1] != 0.0f ? s.fp[1] : 1.0f;
+    r.attn = s.fp[2] != 0.0f ? s.fp[2] : 1.0f;
+    r.factors = s.w[0] >= 0 ? (const float*)dw.get(s.w[0]) : nullptr;
+    r.style = (int)s.ip[4];
+    return r;
+}
+
+// Two configurations give every pair the same angle.
+bool same_angles(const RopeCfg& a, const RopeCfg& b) {
+    return a.base == b.base && a.scale == b.scale && a.attn == b.attn && a.factors == b.factors;
+}
+
+enum LaunchKind { L_STEP = 0, L_MV, L_SWIGLU, L_MV_ADD, L_ROPE_STORE, L_NORM_Q, L_ARGMAX, L_MOE_ROUTE, L_MOE_FFN,
+                  L_MOE_SUM_ADD };
 
 // Buffers a step reads / writes (plan.h's field contract).
 void step_io(const Step& s, int rd[6], int& nr, int wr[2], int& nw) {
@@ -187,7 +209,8 @@ void step_io(const Step& s, int rd[6], int& nr, int wr[2], int& nw) {
     wr[nw++] = s.buf[0];
     auto R = [&](int slot) { if (s.buf[slot] >= 0) rd[nr++] = s.buf[slot]; };
     switch (s.op) {
-        case OP_ADD: case OP_MUL: case OP_SWIGLU: case OP_GET_ROWS: case OP_ROPE:
+        case OP_ADD: case OP_MUL: case OP_SWIGLU: case OP_GET_ROWS: case OP_ROPE: case OP_GEGLU:
+        case OP_MATMUL_ID: case OP_MOE_SUM:
             R(1); R(2); break;
         case OP_KV_STORE: R(1); R(2); R(3); wr[nw++] = s.buf[4]; break;
         case OP_ATTN: R(1); R(2); R(3); R(4); R(5); break;
@@ -225,12 +248,94 @@ bool is_gemm_deq(const Step& s, const WeightStore& ws) {
     return is_gemm_f16(s, ws) && ws.get(s.w[0]).type != T_F16;
 }
 
+// A MATMUL_ID of a decode-sized block: the expert matvec (matvec_id).
+bool is_mv_id(const Step& s) { return s.op == OP_MATMUL_ID && s.ip[5] <= kRowExactMaxTokens; }
+
+// The mixture-of-experts step merges at step i (flags as for their dense counterparts),
+// pushed onto the program; returns the steps taken (0: none). Each launch computes
+// bitwise what its steps compute one by one.
+//   FUSE_FFN:      gate and up MATMUL_IDs (one input, one ids, one shape and type) + SWIGLU:
+//                  one expert matvec with the SwiGLU epilogue (L_MOE_FFN).
+//   FUSE_QKV:      MOE_TOPK and MOE_WEIGHTS of one router's logits: one launch (L_MOE_ROUTE).
+//   FUSE_RESIDUAL: MOE_SUM + the ADD of its output: the add in the sum (L_MOE_SUM_ADD).
+int moe_merge(const Plan& plan, const WeightStore& ws, size_t i, CudaPlanState& st) {
+    const auto& S = plan.steps;
+    const int32_t f = plan.flags;
+    if ((f & FUSE_FFN) && i + 2 < S.size() && is_mv_id(S[i]) && is_mv_id(S[i + 1]) && S[i + 2].op == OP_SWIGLU) {
+        const Step &a = S[i], &b = S[i + 1], &sw = S[i + 2];
+        bool same = a.buf[1] == b.buf[1] && a.buf[2] == b.buf[2] && ws.get(a.w[0]).type == ws.get(b.w[0]).type &&
+                    ws.get(a.w[0]).row_bytes == ws.get(b.w[0]).row_bytes;
+        for (int k = 0; k < 6; ++k) same = same && a.ip[k] == b.ip[k];
+        int g = -1, u = -1;
+        if (sw.buf[1] == a.buf[0] && sw.buf[2] == b.buf[0]) g = (int)i, u = (int)i + 1;
+        if (sw.buf[1] == b.buf[0] && sw.buf[2] == a.buf[0]) g = (int)i + 1, u = (int)i;
+        // The launch reads x (or its int8 copy) and the ids while it writes SwiGLU's output.
+        if (same && g >= 0 && a.buf[0] != b.buf[0] && sw.ip[0] == a.ip[1] * a.ip[4] * a.ip[5] &&
+            sw.buf[0] != a.buf[1] && sw.buf[0] != a.buf[2] && dead_after(plan, i + 2, a.buf[0]) &&
+            dead_after(plan, i + 2, b.buf[0])) {
+            st.program.push_back({L_MOE_FFN, {g, u, (int)i + 2, 0}, 3});
+            return 3;
+        }
+    }
+    if ((f & FUSE_QKV) && i + 1 < S.size()) {
+        const Step &a = S[i], &b = S[i + 1];
+        const bool pair = (a.op == OP_MOE_TOPK && b.op == OP_MOE_WEIGHTS) || (a.op == OP_MOE_WEIGHTS && b.op == OP_MOE_TOPK);
+        if (pair && a.buf[1] == b.buf[1] && a.ip[0] == b.ip[0] && a.ip[1] == b.ip[1] && a.ip[2] == b.ip[2] &&
+            a.buf[0] != b.buf[0] && a.buf[0] != a.buf[1] && b.buf[0] != b.buf[1]) {
+            const int t = a.op == OP_MOE_TOPK ? (int)i : (int)i + 1;
+            st.program.push_back({L_MOE_ROUTE, {t, t == (int)i ? (int)i + 1 : (int)i, 0, 0}, 2});
+            return 2;
+        }
+    }
+    if ((f & FUSE_RESIDUAL) && i + 1 < S.size() && S[i].op == OP_MOE_SUM && S[i + 1].op == OP_ADD) {
+        const Step &m = S[i], &ad = S[i + 1];
+        const int y = m.buf[0];
+        const bool one = (ad.buf[1] == y) != (ad.buf[2] == y);
+        // Element i of the add's output is written after element i of the residual is read,
+        // never over the sum's inputs.
+        if (one && ad.ip[0] == m.ip[0] * m.ip[2] && ad.buf[0] != m.buf[1] && ad.buf[0] != m.buf[2] &&
+            dead_after(plan, i + 1, y)) {
+            st.program.push_back({L_MOE_SUM_ADD, {(int)i, (int)i + 1, 0, 0}, 2});
+            return 2;
+        }
+    }
+    return 0;
+}
+
+// Prefill MATMUL_IDs that find their grouping already in the moe scratch: the previous
+// prefill MATMUL_ID grouped the same ids buffer (same n_expert and slots) and no step
+// since wrote it (gate, up and down of one layer group once).
+void mark_moe_groups(const Plan& plan, CudaPlanState& st) {
+    const auto& S = plan.steps;
+    const Step* prev = nullptr;
+    int since = 0;
+    for (auto& L : st.program) {
+        if (L.kind != L_STEP) continue;
+        const Step& s = S[L.s[0]];
+        if (s.op != OP_MATMUL_ID || is_mv_id(s)) continue;
+        bool same = prev && prev->buf[2] == s.buf[2] && prev->ip[3] == s.ip[3] && prev->ip[4] == s.ip[4] &&
+                    prev->ip[5] == s.ip[5];
+        for (int k = since; same && k < L.s[0]; ++k) {
+            int rd[6], wr[2], nr, nw;
+            step_io(S[k], rd, nr, wr, nw);
+            for (int w = 0; w < nw; ++w) same = same && wr[w] != s.buf[2];
+        }
+        L.moe_grouped = same;
+        prev = &s;
+        since = L.s[0];
+    }
+}
+
 void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     const auto& S = plan.steps;
     const int32_t f = plan.flags;
     st.program.clear();
     size_t i = 0;
     while (i < S.size()) {
+        if (const int n = moe_merge(plan, ws, i, st)) {
+            i += (size_t)n;
+            continue;
+        }
         // gate|up + SwiGLU
         if ((f & FUSE_FFN) && i + 2 < S.size() && is_mv(S[i]) && is_mv(S[i + 1]) && S[i + 2].op == OP_SWIGLU &&
             S[i].buf[1] == S[i + 1].buf[1] && S[i].ip[0] == S[i + 1].ip[0] && S[i].ip[1] == S[i + 1].ip[1] &&
@@ -283,8 +388,10 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         if ((f & FUSE_QKV) && i + 2 < S.size() && S[i].op == OP_ROPE && S[i + 1].op == OP_ROPE &&
             S[i + 2].op == OP_KV_STORE) {
             const Step &a = S[i], &b = S[i + 1], &kv = S[i + 2];
+            // One launch ropes both with one configuration: q's and k's must agree.
             const bool same = a.buf[2] == b.buf[2] && a.ip[0] == b.ip[0] && a.ip[2] == b.ip[2] &&
-                              a.ip[3] == b.ip[3] && a.fp[0] == b.fp[0] && kv.ip[0] == a.ip[0];
+                              a.ip[3] == b.ip[3] && a.ip[4] == b.ip[4] && a.fp[0] == b.fp[0] &&
+                              a.fp[1] == b.fp[1] && a.fp[2] == b.fp[2] && a.w[0] == b.w[0] && kv.ip[0] == a.ip[0];
             int q = -1, k = -1;
             if (kv.buf[1] == b.buf[0]) q = (int)i, k = (int)i + 1;
             else if (kv.buf[1] == a.buf[0]) q = (int)i + 1, k = (int)i;
@@ -305,14 +412,16 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     st.norm_in_step.assign(S.size(), -1);
     for (auto& L : st.program) {
         const Step& m = S[L.s[0]];
-        const bool reads_x = L.kind == L_MV || L.kind == L_SWIGLU || L.kind == L_MV_ADD ||
-                             (L.kind == L_STEP && m.op == OP_MATMUL && m.ip[2] <= kRowExactMaxTokens);
+        // (A MATMUL_ID's ip[2] is its x rows: the norm's rows when its slots share them.)
+        const bool reads_x = L.kind == L_MV || L.kind == L_SWIGLU || L.kind == L_MV_ADD || L.kind == L_MOE_FFN ||
+                             (L.kind == L_STEP && m.op == OP_MATMUL && m.ip[2] <= kRowExactMaxTokens) ||
+                             (L.kind == L_STEP && is_mv_id(m));
         if (cur >= 0 && reads_x && m.buf[1] == S[cur].buf[0] && m.ip[0] == S[cur].ip[0] && m.ip[2] == S[cur].ip[1]) {
             L.norm_in = cur;
             L.xq_ready = true;
             L.slot = 2;
             for (int k = 0; k < L.n; ++k)
-                if (S[L.s[k]].op == OP_MATMUL) st.norm_in_step[L.s[k]] = cur;
+                if (S[L.s[k]].op == OP_MATMUL || S[L.s[k]].op == OP_MATMUL_ID) st.norm_in_step[L.s[k]] = cur;
         }
         if (L.kind == L_STEP && copy_norm(m)) {
             L.kind = L_NORM_Q;
@@ -423,6 +532,7 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         st.program[k].early_next = mv_blocks_one_wave(rows);
     }
     // The greedy pick last (after the passes above, which read entries' steps).
+    mark_moe_groups(plan, st);
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
     st.flags = plan.flags;
     if (st.exec) {
@@ -436,13 +546,14 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
 // before any run. Positions run up to the KV cells (n_ctx, every sequence's). (Every
 // block working its angles out in double measured slower: 0.5B tg128 1,565 / 1,564 /
 // 1,561 against 1,588 / 1,606 / 1,599 with the table, 862161d.)
-void build_rope_table(const Plan& plan, CudaPlanState& st) {
+void build_rope_table(const Plan& plan, const DevWeights& dw, CudaPlanState& st) {
     for (const auto& L : st.program) {
         if (L.kind != L_MV || L.rope[0] < 0) continue;
         const Step &q = plan.steps[L.rope[0]], &kv = plan.steps[L.rope[2]];
         const int64_t rows = kv.ip[2];
         const int n_rot = (int)q.ip[3];
-        if (st.rope_table && st.rope_rows == rows && st.rope_nrot == n_rot && st.rope_freq == q.fp[0]) return;
+        const RopeCfg cfg = rope_cfg(q, dw);
+        if (st.rope_table && st.rope_rows == rows && st.rope_nrot == n_rot && same_angles(st.rope_cfg, cfg)) return;
         if (st.rope_table) {
             cudaStreamSynchronize(ctx().stream);
             cudaFree(st.rope_table);
@@ -450,8 +561,8 @@ void build_rope_table(const Plan& plan, CudaPlanState& st) {
         st.rope_table = (float2*)dev_alloc((size_t)rows * (n_rot / 2) * sizeof(float2));
         st.rope_rows = rows;
         st.rope_nrot = n_rot;
-        st.rope_freq = q.fp[0];
-        rope_table(st.rope_table, rows, n_rot, q.fp[0]);
+        st.rope_cfg = cfg;
+        rope_table(st.rope_table, rows, n_rot, cfg);
         return;
     }
 }
@@ -477,7 +588,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         have = pool.size(id);
         return true;
     });
-    size_t wh = 0, wh2 = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, xnb = 0, ropetk = 0;
+    size_t wh = 0, wh2 = 0, xh = 0, attn = 0, attn_tk = 0, xqb = 0, xnb = 0, ropetk = 0, moeb = 0;
     int ndeq = 0;  // dequantized GEMMs so far: the pipeline alternates wh, wh2 in step order
     for (const Step& s : plan.steps) {
         const int64_t* ip = s.ip;
@@ -487,6 +598,9 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
             case OP_ROPE:
                 // The q|k|v tail's tickets: q, k and v heads of a layer (each at most nh).
                 if (ip[0] == 1) ropetk = std::max(ropetk, (size_t)(3 * ip[1]) * sizeof(int));
+                if (s.w[0] >= 0) dw.ensure(ws, s.w[0]);
+                break;
+            case OP_SCALE: case OP_SOFTCAP: case OP_GELU: case OP_GEGLU: case OP_SLICE:
                 break;
             case OP_RMS_NORM: case OP_QK_NORM:
                 if (ip[0] > kRmsMaxRow) fail(s, "CUDA RMSNorm rows hold at most " + std::to_string(kRmsMaxRow) + " elements");
@@ -507,6 +621,17 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 }
                 dw.ensure(ws, s.w[0]);
                 if (s.w[1] >= 0) dw.ensure(ws, s.w[1]);
+                break;
+            }
+            case OP_SIGMOID: case OP_MOE_TOPK: case OP_MOE_WEIGHTS: case OP_MOE_SUM:
+                break;
+            case OP_MATMUL_ID: {
+                const Weight& w = need_weight(s, ws, 0);
+                if (!matvec_type_supported(w.type)) fail(s, "weight type " + std::to_string(w.type) + " has no CUDA kernel");
+                if (ip[0] % 32) fail(s, "CUDA matmuls need a row length that is a multiple of 32");
+                if (is_mv_id(s)) xqb = std::max(xqb, matvec_scratch_bytes(ip[0], ip[2]));
+                else moeb = std::max(moeb, moe_group_bytes(ip[3], ip[4] * ip[5]));
+                dw.ensure(ws, s.w[0]);
                 break;
             }
             case OP_GET_ROWS_W: {
@@ -540,7 +665,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     };
     if (st.exec && (wh > st.wh_bytes || wh2 > st.wh2_bytes || xh > st.xh_bytes || attn > st.attn_bytes || attn_tk > st.attn_tk_bytes ||
                     xqb > st.xq_bytes || xqb > st.xq2_bytes || xnb > st.xn_bytes ||
-                    ropetk > st.rope_tk_bytes)) {
+                    ropetk > st.rope_tk_bytes || moeb > st.moe_bytes)) {
         cudaStreamSynchronize(ctx().stream);
         cudaGraphExecDestroy(st.exec);
         st.exec = nullptr;
@@ -558,6 +683,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     grow(st.xq, st.xq_bytes, xqb);
     grow(st.xq2, st.xq2_bytes, xqb);
     grow(st.xn, st.xn_bytes, xnb);
+    grow(st.moe, st.moe_bytes, moeb);
     if (ropetk > st.rope_tk_bytes) {
         void* m = st.rope_tk;
         grow(m, st.rope_tk_bytes, ropetk);
@@ -578,7 +704,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     st.pick_n = pick_n;
     if (pick_buf >= 0) pick_slot();  // its device int exists before any capture records it
     build_program(plan, ws, st);
-    build_rope_table(plan, st);
+    build_rope_table(plan, dw, st);
     st.pool = &pool;
     st.pool_count = pool.count();
     st.weight_count = ws.count();
@@ -679,6 +805,37 @@ void side_dequant(const WeightStore& ws, const DevWeights& dw, CudaPlanState& st
     MC_CHECK(cudaEventRecord(st.ev_deq[b], c.side));
 }
 
+// MATMUL_ID into y: decode-sized blocks run the expert matvec (with up, gate|up + SwiGLU),
+// xq_ready / xq / in_norm as for a matvec; larger ones group their slots by expert on the
+// device (unless grouped: the MATMUL_ID before left this grouping in st.moe) and run the
+// tiled expert matmul. Neither reads the ids on the host.
+void run_matmul_id(const Step& s, const Step* up, float* y, DevPool& pool, const WeightStore& ws,
+                   const DevWeights& dw, CudaPlanState& st, bool xq_ready, void* xq, bool in_norm, bool grouped) {
+    const int64_t* ip = s.ip;
+    const int32_t type = ws.get(s.w[0]).type;
+    const float* x = (const float*)pool.data(s.buf[1]);
+    const int32_t* ids = (const int32_t*)pool.data(s.buf[2]);
+    if (is_mv_id(s)) {
+        MvIdJob j;
+        j.W = (const uint8_t*)dw.get(s.w[0]);
+        j.W2 = up ? (const uint8_t*)dw.get(up->w[0]) : nullptr;
+        j.row_bytes = dw.stride(s.w[0]);
+        j.type = type;
+        j.out = (int)ip[1];
+        j.n_expert = (int)ip[3];
+        j.k = (int)ip[4];
+        j.nt = (int)ip[5];
+        j.x_rows = ip[2];
+        j.ids = ids;
+        j.y = y;
+        matvec_id(j, ip[0], x, xq ? xq : st.xq, xq_ready, in_norm);
+        return;
+    }
+    if (up) fail(s, "gate|up MATMUL_IDs merge in decode blocks only");
+    if (!grouped) moe_group(ids, ip[4] * ip[5], ip[3], st.moe);
+    matmul_id_tiled(type, dw.get(s.w[0]), dw.stride(s.w[0]), ip[0], ip[1], ip[3], ip[4], ip[5], ip[2], x, st.moe, y);
+}
+
 // xq_ready / xq: a one-token matvec's int8 input is already in xq (else it uses st.xq);
 // q_next: attention also writes its output's int8 copy into st.xq.
 // L: the program entry of a whole run (the GEMM's place in the pipeline), else null.
@@ -757,7 +914,21 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
             break;
         }
         case OP_GET_ROWS: get_rows_f32(F(1), ip[0], I(2), ip[1], ip[2], F(0), c.err_dev); break;
-        case OP_ROPE: rope_neox(F(1), F(0), I(2), ip[0], ip[1], ip[2], ip[3], s.fp[0], c.err_dev); break;
+        case OP_ROPE: rope(F(1), F(0), I(2), ip[0], ip[1], ip[2], ip[3], rope_cfg(s, dw), c.err_dev); break;
+        case OP_SCALE: scale(F(1), F(0), s.fp[0], ip[0]); break;
+        case OP_SOFTCAP: softcap(F(1), F(0), s.fp[0], ip[0]); break;
+        case OP_GELU: gelu(F(1), F(0), ip[0]); break;
+        case OP_GEGLU: geglu(F(1), F(2), F(0), ip[0]); break;
+        case OP_SLICE: slice_cols(F(1), F(0), ip[0], ip[1], ip[2], ip[3]); break;
+        case OP_SIGMOID: sigmoid(F(1), F(0), ip[0]); break;
+        case OP_MOE_TOPK:
+            moe_route(F(1), (int32_t*)pool.data(s.buf[0]), nullptr, ip[0], ip[1], ip[2], 0, 0, 0.0f);
+            break;
+        case OP_MOE_WEIGHTS: moe_route(F(1), nullptr, F(0), ip[0], ip[1], ip[2], (int)ip[3], (int)ip[4], s.fp[0]); break;
+        case OP_MOE_SUM: moe_sum(F(1), F(2), F(0), ip[0], ip[1], ip[2]); break;
+        case OP_MATMUL_ID:
+            run_matmul_id(s, nullptr, F(0), pool, ws, dw, st, xq_ready, xq, in_norm, L && L->moe_grouped);
+            break;
         case OP_KV_STORE:
             kv_store_f16(F(1), F(2), I(3), ip[0], ip[1], ip[2], pool.data(s.buf[0]), pool.data(s.buf[4]), c.err_dev);
             break;
@@ -772,6 +943,8 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
             a.out = F(0);
             a.nt = ip[0]; a.nh = ip[1]; a.nkv = ip[2]; a.hd = ip[3]; a.n_ctx = ip[4];
             a.scale = s.fp[0];
+            a.window = ip[7];
+            a.softcap = s.fp[1];
             if (q_next) {
                 a.q_out = (int8_t*)st.xq;
                 a.ds_out = (float2*)((uint8_t*)st.xq + ip[1] * ip[3]);
@@ -828,10 +1001,10 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             r.hd = (int)q.ip[2];
             r.n_rot = (int)q.ip[3];
             r.n_ctx = kv.ip[2];
-            r.freq_base = q.fp[0];
+            r.cfg = rope_cfg(q, dw);
             r.tickets = st.rope_tk;
             r.err = ctx().err_dev;
-            if (st.rope_table && st.rope_nrot == r.n_rot && st.rope_freq == r.freq_base) {
+            if (st.rope_table && st.rope_nrot == r.n_rot && same_angles(st.rope_cfg, r.cfg)) {
                 r.cs_table = st.rope_table;
                 r.cs_rows = st.rope_rows;
             }
@@ -871,7 +1044,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             a.pos = (const int32_t*)pool.data(q.buf[2]);
             a.cells = (const int32_t*)pool.data(kv.buf[3]);
             a.nt = q.ip[0]; a.hd = q.ip[2]; a.n_rot = q.ip[3]; a.n_ctx = kv.ip[2];
-            a.freq_base = q.fp[0];
+            a.cfg = rope_cfg(q, dw);
             a.kc = pool.data(kv.buf[0]);
             a.vc = pool.data(kv.buf[4]);
             a.err = ctx().err_dev;
@@ -879,6 +1052,20 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             break;
         }
         case L_ARGMAX: argmax((const float*)pool.data(st.pick_buf), st.pick_n, pick_slot().dev, ctx().err_dev); break;
+        case L_MOE_ROUTE: {
+            const Step &tk = S[L.s[0]], &wt = S[L.s[1]];
+            moe_route(F(tk, 1), (int32_t*)pool.data(tk.buf[0]), F(wt, 0), tk.ip[0], tk.ip[1], tk.ip[2], (int)wt.ip[3],
+                      (int)wt.ip[4], wt.fp[0]);
+            break;
+        }
+        case L_MOE_FFN:
+            run_matmul_id(S[L.s[0]], &S[L.s[1]], F(S[L.s[2]], 0), pool, ws, dw, st, L.xq_ready, xq, in_norm, false);
+            break;
+        case L_MOE_SUM_ADD: {
+            const Step &m = S[L.s[0]], &ad = S[L.s[1]];
+            moe_sum(F(m, 1), F(m, 2), F(ad, 0), m.ip[0], m.ip[1], m.ip[2], F(ad, ad.buf[1] == m.buf[0] ? 2 : 1));
+            break;
+        }
     }
 }
 
@@ -890,9 +1077,13 @@ const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
         case L_ROPE_STORE: return "fused_rope_kv_store";
         case L_NORM_Q: return "rms_norm_copy";
         case L_ARGMAX: return "argmax";
+        case L_MOE_ROUTE: return "moe_route";
+        case L_MOE_FFN: return "moe_ffn_swiglu";
+        case L_MOE_SUM_ADD: return "moe_sum_residual";
         default: {
             const Step& s = plan.steps[L.s[0]];
             if (s.op == OP_MATMUL) return s.ip[2] <= kRowExactMaxTokens ? "matvec" : "gemm";
+            if (s.op == OP_MATMUL_ID) return is_mv_id(s) ? "matvec_id" : "matmul_id";
             return op_name(s.op);
         }
     }
@@ -903,6 +1094,10 @@ size_t launch_weight_bytes(const CudaPlanState::Launch& L, const Plan& plan, con
     for (int k = 0; k < L.n; ++k) {
         const Step& s = plan.steps[L.s[k]];
         if (s.op == OP_MATMUL) b += ws.get(s.w[0]).nbytes;
+        if (s.op == OP_MATMUL_ID) {  // the picked experts' rows, at most the whole tensor
+            const Weight& w = ws.get(s.w[0]);
+            b += std::min(w.nbytes, (size_t)(s.ip[1] * s.ip[4] * s.ip[5]) * w.row_bytes);
+        }
     }
     return b;
 }
@@ -1181,6 +1376,84 @@ size_t plan_gemm_inputs_reused(const Plan& plan) {
 bool plan_captured(const Plan& plan) {
     const CudaPlanState* st = peek_state(plan);
     return st && st->exec != nullptr;
+}
+
+std::vector<LaunchInfo> run_launches(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights& dw,
+                                     bool timed, const std::function<void(const LaunchInfo&, size_t)>& after) {
+    // A read between launches waits for the stream, which the gate would hold until it times out.
+    if (timed && after) throw std::invalid_argument("run_launches: a timed run reads nothing between its launches");
+    validate_plan(plan, pool, ws, dw);
+    CudaPlanState& st = state_of(plan);
+    Context& c = ctx();
+    const size_t n = st.program.size();
+    std::vector<LaunchInfo> out(n);
+    std::vector<char> covered(plan.steps.size(), 0);
+    for (size_t k = 0; k < n; ++k) {
+        const auto& L = st.program[k];
+        out[k].name = launch_name(L, plan);
+        for (int j = 0; j < L.n; ++j) out[k].steps.push_back(L.s[j]);
+        for (int r : L.rope)  // the q|k|v tail's folded rope and KV store steps
+            if (r >= 0) out[k].steps.push_back(r);
+        std::sort(out[k].steps.begin(), out[k].steps.end());
+        for (int s : out[k].steps) covered[s] = 1;
+    }
+    // A merge that folds steps some other way would leave them out of every trace unseen.
+    for (size_t i = 0; i < covered.size(); ++i)
+        if (!covered[i]) step_fail(plan.steps[i], "run_launches: the step is in no launch of the program");
+    forget_pick();
+    struct PipeOff {  // as launch_program's: join the side stream if an error cuts the run short
+        CudaPlanState& st;
+        ~PipeOff() {
+            if (st.pipe && !st.deqs.empty() && std::uncaught_exceptions() > 0) {
+                cudaEventRecord(st.ev_start, ctx().side);
+                cudaStreamWaitEvent(ctx().stream, st.ev_start, 0);
+            }
+            st.pipe = false;
+        }
+    };
+    struct Events {
+        std::vector<cudaEvent_t> ev;
+        ~Events() {
+            for (cudaEvent_t e : ev)
+                if (e) cudaEventDestroy(e);
+        }
+    } events;
+    struct Gate {  // opened on every way out, so an error never leaves the stream held
+        bool shut = false;
+        void open() {
+            if (shut) tl::gate_open();
+            shut = false;
+        }
+        ~Gate() { open(); }
+    };
+    if (timed) {
+        events.ev.assign(n + 1, nullptr);
+        for (auto& e : events.ev) MC_CHECK(cudaEventCreate(&e));
+    }
+    PipeOff off{st};
+    Gate gate;
+    if (timed) {
+        // Launched one by one from the host, short kernels would wait on the host's launch
+        // rate and the events would time that; queued behind the gate, they run back to back.
+        tl::gate_close();
+        gate.shut = true;
+        MC_CHECK(cudaEventRecord(events.ev[0], c.stream));
+    }
+    start_pipe(ws, dw, st);
+    for (size_t k = 0; k < n; ++k) {
+        launch_merged(st.program[k], plan, pool, ws, dw, st);
+        if (timed) MC_CHECK(cudaEventRecord(events.ev[k + 1], c.stream));
+        if (after) after(out[k], k);
+    }
+    MC_CHECK(cudaGetLastError());
+    if (timed) {
+        gate.open();
+        MC_CHECK(cudaEventSynchronize(events.ev[n]));
+        ++c.c.syncs;
+        raise_device_error();
+        for (size_t k = 0; k < n; ++k) MC_CHECK(cudaEventElapsedTime(&out[k].ms, events.ev[k], events.ev[k + 1]));
+    }
+    return out;
 }
 
 }  // namespace minfer::cuda

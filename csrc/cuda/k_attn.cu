@@ -11,7 +11,8 @@
 // the last ticket merges the splits in split order (whichever block that is) and resets
 // the ticket for the next launch. With head dims up to 64 a warp's first group's K and V
 // loads go out with q's (LoadedGroup). Nothing depends on timing: the same inputs give
-// the same bits.
+// the same bits. A sliding window only narrows a row's cells (so fewer splits hold any);
+// a soft-cap maps each scaled score before the softmax, as the CPU does.
 #include <cuda_fp16.h>
 
 #include <cmath>
@@ -55,7 +56,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // A lane's EPL consecutive head dims of one V row, in one load (EPL halves are 2, 4,
-// 8 or 16 bytes, aligned as the row and the lane's offset are).
+// 8 or 16 bytes, aligned as the row and the lane's offset are); head dim 96's three
+// halves (6 bytes, 2-byte aligned) in three.
 template <int EPL> struct VSlice;
 template <> struct VSlice<1> {
     __half h;
@@ -66,6 +68,15 @@ template <> struct VSlice<2> {
     __half2 h;
     __device__ __forceinline__ void load(const __half* p) { h = *reinterpret_cast<const __half2*>(p); }
     __device__ __forceinline__ float at(int j) const { return j == 0 ? __low2float(h) : __high2float(h); }
+};
+template <> struct VSlice<3> {
+    __half h[3];
+    __device__ __forceinline__ void load(const __half* p) {
+        h[0] = p[0];
+        h[1] = p[1];
+        h[2] = p[2];
+    }
+    __device__ __forceinline__ float at(int j) const { return __half2float(h[j]); }
 };
 template <> struct VSlice<4> {
     uint2 u;
@@ -150,9 +161,11 @@ __device__ __forceinline__ void quant_head(const AttnDev& a, int64_t off, int la
 }
 
 // One cell's score: q (shared memory) against its K row k (global memory, or registers
-// loaded ahead), in dim order.
-template <int HD>
-__device__ __forceinline__ float cell_score(const float* qs, const uint4* k, float scale) {
+// loaded ahead), in dim order, scaled; with CAP (Gemma 2's soft-capped layers, a kernel
+// of their own so the others keep their registers) then cap * tanh(s * (1 / cap)), as
+// the CPU computes it.
+template <int HD, bool CAP>
+__device__ __forceinline__ float cell_score(const float* qs, const uint4* k, float scale, float cap) {
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < HD / 8; ++i) {
@@ -165,7 +178,9 @@ __device__ __forceinline__ float cell_score(const float* qs, const uint4* k, flo
             dot = fmaf(qs[8 * i + 2 * j + 1], f.y, dot);
         }
     }
-    return dot * scale;
+    const float s = dot * scale;
+    if constexpr (CAP) return __fmul_rn(cap, tanhf(__fmul_rn(s, __frcp_rn(cap))));
+    return s;
 }
 
 // A group's scores into the warp's online softmax state (m, l, acc rescaled): the
@@ -186,19 +201,20 @@ __device__ __forceinline__ float group_softmax(float s, bool valid, float& m, fl
 // state: each lane scores one cell (a whole-row dot product, q from shared memory), the
 // group's max and sum are butterflies, then each lane adds the cells' V slices for its
 // dims in cell order.
-template <int HD>
+template <int HD, bool CAP>
 __device__ __forceinline__ void attend_group(const float* qs, const __half* K, const __half* V, int64_t kvs,
-                                             float scale, int64_t base, int64_t c1, int lane, float& m, float& l,
-                                             float acc[HD / 32]) {
+                                             float scale, float cap, int64_t base, int64_t c1, int lane, float& m,
+                                             float& l, float acc[HD / 32]) {
     constexpr int EPL = HD / 32;
     const int64_t c = base + lane;
     const bool valid = c < c1;
-    const float s = valid ? cell_score<HD>(qs, reinterpret_cast<const uint4*>(K + c * kvs), scale) : -INFINITY;
+    const float s = valid ? cell_score<HD, CAP>(qs, reinterpret_cast<const uint4*>(K + c * kvs), scale, cap) : -INFINITY;
     const float p = group_softmax<EPL>(s, valid, m, l, acc);
     const int nvalid = (int)((c1 - base) < 32 ? (c1 - base) : 32);
-    // VB cells' V slices (32 registers) are loaded before any is used, so their
-    // latencies overlap; the sums still take the cells in order.
-    constexpr int VB = EPL <= 2 ? 32 : 128 / EPL;
+    // VB cells' V slices (32 registers; 16 cells of three halves for head dim 96) are
+    // loaded before any is used, so their latencies overlap; the sums still take the
+    // cells in order.
+    constexpr int VB = EPL <= 2 ? 32 : EPL == 3 ? 16 : 128 / EPL;
 #pragma unroll
     for (int i0 = 0; i0 < 32; i0 += VB) {
         if (i0 >= nvalid) break;
@@ -242,9 +258,10 @@ struct LoadedGroup {
         for (int i = 0; i < 32; ++i)
             if (i < nvalid) v[i].load(V + (base + i) * kvs);
     }
-    __device__ __forceinline__ void attend(const float* qs, float scale, int lane, float& m, float& l,
+    template <bool CAP>
+    __device__ __forceinline__ void attend(const float* qs, float scale, float cap, int lane, float& m, float& l,
                                            float acc[EPL]) const {
-        const float s = valid ? cell_score<HD>(qs, k, scale) : -INFINITY;
+        const float s = valid ? cell_score<HD, CAP>(qs, k, scale, cap) : -INFINITY;
         const float p = group_softmax<EPL>(s, valid, m, l, acc);
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
@@ -282,8 +299,9 @@ __device__ __forceinline__ float merge_warps(const float* wm, const float* wl, c
 
 // One block per (token, head, split): its WARPS warps take the split's 32-cell groups in
 // turn (warp w: groups w, w + WARPS, ...), so a short context is one group per warp, all
-// in flight at once; the warps' states merge in shared memory in warp order.
-template <int HD>
+// in flight at once; the warps' states merge in shared memory in warp order. CAP: the
+// scores are soft-capped (a.softcap > 0).
+template <int HD, bool CAP>
 __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, int chunk, float* __restrict__ part,
                                                      int* __restrict__ ticket, int* err) {
     TL_BEGIN(tl::ATTN);
@@ -316,6 +334,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
             hi = p + 1;
         }
     }
+    if (a.window > 0 && hi - a.window > lo) lo = hi - a.window;  // a sliding-window layer
     // Splits holding cells of [lo, hi): s_lo .. s_hi - 1. Only those publish a partial
     // and draw a ticket; when there are none, split 0 writes the zeros.
     const int s_lo = hi > lo ? (int)(lo / chunk) : 0;
@@ -361,7 +380,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         TL_MARK(3);
         __syncthreads();
         TL_MARK(4);
-        if (base < c1) g.attend(qs, a.scale, lane, m, l, acc);
+        if (base < c1) g.template attend<CAP>(qs, a.scale, a.softcap, lane, m, l, acc);
         TL_MARK(5);
         base += 32 * WARPS;
     } else {
@@ -369,7 +388,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         __syncthreads();
     }
     for (; base < c1; base += 32 * WARPS)
-        attend_group<HD>(qs, K, V, kvs, a.scale, base, c1, lane, m, l, acc);
+        attend_group<HD, CAP>(qs, K, V, kvs, a.scale, a.softcap, base, c1, lane, m, l, acc);
     TL_MARK(6);
 
     if (lane == 0) {
@@ -441,7 +460,7 @@ int chunk_of(int64_t n_ctx, int n_splits) {
 
 }  // namespace
 
-bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 128 || hd == 256; }
+bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 96 || hd == 128 || hd == 256; }
 
 // Cells per decode split (whole rounds of 32 * WARPS): a warp walks its share of a split's
 // groups one after another, so shorter splits mean shorter critical paths and more
@@ -471,11 +490,13 @@ void attention(const AttnDev& a, float* scratch, int* tickets, int* err) {
     const int chunk = chunk_of(a.n_ctx, n_splits);
     const int64_t pairs = a.nt * a.nh;
     dim3 grid((unsigned)pairs, (unsigned)n_splits);
+    const bool cap = a.softcap > 0.0f;
     switch (a.hd) {
-        case 32: launch(k_attn<32>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
-        case 64: launch(k_attn<64>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
-        case 128: launch(k_attn<128>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
-        case 256: launch(k_attn<256>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 32: launch(cap ? k_attn<32, true> : k_attn<32, false>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 64: launch(cap ? k_attn<64, true> : k_attn<64, false>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 96: launch(cap ? k_attn<96, true> : k_attn<96, false>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 128: launch(cap ? k_attn<128, true> : k_attn<128, false>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
+        case 256: launch(cap ? k_attn<256, true> : k_attn<256, false>, grid, WARPS * 32, a, n_splits, chunk, scratch, tickets, err); break;
         default: throw std::invalid_argument("attention: unsupported head dim");
     }
 }

@@ -47,7 +47,8 @@ __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32
 }
 
 // Cells [lo, hi) query row t may see, checked as k_attn checks them (an empty range
-// and the error word for a bad position or span).
+// and the error word for a bad position or span), narrowed to the last `window` cells
+// on a sliding-window layer.
 __device__ __forceinline__ void row_range(const AttnDev& a, int64_t t, int& lo, int& hi, int* err) {
     lo = 0;
     hi = 0;
@@ -68,9 +69,11 @@ __device__ __forceinline__ void row_range(const AttnDev& a, int64_t t, int& lo, 
         }
         hi = (int)p + 1;
     }
+    if (a.window > 0 && (int64_t)hi - a.window > lo) lo = (int)(hi - a.window);
 }
 
-template <int HD>
+// CAP: the scores are soft-capped (a.softcap > 0), in a kernel of its own.
+template <int HD, bool CAP>
 __global__ void __launch_bounds__(PF_WARPS * 32) k_attn_prefill(AttnDev a, int* err) {
     pdl_wait();
     pdl_trigger();
@@ -170,13 +173,18 @@ __global__ void __launch_bounds__(PF_WARPS * 32) k_attn_prefill(AttnDev a, int* 
                          *reinterpret_cast<const uint32_t*>(kr + 16 * k + 8));
         }
         float mx_a = -INFINITY, mx_b = -INFINITY;
+        // Soft-capped as the CPU does it: cap * tanh(s * (1 / cap)).
+        auto score = [&](float v) {
+            if constexpr (CAP) return __fmul_rn(a.softcap, tanhf(__fmul_rn(v * a.scale, __frcp_rn(a.softcap))));
+            return v * a.scale;
+        };
 #pragma unroll
         for (int n = 0; n < PF_TILE / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int c = c0 + 8 * n + 2 * tq + e;
-                s[n][e] = c >= lo_a && c < hi_a ? s[n][e] * a.scale : -INFINITY;
-                s[n][2 + e] = c >= lo_b && c < hi_b ? s[n][2 + e] * a.scale : -INFINITY;
+                s[n][e] = c >= lo_a && c < hi_a ? score(s[n][e]) : -INFINITY;
+                s[n][2 + e] = c >= lo_b && c < hi_b ? score(s[n][2 + e]) : -INFINITY;
                 mx_a = fmaxf(mx_a, s[n][e]);
                 mx_b = fmaxf(mx_b, s[n][2 + e]);
             }
@@ -252,10 +260,12 @@ __global__ void __launch_bounds__(PF_WARPS * 32) k_attn_prefill(AttnDev a, int* 
 bool attention_prefill(const AttnDev& a, int* err) {
     if (a.nt <= kRowExactMaxTokens || a.q_out || a.q_stride % 2) return false;
     const dim3 grid((unsigned)((a.nt + PF_ROWS - 1) / PF_ROWS), (unsigned)a.nh);
+    const bool cap = a.softcap > 0.0f;
     switch (a.hd) {
-        case 32: launch(k_attn_prefill<32>, grid, PF_WARPS * 32, a, err); return true;
-        case 64: launch(k_attn_prefill<64>, grid, PF_WARPS * 32, a, err); return true;
-        case 128: launch(k_attn_prefill<128>, grid, PF_WARPS * 32, a, err); return true;
+        case 32: launch(cap ? k_attn_prefill<32, true> : k_attn_prefill<32, false>, grid, PF_WARPS * 32, a, err); return true;
+        case 64: launch(cap ? k_attn_prefill<64, true> : k_attn_prefill<64, false>, grid, PF_WARPS * 32, a, err); return true;
+        case 96: launch(cap ? k_attn_prefill<96, true> : k_attn_prefill<96, false>, grid, PF_WARPS * 32, a, err); return true;
+        case 128: launch(cap ? k_attn_prefill<128, true> : k_attn_prefill<128, false>, grid, PF_WARPS * 32, a, err); return true;
         default: return false;  // 256: too many registers for this tiling; k_attn takes it
     }
 }

@@ -643,7 +643,7 @@ __device__ __forceinline__ void rope_cs_of(const MvRopeStore& r, int k, float& c
         c = v.x;
         s = v.y;
     } else {
-        rope_cs(k, r.n_rot, p, r.freq_base, c, s);
+        rope_cs(k, r.n_rot, p, r.cfg, c, s);
     }
 }
 
@@ -687,8 +687,11 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
         for (int64_t k = threadIdx.x; k < per_row; k += blockDim.x) {
             int64_t i0, i1;
             float y0, y1;
-            if (cs) rope_apply(xr, k, half, r.n_rot, k < half ? cs[k].x : 0.0f, k < half ? cs[k].y : 0.0f, i0, y0, i1, y1);
-            else rope_elem(xr, k, half, r.n_rot, r.pos[0], r.freq_base, i0, y0, i1, y1);
+            if (cs)
+                rope_apply(xr, r.cfg.style, k, half, r.n_rot, k < half ? cs[k].x : 0.0f, k < half ? cs[k].y : 0.0f, i0,
+                           y0, i1, y1);
+            else
+                rope_elem(xr, k, half, r.n_rot, r.pos[0], r.cfg, i0, y0, i1, y1);
             yr[i0] = y0;
             yr[i1] = y1;
             if (role == 2) {
@@ -705,14 +708,16 @@ __device__ __forceinline__ void rope_store_tail(const MvArgs& a, const MvJob& jb
 }
 
 // The q|k|v launch's tail without tickets (rope.local): a q or k head's rows are dealt to its
-// blocks so that each block holds whole rotated pairs, rows k, k + 1 and k + n_rot/2,
-// k + n_rot/2 + 1 (k even), or four pass-through rows; the block exchanges its four row
-// values in shared memory and ropes and stores them itself. A v row is stored into the
-// KV cache by its own warp. The same operations on the same values as rope_store_tail.
+// blocks so that each block holds whole rotated pairs, or four pass-through rows; the
+// block exchanges its four row values in shared memory and ropes and stores them itself.
+// Block i of a head holds pairs 2i and 2i + 1: NeoX rows 2i, 2i + 1, 2i + n_rot/2,
+// 2i + 1 + n_rot/2; normal style its own rows 4i .. 4i + 3, as every pass-through block
+// does. A v row is stored into the KV cache by its own warp. The same operations on the
+// same values as rope_store_tail.
 __device__ __forceinline__ int rope_local_row(const MvRopeStore& r, int b, int w) {
     const int per_head = r.hd / MV_WARPS, head = b / per_head, i = b % per_head, half = r.n_rot / 2;
-    if (i < half / 2) return head * r.hd + 2 * i + (w < 2 ? w : half + w - 2);
-    return head * r.hd + r.n_rot + (i - half / 2) * MV_WARPS + w;
+    if (r.cfg.style == 0 && i < half / 2) return head * r.hd + 2 * i + (w < 2 ? w : half + w - 2);
+    return head * r.hd + i * MV_WARPS + w;
 }
 // Whether block b of a q or k job holds two rotated pairs (rope_local_row's first case)
 // rather than four pass-through rows.
@@ -745,23 +750,27 @@ __device__ __forceinline__ void rope_local_tail(const MvArgs& a, const MvJob& jb
     const int t = threadIdx.x;
     if (rope_local_pairs(r, b)) {
         if (t < 2) {
-            const int k = 2 * i + t;
+            // Pair 2i + t: NeoX holds its elements in warps t and 2 + t, normal style in
+            // warps 2t and 2t + 1.
+            const int normal = r.cfg.style;
+            int64_t e0, e1;
+            rope_pair_at(normal, 2 * i + t, half, e0, e1);
             const float cc = cs[t].x, sn = cs[t].y;
             float y0, y1;
-            rope_rot(vals[t], vals[2 + t], cc, sn, y0, y1);
-            yr[k] = y0;
-            yr[k + half] = y1;
+            rope_rot(vals[normal ? 2 * t : t], vals[normal ? 2 * t + 1 : 2 + t], cc, sn, y0, y1);
+            yr[e0] = y0;
+            yr[e1] = y1;
             if (role == 2) {
                 if (!cell_ok) {
                     *r.err = 3;
                 } else {
-                    kr[k] = __float2half_rn(y0);
-                    kr[k + half] = __float2half_rn(y1);
+                    kr[e0] = __float2half_rn(y0);
+                    kr[e1] = __float2half_rn(y1);
                 }
             }
         }
     } else if (t < MV_WARPS) {
-        const int i0 = r.n_rot + (i - half / 2) * MV_WARPS + t;
+        const int i0 = i * MV_WARPS + t;  // = n_rot + (i - n_rot/4) * MV_WARPS + t
         yr[i0] = vals[t];
         if (role == 2) {
             if (!cell_ok) *r.err = 3;
@@ -1091,11 +1100,11 @@ __global__ void __launch_bounds__(MV_WARPS * 32, kBulkSmBlocks) k_matvec_bulk(Mv
 }
 
 // Every pair's angle at every position below rows (kernels.h rope_table), by rope_cs.
-__global__ void k_rope_table(float2* __restrict__ t, int64_t rows, int n_rot, float freq_base) {
+__global__ void k_rope_table(float2* __restrict__ t, int64_t rows, int n_rot, RopeCfg cfg) {
     const int64_t half = n_rot / 2, i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * half) return;
     float c, s;
-    rope_cs(i % half, n_rot, (int32_t)(i / half), freq_base, c, s);
+    rope_cs(i % half, n_rot, (int32_t)(i / half), cfg, c, s);
     t[i] = make_float2(c, s);
 }
 
@@ -1490,9 +1499,9 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
     }
 }
 
-void rope_table(float2* table, int64_t rows, int n_rot, float freq_base) {
+void rope_table(float2* table, int64_t rows, int n_rot, const RopeCfg& cfg) {
     const int64_t n = rows * (n_rot / 2);
-    k_rope_table<<<blocks_for(n, 256), 256, 0, ctx().stream>>>(table, rows, n_rot, freq_base);
+    k_rope_table<<<blocks_for(n, 256), 256, 0, ctx().stream>>>(table, rows, n_rot, cfg);
     note_launch();
 }
 
@@ -1516,6 +1525,123 @@ void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t 
     // 544.7 at its start.
     launch(k_rms_norm_copy, (unsigned)nt, rms_threads(d), x, w, y, (int)d, eps, (int8_t*)scratch,
            (float2*)((uint8_t*)scratch + nt * d), norm_copy_scale(scratch, d, nt), early ? 1 : 0);
+}
+
+
+// ---- expert matvec (MATMUL_ID of decode-sized blocks: kernels.h matvec_id) -------------
+// Row r of slot p = t * k + j is row ids[p] * out + r of the expert tensor against x row t
+// (or p). The expert is read on the device after the wait (MOE_TOPK wrote it), so one
+// launch serves every slot and a captured graph every step. A group of G lanes (8, 16 or
+// 32: the fewest that cover the row's units, so short rows such as a 768-wide down
+// projection do not leave most of a warp idle) takes a row: lane l of it takes units l,
+// l + G, ... two per trip as row_dot does, and the group reduces by a butterfly. With G =
+// 32 that is row_dot and warp_sum, so such a row's bits are k_matvec's. Each slot reads
+// its expert's rows for itself (slots of one expert read them again, from L2 when close).
+
+namespace {
+
+struct MvIdArgs {
+    MvArgs a;  // the activations: column c is x row c (x, xq, xds, xscale); in_dim, nb
+    MvIdJob j;
+    int lanes;     // G
+    int64_t rows;  // nt * k * out
+};
+
+template <int T>
+__device__ __forceinline__ float id_row_dot(const uint8_t* __restrict__ row, const MvArgs& a, int col, int gl, int G) {
+    const int nu = Unit<T>::count(a.nb);
+    float acc = 0.0f;
+    int u = gl;
+    for (; u + G < nu; u += 2 * G) {
+        Unit<T> w0, w1;
+        w0.load(row, u, a.nb);
+        w1.load(row, u + G, a.nb);
+        acc = fadd(acc, w0.dot(a, col, u));
+        acc = fadd(acc, w1.dot(a, col, u + G));
+    }
+    if (u < nu) {
+        Unit<T> w0;
+        w0.load(row, u, a.nb);
+        acc = fadd(acc, w0.dot(a, col, u));
+    }
+    return acc;
+}
+
+// W2: gate|up + SwiGLU, y = silu(gate row) * (up row), the epilogue mv_store applies.
+// A slot whose id is outside [0, n_expert) gets a zero row, as on the CPU.
+template <int T, bool W2>
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_id(MvIdArgs p) {
+    pdl_trigger();
+    const MvIdJob& j = p.j;
+    const int lane = threadIdx.x & 31, G = p.lanes, gl = lane & (G - 1);
+    const int64_t gr = ((int64_t)blockIdx.x * MV_WARPS + (threadIdx.x >> 5)) * (32 / G) + lane / G;
+    pdl_wait();
+    float acc = 0.0f, acc2 = 0.0f;
+    bool ok = false;
+    int xr = 0;
+    if (gr < p.rows) {
+        const int64_t slot = gr / j.out, r = gr - slot * j.out;
+        const int32_t e = j.ids[slot];
+        xr = (int)(j.x_rows == j.nt ? slot / j.k : slot);
+        ok = e >= 0 && e < j.n_expert;
+        if (ok) {
+            const size_t off = ((size_t)e * j.out + r) * j.row_bytes;
+            acc = id_row_dot<T>(j.W + off, p.a, xr, gl, G);
+            if constexpr (W2) acc2 = id_row_dot<T>(j.W2 + off, p.a, xr, gl, G);
+        }
+    }
+    for (int o = G / 2; o > 0; o >>= 1) {  // every lane takes part: no lane left before
+        acc = fadd(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+        if constexpr (W2) acc2 = fadd(acc2, __shfl_xor_sync(0xffffffffu, acc2, o));
+    }
+    if (gl != 0 || gr >= p.rows) return;
+    float v = 0.0f;
+    if (ok) {
+        if (p.a.xscale && quantized(T)) {  // a norm's deferred copy: its row's scale
+            const float rs = __ldg(p.a.xscale + xr);
+            acc = fmul(acc, rs);
+            if constexpr (W2) acc2 = fmul(acc2, rs);
+        }
+        v = acc;
+        if constexpr (W2) v = silu_f(acc) * acc2;
+    }
+    j.y[gr] = v;
+}
+
+}  // namespace
+
+void matvec_id(const MvIdJob& j, int64_t in_dim, const float* x, void* scratch, bool xq_ready, bool in_norm) {
+    if (in_dim % 32 || j.out < 1 || j.k < 1 || j.nt < 1 || j.n_expert < j.k ||
+        (j.x_rows != j.nt && j.x_rows != (int64_t)j.nt * j.k))
+        throw std::invalid_argument("matvec_id: rows of a multiple of 32, 1 <= k <= n_expert, x_rows nt or nt * k");
+    const int nb = (int)(in_dim / 32);
+    const bool quant = quantized(j.type);
+    if (quant && !scratch) throw std::invalid_argument("matvec_id: quantized weights need the activation scratch");
+    if (in_norm && (!xq_ready || in_dim > kNormCopyMaxRow))
+        throw std::invalid_argument("matvec_id: a norm's deferred copy is made before, rows of <= 4096");
+    MvIdArgs p{};
+    MvArgs& a = p.a;
+    a.x = x;
+    a.in_dim = (int)in_dim;
+    a.nb = nb;
+    a.xq = (const int8_t*)scratch;
+    a.xds = scratch ? (const float2*)((uint8_t*)scratch + (size_t)j.x_rows * in_dim) : nullptr;
+    a.xscale = in_norm ? norm_copy_scale(scratch, in_dim, j.x_rows) : nullptr;
+    if (quant && !xq_ready) {
+        const int n = nb * (int)j.x_rows;
+        launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int)in_dim, (int8_t*)a.xq, (float2*)a.xds);
+    }
+    p.j = j;
+    const int nu = row_units(j.type, nb);
+    p.lanes = nu <= 8 ? 8 : nu <= 16 ? 16 : 32;
+    p.rows = (int64_t)j.nt * j.k * j.out;
+    const int64_t per_block = (int64_t)MV_WARPS * (32 / p.lanes);
+    const unsigned blocks = (unsigned)((p.rows + per_block - 1) / per_block);
+    const bool ok = dispatch_type(j.type, [&]<int T>() {
+        if (j.W2) launch(k_matvec_id<T, true>, blocks, MV_WARPS * 32, p);
+        else launch(k_matvec_id<T, false>, blocks, MV_WARPS * 32, p);
+    });
+    if (!ok) throw std::invalid_argument("matvec_id: weight type " + std::to_string(j.type) + " has no CUDA kernel");
 }
 
 }  // namespace minfer::cuda

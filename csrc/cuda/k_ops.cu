@@ -1,6 +1,7 @@
-// Element-wise ops, RMSNorm, NeoX RoPE, f32 row gathers, the f16 KV store and argmax.
-// Semantics follow csrc/cpu/ops.cpp (same formulas, same evaluation order where it
-// matters: double sums of squares, double RoPE angles, silu's sign split).
+// Element-wise ops (the dense families' scale, soft-cap, GELU, GeGLU and column slice
+// too), RMSNorm, RoPE, f32 row gathers, the f16 KV store and argmax. Semantics follow
+// csrc/cpu/ops.cpp and ops_dense.cpp (same formulas, same evaluation order where it
+// matters: double sums of squares, double RoPE angles, silu's sign split, GELU's fma).
 #include <cuda_fp16.h>
 
 #include <cfloat>
@@ -29,6 +30,47 @@ __global__ void k_binary(const float* __restrict__ a, const float* __restrict__ 
     else y[i] = silu_f(a[i]);
 }
 
+// GELU's tanh approximation as cpu/ops_dense.cpp's gelu_scalar writes it:
+// 0.5 x (1 + tanh(sqrt(2/pi) fma(a x, x x, x))). One definition for GELU and GeGLU, so
+// GeGLU is bitwise GELU then MUL.
+__device__ __forceinline__ float gelu_f(float x) {
+    constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
+    constexpr float kGeluA = 0.044715f;
+    const float u = __fmul_rn(kGeluC, __fmaf_rn(__fmul_rn(kGeluA, x), __fmul_rn(x, x), x));
+    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(u)));
+}
+
+// y = x * v (OP 0), y = v * tanh(x * (1 / v)) (OP 1, the soft-cap: the CPU's reciprocal
+// form), GELU (OP 2).
+template <int OP>
+__global__ void k_unary(const float* __restrict__ x, float* __restrict__ y, float v, int64_t n) {
+    pdl_wait();
+    pdl_trigger();
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    if (OP == 0) y[i] = __fmul_rn(x[i], v);
+    else if (OP == 1) y[i] = __fmul_rn(v, tanhf(__fmul_rn(x[i], __frcp_rn(v))));
+    else y[i] = gelu_f(x[i]);
+}
+
+__global__ void k_geglu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ y, int64_t n) {
+    pdl_wait();
+    pdl_trigger();
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = __fmul_rn(gelu_f(g[i]), u[i]);
+}
+
+// One thread per output element: y[t][c] = x[t][offset + c].
+__global__ void k_slice(const float* __restrict__ x, float* __restrict__ y, int64_t width, int64_t nt,
+                        int64_t src_width, int64_t offset) {
+    pdl_wait();
+    pdl_trigger();
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= width * nt) return;
+    const int64_t t = i / width, c = i - t * width;
+    y[i] = x[t * src_width + offset + c];
+}
+
 // One block per row; norm.cuh's tree over double group sums. With yh, also y's f16 copy
 // (the prefill GEMM's input, as f32_to_f16 would write it).
 __global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int64_t d,
@@ -52,8 +94,8 @@ __global__ void k_rms_norm(const float* __restrict__ x, const float* __restrict_
 }
 
 // One thread per (token, head, rotated pair); pass-through of dims past n_rot.
-__global__ void k_rope_neox(const float* __restrict__ x, float* __restrict__ y, const int32_t* __restrict__ pos,
-                            int64_t nt, int64_t nh, int64_t hd, int64_t n_rot, float freq_base, int* err) {
+__global__ void k_rope(const float* __restrict__ x, float* __restrict__ y, const int32_t* __restrict__ pos,
+                       int64_t nt, int64_t nh, int64_t hd, int64_t n_rot, RopeCfg cfg, int* err) {
     pdl_wait();
     pdl_trigger();
     const int64_t half = n_rot / 2;
@@ -64,7 +106,7 @@ __global__ void k_rope_neox(const float* __restrict__ x, float* __restrict__ y, 
     const int64_t t = r / nh;
     int64_t i0, i1;
     float y0, y1;
-    rope_elem(x + r * hd, k, half, n_rot, pos[t], freq_base, i0, y0, i1, y1);
+    rope_elem(x + r * hd, k, half, n_rot, pos[t], cfg, i0, y0, i1, y1);
     y[r * hd + i0] = y0;
     y[r * hd + i1] = y1;
 }
@@ -83,7 +125,7 @@ __global__ void k_rope2_store(RopeStoreArgs a) {
         const int64_t r = i / per_row, k = i % per_row;
         int64_t i0, i1;
         float y0, y1;
-        rope_elem(a.xq + r * a.hd, k, half, a.n_rot, a.pos[r / a.nhq], a.freq_base, i0, y0, i1, y1);
+        rope_elem(a.xq + r * a.hd, k, half, a.n_rot, a.pos[r / a.nhq], a.cfg, i0, y0, i1, y1);
         a.yq[r * a.hd + i0] = y0;
         a.yq[r * a.hd + i1] = y1;
         return;
@@ -94,7 +136,7 @@ __global__ void k_rope2_store(RopeStoreArgs a) {
         const int64_t t = r / a.nhk, h = r % a.nhk;
         int64_t i0, i1;
         float y0, y1;
-        rope_elem(a.xk + r * a.hd, k, half, a.n_rot, a.pos[t], a.freq_base, i0, y0, i1, y1);
+        rope_elem(a.xk + r * a.hd, k, half, a.n_rot, a.pos[t], a.cfg, i0, y0, i1, y1);
         a.yk[r * a.hd + i0] = y0;
         a.yk[r * a.hd + i1] = y1;
         const int32_t c = a.cells[t];
@@ -269,10 +311,25 @@ void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows
     const int threads = rms_threads(d);
     launch(k_rms_norm, (unsigned)nrows, threads, x, w, y, d, eps, (__half*)yh);
 }
-void rope_neox(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
-               float freq_base, int* err) {
+void scale(const float* x, float* y, float v, int64_t n) {
+    launch(k_unary<0>, blocks_for(n, 256), 256, x, y, v, n);
+}
+void softcap(const float* x, float* y, float cap, int64_t n) {
+    launch(k_unary<1>, blocks_for(n, 256), 256, x, y, cap, n);
+}
+void gelu(const float* x, float* y, int64_t n) {
+    launch(k_unary<2>, blocks_for(n, 256), 256, x, y, 0.0f, n);
+}
+void geglu(const float* g, const float* u, float* y, int64_t n) {
+    launch(k_geglu, blocks_for(n, 256), 256, g, u, y, n);
+}
+void slice_cols(const float* x, float* y, int64_t width, int64_t nt, int64_t src_width, int64_t offset) {
+    launch(k_slice, blocks_for(width * nt, 256), 256, x, y, width, nt, src_width, offset);
+}
+void rope(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
+          const RopeCfg& cfg, int* err) {
     const int64_t n = nt * nh * (hd - n_rot / 2);
-    launch(k_rope_neox, blocks_for(n, 128), 128, x, y, pos, nt, nh, hd, n_rot, freq_base, err);
+    launch(k_rope, blocks_for(n, 128), 128, x, y, pos, nt, nh, hd, n_rot, cfg, err);
 }
 void rope2_store(const RopeStoreArgs& a) {
     const int64_t per_row = a.hd - a.n_rot / 2;

@@ -35,6 +35,15 @@ struct MvJob {
     float2* ds_out = nullptr;
 };
 constexpr int MV_MAX_JOBS = 4;
+// A RoPE step's style and angles (plan.h ROPE): pair k of n_rot/2 at position p turns by
+// p * scale * base^(-2k/n_rot) / factors[k], and its cos and sin are then times attn.
+struct RopeCfg {
+    float base = 10000.0f;
+    float scale = 1.0f;
+    float attn = 1.0f;
+    const float* factors = nullptr;  // f32[n_rot / 2] on the device, or null
+    int style = 0;                   // 0 NeoX (pair k: k, k + n_rot/2), 1 normal (2k, 2k + 1)
+};
 // The q|k|v launch's tail (one token, FUSE_ROPE): the q, k and v jobs of one launch also rope q and k into
 // yq / yk and store roped k and v into the f16 KV cache row cells[0], bitwise as
 // rope2_store does it. When n_rot and hd - n_rot are multiples of 4 (local), a head's
@@ -51,7 +60,7 @@ struct MvRopeStore {
     void* vc = nullptr;
     int hd = 0, n_rot = 0;
     int64_t n_ctx = 0;
-    float freq_base = 0.0f;
+    RopeCfg cfg;
     int* tickets = nullptr;  // one per head of the q, k and v jobs, in job order (set: the tail is on)
     int* err = nullptr;
     int local = 0;  // each block ropes and stores its own rows, no tickets (set by matvec_multi)
@@ -63,7 +72,7 @@ struct MvRopeStore {
 // The (cos, sin) of every rotated pair at positions 0 .. rows - 1, as rope_cs gives
 // them, into table (rows * n_rot / 2 float2): the decode q|k|v tail then loads a step's
 // angles instead of working them out in double in every block of every layer.
-void rope_table(float2* table, int64_t rows, int n_rot, float freq_base);
+void rope_table(float2* table, int64_t rows, int n_rot, const RopeCfg& cfg);
 // scratch: matvec_scratch_bytes(in_dim, ncols) device bytes for the activations' int8
 // copy. xq_ready: the copy is already there (written by the launch before), skip the
 // quantization launch.
@@ -118,23 +127,32 @@ void add(const float* a, const float* b, float* y, int64_t n);
 void mul(const float* a, const float* b, float* y, int64_t n);
 void silu(const float* x, float* y, int64_t n);
 void swiglu(const float* g, const float* u, float* y, int64_t n);
+// The dense families' element-wise ops, as cpu/ops_dense.cpp defines them: y = x * v;
+// y = cap * tanh(x / cap); GELU's tanh approximation; gelu(g) * u (bitwise gelu then mul);
+// and the column slice y[t] = x[t][offset, offset + width) of rows of src_width.
+void scale(const float* x, float* y, float v, int64_t n);
+void softcap(const float* x, float* y, float cap, int64_t n);
+void gelu(const float* x, float* y, int64_t n);
+void geglu(const float* g, const float* u, float* y, int64_t n);
+void slice_cols(const float* x, float* y, int64_t width, int64_t nt, int64_t src_width, int64_t offset);
 // yh: also write y's f16 copy there (bitwise what f32_to_f16 of y gives). d <= kRmsMaxRow.
 constexpr int64_t kRmsMaxRow = 32768;
 void rms_norm(const float* x, const float* w, float* y, int64_t d, int64_t nrows, float eps, void* yh = nullptr);
-void rope_neox(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
-               float freq_base, int* err);
+// Either style; dims past n_rot pass through.
+void rope(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, int64_t hd, int64_t n_rot,
+          const RopeCfg& cfg, int* err);
 struct RopeStoreArgs {
     const float* xq; float* yq; int64_t nhq;
     const float* xk; float* yk; int64_t nhk;
     const float* v;
     const int32_t* pos; const int32_t* cells;
     int64_t nt, hd, n_rot, n_ctx;
-    float freq_base;
+    RopeCfg cfg;
     void* kc; void* vc;
     int* err;
 };
 // rope(q), rope(k), and the KV store of roped k and v, in one launch (bitwise the same
-// as rope_neox twice and kv_store_f16).
+// as rope twice and kv_store_f16).
 void rope2_store(const RopeStoreArgs& a);
 void get_rows_w(int32_t wtype, const void* table, size_t row_bytes, int64_t d, const int32_t* ids, int64_t n,
                 int64_t n_rows, float* y, int* err);
@@ -150,6 +168,10 @@ struct AttnDev {
     float* out;
     int64_t nt, nh, nkv, hd, n_ctx;
     float scale;
+    // Sliding window (> 0: a row sees only the last `window` cells of its span) and the
+    // scores' soft-cap (> 0: s -> softcap * tanh(s / softcap)), as plan.h's ATTN.
+    int64_t window = 0;
+    float softcap = 0.0f;
     // Also write out's int8 copy (the next matvec's input, laid out as its scratch).
     int8_t* q_out = nullptr;
     float2* ds_out = nullptr;
@@ -173,7 +195,7 @@ void attention(const AttnDev& a, float* scratch, int* tickets, int* err);
 // the launch before it and lets the next one launch.
 void null_launch(unsigned blocks, unsigned threads);
 // Blocks of more than kRowExactMaxTokens rows on the tensor cores (f16 Q and P), head
-// dims 32, 64, 128; false (nothing launched) for what it does not take.
+// dims 32, 64, 96, 128; false (nothing launched) for what it does not take.
 bool attention_prefill(const AttnDev& a, int* err);
 
 // Index of the largest of x[0..n) (first on ties) -> *out; writes -1 - code (<= -2)
@@ -206,5 +228,50 @@ void top_k(const float* x, int64_t n, int rows, int k, const int32_t* gather, in
 // Profiling only (MINFER_CUDA_STAMP=1): one thread writes the device clock (ns) into *slot
 // once every kernel before it on the stream has finished.
 void stamp(int64_t* slot);
+
+// ---- mixture of experts (common/plan.h's MoE steps, as cpu/moe.cpp computes them) ----
+
+// Decode MATMUL_ID (k_matvec.cu; blocks of at most kRowExactMaxTokens tokens): for slot p =
+// t * k + j, y[p][r] = dot(W row ids[p] * out + r, x row t (x_rows == nt) or p), r < out;
+// W holds n_expert * out rows of `type` in the device layout, row_bytes apart. The ids are
+// read on the device, one launch for every slot. Quantized weights meet x's int8 copy in
+// scratch (matvec_scratch_bytes(in_dim, x_rows); made by a quantization launch unless
+// xq_ready; in_norm: a decode RMSNorm's deferred copy, as matvec_multi reads it). With W2
+// (the up tensor: same shape, type and stride), y = silu(W x) * (W2 x), bitwise the two
+// launches and SWIGLU. A slot's rows do not depend on the block's other slots, so a
+// speculative block's rows are those of single steps. An id outside [0, n_expert) gives
+// a zero row.
+struct MvIdJob {
+    const uint8_t* W = nullptr;
+    const uint8_t* W2 = nullptr;
+    size_t row_bytes = 0;
+    int type = 0;
+    int out = 0, n_expert = 0, k = 0, nt = 0;
+    int64_t x_rows = 0;
+    const int32_t* ids = nullptr;  // [nt][k]
+    float* y = nullptr;            // [nt * k][out]
+};
+void matvec_id(const MvIdJob& j, int64_t in_dim, const float* x, void* scratch, bool xq_ready = false,
+               bool in_norm = false);
+
+// k_moe.cu. SIGMOID: y = 1 / (1 + exp(-x)).
+void sigmoid(const float* x, float* y, int64_t n);
+// MOE_TOPK (ids) and / or MOE_WEIGHTS (w; gating 1..3, norm, scale) of nt rows of
+// n_expert router logits, in one launch: either output may be null.
+void moe_route(const float* logits, int32_t* ids, float* w, int64_t n_expert, int64_t k, int64_t nt, int gating,
+               int norm, float scale);
+// MOE_SUM: y[t] = sum over j in order of w[t][j] * x[t * k + j] (rows of d); with resid,
+// y = resid + that sum, bitwise MOE_SUM then ADD (resid may be y).
+void moe_sum(const float* x, const float* w, float* y, int64_t d, int64_t k, int64_t nt, const float* resid = nullptr);
+// Prefill MATMUL_ID (blocks of more than kRowExactMaxTokens tokens), without a host read
+// of the ids: moe_group sorts the n_slots = nt * k slots by expert into `groups`
+// (moe_group_bytes(n_expert, n_slots) device bytes; two launches), then matmul_id_tiled
+// multiplies each expert's rows by its slots' x rows (f16 operands, f32 accumulation,
+// the dense prefill GEMM's arithmetic) in one launch sized for any routing. A grouping
+// serves every MATMUL_ID of the same ids, n_expert and nt * k.
+size_t moe_group_bytes(int64_t n_expert, int64_t n_slots);
+void moe_group(const int32_t* ids, int64_t n_slots, int64_t n_expert, void* groups);
+void matmul_id_tiled(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t out, int64_t n_expert,
+                     int64_t k, int64_t nt, int64_t x_rows, const float* x, void* groups, float* y);
 
 }  // namespace minfer::cuda

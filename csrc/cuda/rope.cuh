@@ -1,17 +1,26 @@
-// NeoX RoPE of one (token, head) row element, shared by the plain kernel, the fused
+// RoPE of one (token, head) row element, shared by the plain kernel, the fused
 // rope + KV store kernel and the q|k|v matvec's tail (k_matvec.cu): one definition with
 // every float operation spelled out, so all three give the same bits wherever inlined.
+// Both styles of plan.h's ROPE: NeoX (pair k is elements k, k + n_rot/2) and normal
+// (elements 2k, 2k + 1), with the angle scalings of RopeCfg (kernels.h).
 #pragma once
 #include <cstdint>
 
+#include "cuda/kernels.h"
+
 namespace minfer::cuda {
 
-// The angle of rotated pair k at position p, in double as the CPU computes it.
-__device__ __forceinline__ void rope_cs(int64_t k, int64_t n_rot, int32_t p, float freq_base, float& c, float& s) {
-    const double inv = pow((double)freq_base, -2.0 * (double)k / (double)n_rot);
+// The angle of rotated pair k at position p, in double as the CPU computes it (cpu/ops.cpp
+// rope_f32: base^(-2k/n_rot), times freq_scale, over factors[k], times p; cos and sin
+// rounded to float, then times attn_factor in float). A scale or attention factor of 1
+// and no factors leave the plain angle's bits: x * 1 is exact.
+__device__ __forceinline__ void rope_cs(int64_t k, int64_t n_rot, int32_t p, const RopeCfg& r, float& c, float& s) {
+    double inv = pow((double)r.base, -2.0 * (double)k / (double)n_rot);
+    inv *= (double)r.scale;
+    if (r.factors) inv /= (double)r.factors[k];
     const double th = (double)p * inv;
-    c = (float)cos(th);
-    s = (float)sin(th);
+    c = __fmul_rn((float)cos(th), r.attn);
+    s = __fmul_rn((float)sin(th), r.attn);
 }
 
 // The rotation of one pair (x0, x1) by the angle (c, s).
@@ -20,15 +29,21 @@ __device__ __forceinline__ void rope_rot(float x0, float x1, float c, float s, f
     y1 = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
 }
 
-// Element k of the row with pair k's angle (c, s) given (k < n_rot/2: writes k and
-// k + n_rot/2; else a pass-through dim). The row is read through L2 (__ldcg): the matvec
-// tail reads rows other blocks wrote during its launch.
-__device__ __forceinline__ void rope_apply(const float* __restrict__ xr, int64_t k, int64_t half, int64_t n_rot,
-                                           float c, float s, int64_t& i0, float& y0, int64_t& i1, float& y1) {
+// The two elements of rotated pair k (k < n_rot/2) in a row of the given style.
+__device__ __forceinline__ void rope_pair_at(int style, int64_t k, int64_t half, int64_t& i0, int64_t& i1) {
+    i0 = style ? 2 * k : k;
+    i1 = style ? 2 * k + 1 : k + half;
+}
+
+// Work item k of a row, with pair k's angle (c, s) given: k < n_rot/2 writes pair k,
+// else it is pass-through dim n_rot + (k - n_rot/2). The row is read through L2
+// (__ldcg): the matvec tail reads rows other blocks wrote during its launch.
+__device__ __forceinline__ void rope_apply(const float* __restrict__ xr, int style, int64_t k, int64_t half,
+                                           int64_t n_rot, float c, float s, int64_t& i0, float& y0, int64_t& i1,
+                                           float& y1) {
     if (k < half) {
-        i0 = k;
-        i1 = k + half;
-        rope_rot(__ldcg(xr + k), __ldcg(xr + k + half), c, s, y0, y1);
+        rope_pair_at(style, k, half, i0, i1);
+        rope_rot(__ldcg(xr + i0), __ldcg(xr + i1), c, s, y0, y1);
     } else {
         i0 = i1 = n_rot + (k - half);
         y0 = y1 = __ldcg(xr + i0);
@@ -36,11 +51,11 @@ __device__ __forceinline__ void rope_apply(const float* __restrict__ xr, int64_t
 }
 
 __device__ __forceinline__ void rope_elem(const float* __restrict__ xr, int64_t k, int64_t half, int64_t n_rot,
-                                          int32_t p, float freq_base, int64_t& i0, float& y0, int64_t& i1,
+                                          int32_t p, const RopeCfg& r, int64_t& i0, float& y0, int64_t& i1,
                                           float& y1) {
     float c = 0.0f, s = 0.0f;
-    if (k < half) rope_cs(k, n_rot, p, freq_base, c, s);
-    rope_apply(xr, k, half, n_rot, c, s, i0, y0, i1, y1);
+    if (k < half) rope_cs(k, n_rot, p, r, c, s);
+    rope_apply(xr, r.style, k, half, n_rot, c, s, i0, y0, i1, y1);
 }
 
 }  // namespace minfer::cuda

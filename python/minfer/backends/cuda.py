@@ -21,70 +21,43 @@ PRIORITY = 200
 
 # GGUF type ids with a CUDA matvec / dequantization kernel (csrc/cuda/quant.cuh).
 WEIGHT_TYPES = frozenset({0, 1, 2, 3, 6, 7, 8, 12, 13, 14})
-HEAD_DIMS = frozenset({32, 64, 128, 256})
+HEAD_DIMS = frozenset({32, 64, 96, 128, 256})
 KV_TYPES = ("f16",)  # K/V regions hold f16 (the attention kernels read f16 rows)
-_ELEMENTWISE = {Op.Add, Op.Mul, Op.Silu, Op.SwiGLU}
+# With the dense families' scale, soft-cap, GELU (tanh), GeGLU and column slice.
+_ELEMENTWISE = {Op.Add, Op.Mul, Op.Silu, Op.SwiGLU, Op.Scale, Op.Softcap, Op.Gelu, Op.GeGLU, Op.Slice}
 
 
-# Ops the CPU runs and this backend has no kernel for yet. Assignment would hand them to
-# the CPU, a silent fallback on a GPU run: they are refused instead, naming the op.
-_NO_KERNEL = {Op.Sigmoid, Op.MoeTopK, Op.MoeWeights, Op.MatMulId, Op.MoeSum}
-
-
-# The dense families' ops and variants (llama's interleaved RoPE and its frequency
-# factors or scaling, Gemma's GELU, scale, soft-caps and sliding windows, Phi-3's fused
-# projections) that have no CUDA kernel yet: refused like _NO_KERNEL, naming the op.
-_NO_KERNEL_DENSE = {Op.Scale, Op.Gelu, Op.GeGLU, Op.Softcap, Op.Slice}
-
-
-def _dense_refusal(node) -> str:
-    """What of this node CUDA cannot run ('' when it can)."""
-    op, m = node.op, node.meta
-    if op in _NO_KERNEL_DENSE:
-        return f"op {op}"
-    if op is Op.RoPE:
-        why = [w for w, bad in ((f"{m.style.value} (interleaved) style", m.style is not RopeStyle.Neox),
-                                ("frequency factors", m.factors is not None),
-                                ("linear scaling", m.freq_scale != 1.0),
-                                ("an attention factor", m.attn_factor != 1.0)) if bad]
-        return f"op RoPE with {', '.join(why)}" if why else ""
-    if op is Op.Attn:
-        why = [w for w, bad in (("a sliding window", m.window > 0), ("soft-capping", m.softcap > 0)) if bad]
-        return f"op Attn with {' and '.join(why)}" if why else ""
-    return ""
+# The mixture-of-experts steps (csrc/cuda/k_moe.cu; MatMulId below, by weight type).
+_MOE = {Op.Sigmoid, Op.MoeWeights, Op.MoeSum}
 
 
 def supports_op(node) -> bool:
     op = node.op
-    what = _dense_refusal(node)
-    if what:
-        from minfer.errors import BackendError
-        raise BackendError(f"the cuda backend has no kernel for {what} (node {node.name}); "
-                           f"run this model with --backend cpu")
-    if op in _NO_KERNEL:
-        from minfer.errors import BackendError
-        raise BackendError(f"the cuda backend has no kernel for op {op} (node {node.name}, mixture of experts); "
-                           f"run this model with --backend cpu")
     if op is Op.Input:
         return node.out_dtype in (DType.F32, DType.I32)
+    if op is Op.MoeTopK:  # the picked experts' ids: i32
+        return node.out_dtype is DType.I32
     if node.out_dtype is not DType.F32:
         return False
-    if op in _ELEMENTWISE or op in (Op.RmsNorm, Op.QkNorm, Op.KvcacheStore, Op.KvcacheLoad):
+    if op in _ELEMENTWISE or op in _MOE or op in (Op.RmsNorm, Op.QkNorm, Op.KvcacheStore, Op.KvcacheLoad):
         return True
+    if op is Op.MatMulId:
+        m = node.meta
+        return int(m.wtype) in WEIGHT_TYPES and m.in_dim % 32 == 0
     if op is Op.MatMul:
         m = node.meta
         return not m.transpose_b and int(m.wtype) in WEIGHT_TYPES and m.in_dim % 32 == 0
     if op is Op.GetRows:
         return not isinstance(node.meta, EmbedMeta) or int(node.meta.wtype) in WEIGHT_TYPES
-    if op is Op.RoPE:
-        return node.meta.style is RopeStyle.Neox
-    if op is Op.Attn:
+    if op is Op.RoPE:  # both styles, frequency factors, linear scaling, attention factor, partial rotary
+        return node.meta.style in (RopeStyle.Neox, RopeStyle.Normal)
+    if op is Op.Attn:  # sliding windows and soft-capping included
         return node.meta.mode in (AttnMode.Gqa, AttnMode.Flash) and node.meta.hd in HEAD_DIMS
     return False
 
 
 def supports_fused(fused: str) -> bool:
-    return fused == "swiglu"
+    return fused in ("swiglu", "geglu")
 
 
 def supports_attn_span() -> bool:

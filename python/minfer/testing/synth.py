@@ -1,4 +1,5 @@
-"""Small random-weight Qwen2/Qwen3 GGUF models for tests.
+"""Small random-weight Qwen2 / Qwen3 / Llama GGUF models for tests (and, with fast=True,
+benchmark-shaped ones).
 
 The files use the real llama.cpp tensor names and metadata keys, so every loader and
 graph path that runs the real model also runs these; only the sizes are tiny. Weights
@@ -8,6 +9,7 @@ pass stays in a sane numeric range and differences between kernels show up clear
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,35 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNUSED = 1, 3, 5
+ARCHS = ("qwen2", "qwen3", "llama")
+# Llama 3.1's rope scaling (its config.json's rope_scaling, rope_type llama3).
+LLAMA31_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_context_length": 8192}
+
+
+def llama3_rope_factors(n_rot: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+                        original_context_length: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it for rope_type
+    llama3 (in float32, as its torch tensors are): per rotated pair, 1 for short
+    wavelengths, `factor` for long ones, and a smooth blend between."""
+    f32 = np.float32
+    # torch's float32 pow rounds as the double power rounded to float32 does (NumPy's
+    # float32 pow is an ulp off in places).
+    expo = np.arange(0, n_rot, 2, dtype=f32) / f32(n_rot)
+    freqs = f32(1.0) / (float(base) ** expo.astype(np.float64)).astype(f32)
+    low_wavelen = original_context_length / low_freq_factor
+    high_wavelen = original_context_length / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = f32(2 * math.pi) / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (f32(original_context_length) / wavelen - f32(low_freq_factor)) / f32(high_freq_factor -
+                                                                                          low_freq_factor)
+            out.append(f32(1) / ((f32(1) - smooth) / f32(factor) + smooth))
+    return np.asarray(out, f32)
 
 
 @dataclass(frozen=True)
@@ -231,6 +262,7 @@ def write_model(
     extra_tensors: dict[str, tuple[int, ...]] | None = None,
     layer_types: Callable[[int], dict[str, str]] | None = None,
     fast: bool = False,
+    llama3_rope: dict[str, float] | None = None,
 ) -> SynthConfig:
     """Write a random-weight model; `types` overrides DEFAULT_TYPES (all F32) per role.
 
@@ -244,9 +276,17 @@ def write_model(
     generation runs until -n or the context is used up. `layer_types(i)` overrides the
     role types again for layer i (mixes like llama.cpp's Q4_K_M); fast=True draws
     32-element quant blocks directly instead of quantizing Gaussians (benchmark-sized
-    models)."""
-    if arch not in ("qwen2", "qwen3"):
-        raise ValueError(f"arch must be 'qwen2' or 'qwen3', got {arch!r}")
+    models).
+
+    arch "llama" writes what llama.cpp's converter writes for a Llama 2 / 3 checkpoint:
+    no q/k/v biases or q/k norms, the llama keys (rope.dimension_count, vocab_size, the
+    head dims when they are not n_embd / n_head), the llama-bpe pre-tokenizer, and with
+    `llama3_rope` (Llama 3.1's scaling, e.g. LLAMA31_ROPE) the rope_freqs.weight factors;
+    the graph ropes interleaved pairs (RopeStyle.Normal), as for the real files."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if llama3_rope is not None and arch != "llama":
+        raise ValueError("llama3_rope is Llama's rope scaling: arch must be 'llama'")
     if n_head % n_head_kv:
         raise ValueError(f"n_head {n_head} must be a multiple of n_head_kv {n_head_kv}")
     if head_dim is None:
@@ -254,7 +294,7 @@ def write_model(
             raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
         head_dim = n_embd // n_head
     if arch == "qwen2" and head_dim * n_head != n_embd:
-        raise ValueError("qwen2 ties head_dim to n_embd / n_head; only qwen3 may decouple it")
+        raise ValueError("qwen2 ties head_dim to n_embd / n_head; only qwen3 and llama may decouple it")
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even for RoPE")
     role_types = dict(DEFAULT_TYPES)
@@ -281,13 +321,16 @@ def write_model(
     w.add_feed_forward_length(n_ff)
     w.add_head_count(n_head)
     w.add_head_count_kv(n_head_kv)
-    if arch == "qwen3":
+    if arch == "qwen3" or (arch == "llama" and head_dim * n_head != n_embd):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(eps)
     if any(t not in ("F32", "F16", "BF16") for t in role_types.values()):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if arch == "llama":
+        w.add_vocab_size(n_vocab)
+        w.add_rope_dimension_count(head_dim)
 
     bos = eos = None
     eot: tuple[int, ...] = ()
@@ -301,7 +344,7 @@ def write_model(
         eos = tokens.index("<|im_end|>")
         eot = (eos, bos) if with_eog else ()
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
+        w.add_tokenizer_pre("llama-bpe" if arch == "llama" else "qwen2")
         w.add_token_list(all_tokens)
         w.add_token_types(all_types)
         w.add_token_merges(merges)
@@ -319,6 +362,8 @@ def write_model(
 
     t = _Writer(w, rng, fast)
     q_dim, kv_dim = n_head * head_dim, n_head_kv * head_dim
+    if llama3_rope is not None:
+        t.f32("rope_freqs.weight", llama3_rope_factors(head_dim, rope_base, **llama3_rope))
     t.matrix("token_embd.weight", n_vocab, n_embd, role_types["token_embd"])
     t.norm("output_norm.weight", n_embd)
     if not tie_embeddings:
@@ -335,7 +380,7 @@ def write_model(
             t.bias(p + "attn_q.bias", q_dim)
             t.bias(p + "attn_k.bias", kv_dim)
             t.bias(p + "attn_v.bias", kv_dim)
-        else:
+        elif arch == "qwen3":
             t.norm(p + "attn_q_norm.weight", head_dim)
             t.norm(p + "attn_k_norm.weight", head_dim)
         t.matrix(p + "attn_output.weight", n_embd, q_dim, role_types["attn_output"])
