@@ -27,8 +27,8 @@ import pytest
 
 import moe_models
 from minfer.cli import main
-from minfer.errors import BackendError, UnsupportedModelError
-from minfer.graph.ir import Gating, Op
+from minfer.errors import UnsupportedModelError
+from minfer.graph.ir import Gating
 from minfer.session import Session
 
 FAMILIES = tuple(moe_models.FAMILIES)
@@ -293,14 +293,14 @@ def test_bad_metadata_is_refused_by_key(md, why):
         read_moe_spec(_stub(md), norm=True)
 
 
-def test_cuda_refuses_the_moe_ops_by_name():
-    """No CUDA kernel yet: a GPU run must say so, never hand the op to the CPU silently."""
+def test_cuda_takes_every_moe_node():
+    """CUDA runs the MoE ops (tests/test_cuda_moe.py on a GPU): its capability matrix
+    accepts every node of each family's decode and prefill graphs."""
     from minfer.backends import cuda
 
-    path = moe_models.gguf_path("qwen3moe", "F32")
-    s = Session.open(path, n_ctx=64, n_threads=1)
-    g = s.context.preview_graph(1)
-    for node in g.nodes:
-        if node.op in (Op.MatMulId, Op.MoeTopK, Op.MoeWeights, Op.MoeSum, Op.Sigmoid):
-            with pytest.raises(BackendError, match=f"op {node.op}"):
-                cuda.supports_op(node)
+    for family in FAMILIES:
+        s = Session.open(moe_models.gguf_path(family, "Q4_K_M"), n_ctx=64, n_threads=1)
+        for nt in (1, 40):
+            g = s.context.preview_graph(nt)
+            bad = [(n.name, n.op) for n in g.nodes if not cuda.supports_op(n)]
+            assert not bad, f"{family}: cuda refuses {bad[:3]}"
