@@ -534,9 +534,9 @@ def test_decode_matmul_id_reads_a_norms_deferred_copy(shared):
             mm = ("matmul_id", [y, xn, ii], [d, out, nt, n_expert, k, nt], [], [wh])
             p = r.plan([("rms_norm", [xn, ih], [d, nt], [1e-6], [nh]), mm])
         else:  # a per-slot x is not the norm's output: its own quantization
-            xs = r.buf(np.repeat(h, k, axis=0))
+            ixs = r.buf(np.repeat(h, k, axis=0))
             p = r.plan([("rms_norm", [xn, ih], [d, nt], [1e-6], [nh]),
-                        ("matmul_id", [y, xs, ii], [d, out, nt * k, n_expert, k, nt], [], [wh])])
+                        ("matmul_id", [y, ixs, ii], [d, out, nt * k, n_expert, k, nt], [], [wh])])
         if steps:
             r.run_steps(p, 2)
         else:
