@@ -76,7 +76,7 @@ if [ -n "${BUILD_C:-}" ] || [ -n "${BUILD_C_SRC:-}" ]; then build_extra c "${BUI
 
 # The family / MoE checkpoints of the GPU suite, made where transformers is (carry the
 # folder: python tests/gpu_models.py gpu_models).
-[ -d gpu_models ] && export MINFER_GPU_MODELS=$PWD/gpu_models
+[ -d gpu_models ] && export GPU_SUITE_MODELS=$PWD/gpu_models
 if [ "${TESTS:-1}" = 1 ]; then
   t0=$SECONDS
   python3 -m pytest tests/test_cuda*.py -m cuda -q -p no:cacheprovider --durations=10 ${TESTS_K:+-k "$TESTS_K"} \

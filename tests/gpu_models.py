@@ -4,9 +4,9 @@ Building them needs transformers and llama.cpp's converter (tests/families.py,
 tests/moe_models.py), which the GPU machine lacks; so they are built here and carried:
 
     python tests/gpu_models.py DIR      # copy every variant's Q8_0 and Q4_K_M into DIR
-    MINFER_GPU_MODELS=DIR pytest -m cuda tests/test_cuda_families.py
+    GPU_SUITE_MODELS=DIR pytest -m cuda tests/test_cuda_families.py
 
-With MINFER_GPU_MODELS set, a missing file is an error (never a skip); unset, the
+With GPU_SUITE_MODELS set, a missing file is an error (never a skip); unset, the
 files come from (or are built into) the usual caches.
 """
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 DENSE = ("llama2", "llama3", "mistral", "smollm2", "gemma2", "gemma3", "phi3", "phi3-long", "phi4mini")
 MOE = ("qwen2moe", "qwen3moe", "mixtral")
 QTYPES = ("Q8_0", "Q4_K_M")
-ENV = "MINFER_GPU_MODELS"
+ENV = "GPU_SUITE_MODELS"
 
 
 def _carried(name: str, qtype: str) -> Path | None:
