@@ -11,7 +11,7 @@ rope + rope + KV store) bitwise against the steps launched apart.
 Model level: every dense variant of tests/gpu_models.py, Q8_0 and Q4_K_M, CUDA against the
 CPU backend: the logits of a prefill and a dozen decode steps, greedy continuations,
 batched decode of two sequences past the sliding window, and the step merges' identity.
-The models come from MINFER_GPU_MODELS (built on a machine with transformers and
+The models come from GPU_SUITE_MODELS (built on a machine with transformers and
 llama.cpp's converter: python tests/gpu_models.py DIR).
 
 Without a CUDA build or a visible device every test here fails, naming what is missing.
@@ -118,8 +118,9 @@ def _gelu64(x):
 @pytest.mark.parametrize("n", SIZES)
 def test_scale_softcap_gelu_geglu_vs_cpu_and_float64(n):
     """SCALE is exact; SOFTCAP and GELU (tanh approximation, the CPU's constant form) are
-    within a few float32 ulps of float64 (tanh's error, times the cap) on both backends;
-    GEGLU is bitwise GELU then MUL on CUDA."""
+    within a few float32 ulps of float64 on both backends (the CPU's vector tanh is its
+    own approximation, so the two agree to rounding, not bitwise); GEGLU is bitwise GELU
+    then MUL on CUDA."""
     rng = np.random.default_rng(n)
     x = (rng.standard_normal(n) * 4).astype(np.float32)
     x[: min(n, 5)] = np.array([0.0, -30.0, 30.0, 1e-3, -7.5], np.float32)[: min(n, 5)]
@@ -135,8 +136,8 @@ def test_scale_softcap_gelu_geglu_vs_cpu_and_float64(n):
     cs, gs = r.read(ys, n)
     assert np.array_equal(gs, x * np.float32(v)) and np.array_equal(gs, cs)
     ref = cap * np.tanh(x.astype(np.float64) / cap)
-    for got in r.read(yc, n):
-        assert np.all(np.abs(got - ref) <= 1e-6 * cap), np.max(np.abs(got - ref))
+    for got in r.read(yc, n):  # tanh's error times the cap, x / cap's rounding times its slope
+        assert np.all(np.abs(got - ref) <= 1e-6 * (cap + np.abs(x))), np.max(np.abs(got - ref))
     ref = _gelu64(x)
     tol = 2e-6 * (1 + np.abs(x))
     for got in r.read(yg, n):
