@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 
@@ -192,6 +193,28 @@ void register_cuda(py::module_& m, py::module_& testing) {
         }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("tok_buf"), py::arg("pos_buf"),
         py::arg("cell_buf"), py::arg("token"), py::arg("position"), py::arg("cell"),
         "A decode step in one call: write_many of its three one-int inputs, then cuda_run of the whole plan.");
+    m.def("cuda_launches", [](const Plan& plan, DevPool& pool, PyWeightStore& ws, py::object after, bool timed) {
+            DevWeights& dw = mirror_of(ws);
+            std::function<void(const LaunchInfo&, size_t)> cb;
+            if (!after.is_none())
+                cb = [&after](const LaunchInfo& L, size_t k) {
+                    py::gil_scoped_acquire gil;
+                    after((int64_t)k, L.name, L.steps);
+                };
+            std::vector<LaunchInfo> r;
+            {
+                py::gil_scoped_release nogil;
+                r = run_launches(plan, pool, ws.store, dw, timed, cb);
+            }
+            py::list out;
+            for (const auto& L : r)
+                out.append(py::make_tuple(L.name, L.steps, timed ? py::object(py::float_(L.ms)) : py::object(py::none())));
+            return out;
+        }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("after") = py::none(), py::arg("timed") = false,
+        "A whole run launched directly, one launch at a time (tracing and profiling: the kernels a replay runs, "
+        "step merges included, bitwise a replay's results): [(kernel, plan steps, ms)]. after(k, kernel, steps) "
+        "follows launch k; timed (without after): ms from events between the launches, read once after the last, "
+        "else None.");
     testing.def("cuda_plan_info", [](const Plan& plan) {
             py::dict d;
             d["captured"] = plan_captured(plan);

@@ -8,6 +8,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -66,5 +67,22 @@ double median_of(std::vector<double> v);
 // reuse the f16 input the GEMM before them converted (both fixed at validation).
 size_t plan_gemm_pipelined(const Plan& plan);
 size_t plan_gemm_inputs_reused(const Plan& plan);
+
+// One launch of a whole run's program, as tracing and profiling show it: the kernel that
+// runs (a step merge is one launch over several steps) and the plan steps it computes.
+struct LaunchInfo {
+    std::string name;        // launch_name(): "fused_ffn_swiglu", "matvec", "gemm", an op's name, ...
+    std::vector<int> steps;  // plan step indices, ascending (none for the greedy pick)
+    float ms = 0;            // timed: device time from the end of the launch before to the end of this one
+};
+// A whole run launched directly (never captured or replayed), one program entry at a
+// time, with everything a whole run does (step merges, the prefill GEMM pipeline), so its
+// results are bitwise run_plan's. after(info, k), when set, follows launch k's enqueue:
+// tracing reads the launch's outputs there (each read a D2H + wait). timed (never with
+// after): every launch is queued behind a gate (timeline.h) before the device starts, an
+// event follows each, and the times are read once after the last; the events cost the
+// launches their PDL overlap, so the total reads a little above a replay's.
+std::vector<LaunchInfo> run_launches(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights& dw,
+                                     bool timed, const std::function<void(const LaunchInfo&, size_t)>& after);
 
 }  // namespace minfer::cuda

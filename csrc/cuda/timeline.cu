@@ -53,4 +53,39 @@ bool built() { return false; }
 std::vector<std::vector<unsigned long long>> read(bool) { return {}; }
 #endif
 
+namespace {
+// Each close waits for its own epoch, so a hold left from a run that failed before its
+// wait returns as soon as any later gate opens.
+__global__ void k_hold(const volatile unsigned* opened, unsigned epoch, long long max_ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        if ((int)(*opened - epoch) >= 0) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        __nanosleep(1000);
+#endif
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while ((long long)(t - t0) < max_ns);
+}
+unsigned* g_opened_host = nullptr;
+unsigned* g_opened_dev = nullptr;
+unsigned g_epoch = 0;
+}  // namespace
+
+void gate_close() {
+    Context& c = ctx();
+    if (!g_opened_host) {
+        check(cudaHostAlloc((void**)&g_opened_host, sizeof(unsigned), cudaHostAllocMapped), "cudaHostAlloc gate");
+        *(volatile unsigned*)g_opened_host = 0;
+        check(cudaHostGetDevicePointer((void**)&g_opened_dev, g_opened_host, 0), "cudaHostGetDevicePointer gate");
+    }
+    k_hold<<<1, 1, 0, c.stream>>>(g_opened_dev, ++g_epoch, kGateMaxNs);
+    check(cudaGetLastError(), "gate kernel launch");
+    note_launch();
+}
+
+void gate_open() {
+    if (g_opened_host) *(volatile unsigned*)g_opened_host = g_epoch;
+}
+
 }  // namespace minfer::cuda::tl

@@ -26,4 +26,14 @@ bool built();
 // Every kind's records (at most kRing each, oldest first), then zeroed if reset.
 std::vector<std::vector<unsigned long long>> read(bool reset);
 
+// The gate of a timed run (executor.cpp run_launches, `minfer profile` on CUDA), in every
+// build: gate_close() enqueues a one-thread kernel that holds the stream until
+// gate_open() (mapped pinned memory the kernel polls), so a run's launches and the events
+// between them are all queued before the device starts the first, and the events time
+// the kernels rather than the host's launch rate. The hold gives up after kGateMaxNs, so
+// a host blocked on a full launch queue before it opens the gate costs a delay, not a hang.
+constexpr long long kGateMaxNs = 200'000'000;
+void gate_close();
+void gate_open();
+
 }  // namespace minfer::cuda::tl
