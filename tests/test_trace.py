@@ -1,9 +1,12 @@
 """MINFER_TRACE: per-node capture is faithful (traced logits == untraced, bitwise; the
-recorded stats are the values' stats) and complete (every executed non-KV node)."""
+recorded stats are the values' stats) and complete (every executed non-KV node), step by
+step on the CPU and launch by launch where a split runs its own kernels (the CUDA path,
+emulated here over the CPU's plan; tests/test_cuda_trace.py runs it on a GPU)."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -11,8 +14,9 @@ import pytest
 from minfer.cli import main
 from minfer.session import Session
 from minfer.errors import MinferError
-from minfer.graph.ir import KV_BOUND
+from minfer.graph.ir import KV_BOUND, Op
 from minfer.tools.trace import Tracer, load_trace, node_record
+from minfer.tools.trace_diff import diff_traces, format_report
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 
@@ -119,7 +123,7 @@ def test_trace_across_backend_splits():
     w.add_f32("W", rng.standard_normal((8, 16)).astype(np.float32))
     X = rng.standard_normal((2, 16)).astype(np.float32)
     outs = []
-    for traced in (False, True):
+    for traced in (False, True, "launches"):
         b = GraphBuilder()
         x = b.input("x", (16, 2))
         a = b.add(x, x, name="a")
@@ -132,24 +136,162 @@ def test_trace_across_backend_splits():
         assert len(c.splits) == 3
         c.alloc.fill_input(g, "x", X)
         if traced:
-            tr = Tracer("m", max_values=64)
+            # "launches": every split runs as a device's launches would (fake_launches),
+            # its staged inputs all read before its first launch.
+            tr = Tracer("m", max_values=64) if traced is True else LaunchTracer("m", max_values=64)
             tr.execute(c)
             recs = {r["id"]: r for r in tr.phases[0]["steps"][0]["nodes"]}
             assert set(recs) == {n.id for n in g.nodes}
             A = 2.0 * X.astype(np.float64)
             assert recs[g.node_by_name("a").id]["values"] == A.reshape(-1).tolist()
             assert [n["backend"] for n in tr.phases[0]["graph"]["nodes"]] == ["cpu2", "cpu2", "cpu", "cpu2", "cpu2"]
+            if traced != "launches":
+                assert "launches" not in tr.phases[0]
+            else:
+                assert [L["nodes"] for L in tr.phases[0]["launches"]] == [[1], [2], [3], [4]]
         else:
             c.execute()
         outs.append(c.alloc.copy_to_host(g.outputs[0]).tobytes())
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
 
 
-def test_trace_refuses_a_device_pool():
-    """A pool with no host view (a GPU's) is refused up front, never read per node."""
-    from types import SimpleNamespace
+# -- the launch path (a device split's kernels, step merges included), emulated on the CPU --
 
-    split = SimpleNamespace(device=object(), entry=SimpleNamespace(name="cuda", memory="cuda"))
-    cache = SimpleNamespace(lowered=SimpleNamespace(splits=[split]), graph=None, alloc=None)
-    with pytest.raises(MinferError, match="'cuda'.*--backend cpu"):
-        Tracer("m").execute(cache)
+def merge_groups(graph, ls) -> list:
+    """CUDA's decode step merges, drawn on a CPU plan: q|k|v in one launch; rope q, rope k
+    and the KV store in one; gate|up + SwiGLU in one; a MatMul + the Add of its output in
+    one; every other step alone. [(kernel, plan step indices)]."""
+    nodes = [graph.nodes[i] for i in ls.step_nodes]
+    ops = [n.op for n in nodes]
+    groups, j = [], 0
+    while j < len(nodes):
+        if ops[j:j + 3] == [Op.MatMul] * 3 and len({n.src[0] for n in nodes[j:j + 3]}) == 1:
+            groups.append(("fused_matvec", [j, j + 1, j + 2]))
+        elif ops[j:j + 3] == [Op.RoPE, Op.RoPE, Op.KvcacheStore]:
+            groups.append(("fused_rope_kv_store", [j, j + 1, j + 2]))
+        elif ops[j:j + 3] == [Op.MatMul, Op.MatMul, Op.SwiGLU]:
+            groups.append(("fused_ffn_swiglu", [j, j + 1, j + 2]))
+        elif ops[j:j + 2] == [Op.MatMul, Op.Add] and nodes[j].id in nodes[j + 1].src:
+            groups.append(("matvec_residual", [j, j + 1]))
+        else:
+            groups.append((ops[j].value, [j]))
+        j += len(groups[-1][1])
+    return groups
+
+
+def fake_launches(ls, groups, calls: list):
+    """ls.launches as a device gives it (tools see kernels, not steps), over the CPU plan."""
+    def launches(after=None, timed=False):
+        assert not (after is not None and timed)
+        out = []
+        for k, (kernel, steps) in enumerate(groups):
+            t0 = time.perf_counter_ns()
+            ls.run(steps[0], steps[-1] + 1)
+            ms = (time.perf_counter_ns() - t0) / 1e6 if timed else None
+            if after is not None:
+                after(k, kernel, steps)
+            out.append((kernel, list(steps), ms))
+        calls.append(timed)
+        return out
+    return launches
+
+
+def with_launches(cache, calls: list) -> None:
+    for ls in cache.lowered.splits:
+        if ls.launches is None:
+            ls.launches = fake_launches(ls, merge_groups(cache.graph, ls), calls)
+
+
+class LaunchTracer(Tracer):
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.calls: list = []   # per forward: whether its launches were timed
+
+    def execute(self, cache) -> None:
+        with_launches(cache, self.calls)
+        super().execute(cache)
+
+
+MERGED_AWAY = ("k_rope", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module")
+def launch_traced(synth_model_path):
+    plain = Session.open(synth_model_path, n_ctx=64, n_threads=1)
+    tp = Tracer(plain.model_name, max_values=16)
+    plain.context.tracer = tp
+    want = _run(plain, 2)
+    eng = Session.open(synth_model_path, n_ctx=64, n_threads=1)
+    tracer = LaunchTracer(eng.model_name, max_values=16)
+    eng.context.tracer = tracer
+    got = _run(eng, 2)
+    return want, got, tracer, tp
+
+
+def test_launch_trace_equals_step_trace_bitwise(launch_traced):
+    want, got, tracer, _ = launch_traced
+    assert tracer.calls == [False] * 3   # one untimed launch run per forward
+    for a, b in zip(want, got):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_launch_trace_records_where_values_leave_the_kernel(launch_traced):
+    """Every executed node has a record naming its kernel; a node whose value no node
+    outside its merged launch reads is marked merged and carries no data, every other
+    one has the stats of its value."""
+    _, _, tracer, _ = launch_traced
+    doc = json.loads(json.dumps(tracer.document()))
+    for phase in doc["phases"]:
+        nodes = {n["id"]: n for n in phase["graph"]["nodes"]}
+        executed = {i for i, n in nodes.items() if not n["dead"] and n["op"] not in {str(o) for o in KV_BOUND}}
+        launched = [i for L in phase["launches"] for i in L["nodes"]]
+        assert sorted(launched) == sorted(i for i, n in nodes.items() if not n["dead"] and n["op"] not in
+                                          ("Input", "KvcacheLoad"))
+        kernels = {L["kernel"] for L in phase["launches"]}
+        assert {"fused_matvec", "fused_rope_kv_store", "fused_ffn_swiglu", "matvec_residual"} <= kernels
+        for step in phase["steps"]:
+            recs = {r["id"]: r for r in step["nodes"]}
+            assert set(recs) == executed
+            for i, r in recs.items():
+                name = nodes[i]["name"]
+                if i in phase["graph"]["inputs"]:
+                    assert "kernel" not in r and r["stats"] is not None
+                    continue
+                assert r["kernel"] in kernels
+                # The last layer's attn_output also feeds the tail rows in a prefill.
+                away = name.endswith(MERGED_AWAY) and not (phase["kind"] == "prefill" and name == "blk.1.attn_output")
+                assert bool(r.get("merged")) == away, name
+                assert (r["stats"] is None) == away, name
+
+
+def test_launch_trace_diffs_clean_against_a_step_trace(launch_traced):
+    _, _, tracer, plain = launch_traced
+    rep = diff_traces(plain.document(), tracer.document(), tol=0.0)
+    assert rep.first is None and rep.compared > 0 and not rep.only_a and not rep.only_b
+    assert rep.merged_a == [] and rep.merged_b
+    assert all(m.split(":", 1)[1].split(" ")[0].endswith(MERGED_AWAY) for m in rep.merged_b)
+    assert "decode:blk.0.ffn_gate (fused_ffn_swiglu)" in rep.merged_b
+    text = format_report(rep, "cpu.json", "dev.json")
+    assert f"not compared: {len(rep.merged_b)} nodes stay inside merged kernels in dev.json" in text
+    assert "fused_ffn_swiglu: " in text
+
+
+def test_step_hook_alone_keeps_running_plan_steps(synth_model_path):
+    """cache.execute(on_step=...) steps through the plan even where a split has launches
+    (the identity tests' step-by-step runs); only on_launch takes the launch path."""
+    eng = Session.open(synth_model_path, n_ctx=64, n_threads=1)
+    eng.forward([5, 6, 7])
+    cache = eng.context.cache
+    calls: list = []
+    with_launches(cache, calls)
+    seen = []
+    cache.execute(on_step=lambda node, ls: seen.append(node.id))
+    assert calls == [] and seen == cache.lowered.splits[0].step_nodes
+    launched = []
+    cache.execute(on_step=lambda node, ls: seen.append(node.id), on_launch=lambda L, ls: launched.append(L))
+    assert calls == [False] and len(seen) == len(cache.lowered.splits[0].step_nodes)
+    assert [n.id for L in launched for n in L.nodes] == cache.lowered.splits[0].step_nodes
+    assert all(L.ms is None for L in launched)
+    launched.clear()
+    cache.execute(on_launch=lambda L, ls: launched.append(L), timed=True)
+    assert calls == [False, True] and all(L.ms is not None and L.ms >= 0 for L in launched)

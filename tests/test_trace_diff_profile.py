@@ -1,9 +1,12 @@
-"""`minfer trace diff` on runs that differ by construction, and `minfer profile`."""
+"""`minfer trace diff` on runs that differ by construction, and `minfer profile` (host
+clocks on the CPU; per launch where a split runs its own kernels, as CUDA does)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -14,6 +17,8 @@ from minfer.session import Session
 from minfer.tools.profile import run_profile
 from minfer.tools.trace import load_trace
 from minfer.tools.trace_diff import diff_traces, format_report
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _trace(capsys, monkeypatch, model, path, *extra):
@@ -123,3 +128,62 @@ def test_profile(synth_model_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "prefill: 1 step(s)" in out and "MatMul" in out and "GB/s" in out
     assert main(["profile", str(synth_model_path), "x", "-n", "0"]) == 2
+
+
+def test_profile_of_launches_times_each_kernel(synth_model_path):
+    """A split that runs its own launches (CUDA's path, emulated over the CPU plan) is
+    profiled per launch from the times the launches report: a merged launch is one row
+    over its nodes, named after them, the op table groups by kernel, and the rows add
+    up to the step (the wall clock around the forward holds them)."""
+    from test_trace import with_launches
+
+    from minfer.tools.profile import Profiler, format_profile
+
+    class LaunchProfiler(Profiler):
+        def execute(self, cache):
+            with_launches(cache, calls)
+            super().execute(cache)
+
+    calls: list = []
+    eng = Session.open(synth_model_path, n_ctx=64, n_threads=1)
+    prof = LaunchProfiler(eng.model_name, lambda name: int(eng.model.defn.tensors[name].nbytes))
+    eng.context.tracer = prof
+    t = int(np.argmax(eng.forward([5, 6, 7, 8])[-1]))
+    for _ in range(2):
+        t = int(np.argmax(eng.forward([t])[-1]))
+    eng.context.tracer = None
+    assert calls == [True] * 3
+    doc = json.loads(json.dumps(prof.document("p")))
+    assert [(p["kind"], p["steps"], p["timer"]) for p in doc["phases"]] == [("prefill", 1, "cuda events"),
+                                                                           ("decode", 2, "cuda events")]
+    for p in doc["phases"]:
+        nodes = {n["name"]: n for n in p["graph"]["nodes"]}
+        launched = sorted(nodes[x]["id"] for r in p["nodes"] for x in r["nodes"])
+        assert launched == sorted(n["id"] for n in nodes.values() if not n["dead"] and n["op"] not in
+                                  ("Input", "KvcacheLoad"))
+        assert sum(r["ms"] for r in p["nodes"]) == pytest.approx(p["ms_per_step"])
+        assert 0 < p["ms_per_step"] <= p["wall_ms_per_step"]
+        assert sum(r["share"] for r in p["nodes"]) == pytest.approx(1.0)
+        assert {o["op"] for o in p["ops"]} == {r["kernel"] for r in p["nodes"]}
+        ffn = next(r for r in p["nodes"] if r["name"] == "blk.0.ffn_gate+ffn_up+ffn_act")
+        assert ffn["op"] == ffn["kernel"] == "fused_ffn_swiglu" and ffn["layer"] == 0
+        assert ffn["nodes"] == ["blk.0.ffn_gate", "blk.0.ffn_up", "blk.0.ffn_act"]
+        w = sum(eng.model.defn.tensors[f"blk.0.{x}.weight"].nbytes for x in ("ffn_gate", "ffn_up"))
+        assert ffn["gbps"] == pytest.approx(w / (ffn["ms"] * 1e6))
+        assert ffn["id"] == nodes["blk.0.ffn_act"]["id"]
+    text = format_profile(doc)
+    assert "CUDA events around each kernel" in text and "fused_ffn_swiglu" in text
+    assert "kernel" in text and "blk.0.ffn_gate+ffn_up+ffn_act" in text
+
+
+def test_profile_refuses_a_device_split_without_launches():
+    """Host clocks around asynchronous launches would time the launches, not the kernels."""
+    from types import SimpleNamespace
+
+    from minfer.errors import MinferError
+    from minfer.tools.profile import Profiler
+
+    split = SimpleNamespace(launches=None, entry=SimpleNamespace(name="metal", memory="metal"))
+    cache = SimpleNamespace(lowered=SimpleNamespace(splits=[split]))
+    with pytest.raises(MinferError, match="'metal' has no device timing.*--backend cpu"):
+        Profiler("m", lambda name: 0).execute(cache)

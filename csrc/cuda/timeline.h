@@ -31,7 +31,8 @@ std::vector<std::vector<unsigned long long>> read(bool reset);
 // gate_open() (mapped pinned memory the kernel polls), so a run's launches and the events
 // between them are all queued before the device starts the first, and the events time
 // the kernels rather than the host's launch rate. The hold gives up after kGateMaxNs, so
-// a host blocked on a full launch queue before it opens the gate costs a delay, not a hang.
+// a host that blocks before it opens the gate (a full launch queue; a kernel's first
+// load, which waits for the device under lazy module loading) costs a delay, not a hang.
 constexpr long long kGateMaxNs = 200'000'000;
 void gate_close();
 void gate_open();

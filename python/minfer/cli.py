@@ -535,7 +535,8 @@ def profile(
     top: Annotated[int, typer.Option("--top", help="Nodes listed per phase (0 = all).")] = 25,
     as_json: Annotated[bool, typer.Option("--json", help="Print the minfer-profile JSON (for minfer viz --profile).")] = False,
 ) -> None:
-    """Per-node and per-op time of prefill and decode, sorted by time, with matmul GB/s."""
+    """Per-node and per-op time of prefill and decode, sorted by time, with matmul GB/s
+    (on CUDA per kernel launch, merged launches included, timed with CUDA events)."""
     model, prompt = _split_model_and_text(args, "PROMPT")
     if n_predict < 1:
         raise click_exc.UsageError("-n must be >= 1")

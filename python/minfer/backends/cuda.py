@@ -149,6 +149,12 @@ class CudaDevice:
         one-int inputs written (one H2D) and the whole plan enqueued, in one call."""
         return functools.partial(self.core.cuda_step, plan, self.pool, weights.core)
 
+    def bind_launches(self, plan, weights: HostWeights) -> Callable:
+        """launches(after=None, timed=False) -> [(kernel, steps, ms)]: the whole plan
+        launched directly, one launch at a time, for tracing (after(k, kernel, steps)
+        reads launch k's outputs) and profiling (timed: device events)."""
+        return functools.partial(self.core.cuda_launches, plan, self.pool, weights.core)
+
 
 def _copy(src_dev, src_buf: int, dst_dev, dst_buf: int, nbytes: int):
     """Device->device and host->device copies are ordered on the stream every consumer

@@ -50,6 +50,8 @@ class Device(Protocol):
     # alloc_group(sizes) -> ids (a graph's inputs in one block) and
     # write_many(ids, arrays) (whole-buffer writes, adjacent group members in one copy);
     # the allocator uses them when present (graph/alloc.py fill_inputs).
+    # bind_launches(plan, weights) -> launches(after=None, timed=False): the whole run
+    # one launch at a time, for tracing and profiling (graph/lowering.py LoweredSplit).
 
 
 @dataclass(frozen=True)

@@ -139,10 +139,13 @@ class GraphCache:
     def current(self) -> Optional[ComputeGraph]:
         return self.graph
 
-    def execute(self, on_step: Optional[Callable] = None) -> None:
+    def execute(self, on_step: Optional[Callable] = None, on_launch: Optional[Callable] = None,
+                timed: bool = False) -> None:
+        """One forward of the installed graph (BackendScheduler.execute: the hooks and
+        timed are tracing's and profiling's)."""
         if self.graph is None or self.lowered is None:
             raise GraphError("no graph is installed (build one and call cache.install first)")
-        self.scheduler.execute(self.graph, self.alloc, self.lowered, on_step)
+        self.scheduler.execute(self.graph, self.alloc, self.lowered, on_step, on_launch, timed)
 
     def reset_kv(self) -> None:
         """Forget the KV (and the graphs, whose plans point at the old regions)."""

@@ -28,6 +28,11 @@ class LoweredSplit:
     staged: list = field(default_factory=list)      # (node, backend) keys, in first-read order
     first_read: dict = field(default_factory=dict)  # step index -> staged keys first read there
     step: object = None                             # step(*input buffer ids, *values): fill one-int inputs + run, one call
+    # launches(after=None, timed=False) -> [(kernel, steps, ms)]: a device's whole run
+    # launched one launch at a time (tracing and profiling see the kernels a normal run
+    # runs, step merges included); after(k, kernel, steps) follows launch k. None where
+    # the backend runs the plan's steps as they are (the CPU).
+    launches: object = None
 
     @property
     def n_steps(self) -> int:
@@ -125,8 +130,10 @@ def lower_graph(graph: ComputeGraph, splits: list, alloc, weights, params=None, 
             raise GraphError(f"split {k} ({entry.name}) does not lower to a valid plan: {e}") from e
         prepare = getattr(device, "prepare", None)
         bind_step = getattr(device, "bind_step", None)
+        bind_launches = getattr(device, "bind_launches", None)
         out.append(LoweredSplit(sp, entry, device, plan, device.bind(plan, bound.store), step_nodes,
                                 functools.partial(prepare, plan, bound.store) if prepare else None,
                                 ctx.staged, ctx.first_read,
-                                bind_step(plan, bound.store) if bind_step else None))
+                                bind_step(plan, bound.store) if bind_step else None,
+                                bind_launches(plan, bound.store) if bind_launches else None))
     return Lowered(out)

@@ -8,11 +8,22 @@ consumer's first read (phase 2); the allocator refuses an un-awaited staged read
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from minfer.errors import BackendError
 from minfer.graph.ir import KV_BOUND, ComputeGraph
+
+
+class Launch(NamedTuple):
+    """One launch of a device split as it runs (tracing and profiling): the kernel's name
+    (a step merge is one launch over several nodes), the live nodes it computes in build
+    order, and its device time in ms (timed runs; else None)."""
+
+    kernel: str
+    nodes: tuple
+    ms: Optional[float]
 
 
 @dataclass
@@ -86,24 +97,48 @@ class BackendScheduler:
             sp.outputs.sort()
         return splits
 
-    def execute(self, graph: ComputeGraph, alloc, lowered, on_step: Optional[Callable] = None) -> None:
-        """Run every split's plan once (or step by step with on_step(node, split) for tracing)."""
+    def execute(self, graph: ComputeGraph, alloc, lowered, on_step: Optional[Callable] = None,
+                on_launch: Optional[Callable] = None, timed: bool = False) -> None:
+        """Run every split's plan once, or, for tracing and profiling, step by step:
+        on_step(node, split) after each plan step. With on_launch, a split whose device
+        runs its own launch program (ls.launches: CUDA's kernels, step merges included)
+        runs that instead, launch by launch, and on_launch(Launch, split) follows each;
+        timed=True times those launches on the device, and on_launch then comes once per
+        launch after the split's run, with ms."""
         alloc.begin_execute()
+        stepwise = on_step is not None or on_launch is not None
         for ls in lowered.splits:
             for key in ls.staged:
                 alloc.enqueue_cross(key)
-            if on_step is None:
+            if not stepwise or (on_launch is not None and ls.launches is not None):
                 # The whole plan is one call, so its first read of every staged input is now.
                 for key in ls.staged:
                     alloc.await_cross(key)
                     alloc.cross_input(key)
-                if ls.n_steps:
+                if not ls.n_steps:
+                    continue
+                if not stepwise:
                     ls.run()
+                    continue
+                nodes = functools.partial(self._launch_nodes, graph, ls)
+                if timed:
+                    for kernel, steps, ms in ls.launches(timed=True):
+                        on_launch(Launch(kernel, nodes(steps), ms), ls)
+                else:
+                    ls.launches(lambda k, kernel, steps, ls=ls, nodes=nodes:
+                                on_launch(Launch(kernel, nodes(steps), None), ls))
             else:
                 for j, nid in enumerate(ls.step_nodes):
                     for key in ls.first_read.get(j, ()):
                         alloc.await_cross(key)
                         alloc.cross_input(key)
                     ls.run(j, j + 1)
-                    on_step(graph.nodes[nid], ls)
+                    if on_step is not None:
+                        on_step(graph.nodes[nid], ls)
         alloc.finish_execute()
+
+    @staticmethod
+    def _launch_nodes(graph: ComputeGraph, ls, steps) -> tuple:
+        """The nodes of a launch's plan steps, each once (a node may lower to several steps)."""
+        ids = sorted({ls.step_nodes[j] for j in steps})
+        return tuple(graph.nodes[i] for i in ids)

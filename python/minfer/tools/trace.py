@@ -1,19 +1,26 @@
 """Per-node data capture (MINFER_TRACE=PATH, the viz page's live runs).
 
-A Tracer attached to an engine makes each forward run its plans step by step through
-the scheduler's on_step hook and records, after every executed node, its output stats
-(min, max, mean, std over the finite values, NaN/Inf counts) and a strided sample of
-its values. Reading is backend-aware: a host pool is read in place between steps (a
-view, no copy, nothing flushed); a device pool has no per-step host view, and tracing
-it is refused with a clear error until its backend provides split-boundary capture
-(stream-ordered copies into staging, drained once per split; CUDA must also turn off
-graph replay while capturing, since a replayed split has no per-node steps to read).
+A Tracer attached to an engine makes each forward run step by step and records, after
+every executed node, its output stats (min, max, mean, std over the finite values,
+NaN/Inf counts) and a strided sample of its values. A host split (the CPU) runs its plan
+through the scheduler's on_step hook and is read in place between steps (a view, no
+copy). A device split (CUDA) runs the kernels a normal run runs, step merges included,
+launched directly one at a time (never a graph replay, which has no per-node steps),
+and each launch's outputs are read back (D2H + wait) before the next: a node computed
+by a merged launch is recorded where its value leaves the kernel, that is where a node
+outside the launch (or the host, for the graph's output) reads it; one that stays
+inside (gate and up in gate|up + SwiGLU, a matvec in its fused residual add, q, k and v
+in the q|k|v launch that ropes and stores them) gets a record with no data and
+`merged: true`. Every device record
+names its `kernel`, and each device phase lists its `launches` ({kernel, nodes}) in
+order. MINFER_CUDA_FUSE=none traces every node as its own launch.
 KV-bound nodes (the layer's K/V regions) are skipped: a full region per layer would
 dominate the trace, so the page shows them as "no data". Nodes a step does not execute
 (fused away) have no entry either.
 
-Capture only reads buffers between plan steps; the values computed are the same bits
-(tests/test_trace.py compares traced and untraced logits bitwise).
+Capture only reads buffers between launches or plan steps; the values computed are the
+same bits (tests/test_trace.py compares traced and untraced logits bitwise on the CPU,
+tests/test_cuda_trace.py on CUDA).
 """
 
 from __future__ import annotations
@@ -62,6 +69,25 @@ def node_record(node_id: int, dtype: str, arr: np.ndarray, max_values: int) -> d
             "stride": stride, "n": n}
 
 
+# A node's value leaves a merged launch only where something outside the launch reads
+# it; the graph's outputs are read by the host.
+_HOST = -1
+
+
+def _read_outside(graph) -> list:
+    """Per node, the ids of its live readers, plus _HOST for the graph's outputs."""
+    out = [set(c) for c in graph.consumers()]
+    for o in graph.outputs:
+        out[o].add(_HOST)
+    return out
+
+
+def _merged_record(node) -> dict:
+    """A node a merged launch computes and keeps to itself (no buffer holds its value)."""
+    return {"id": node.id, "dtype": node.out_dtype.value, "stats": None, "values": [], "stride": 1, "n": 0,
+            "merged": True}
+
+
 class Tracer:
     """Attach with session.context.tracer = Tracer(...); every forward becomes one step."""
 
@@ -83,20 +109,19 @@ class Tracer:
         self.on_step_done = on_step_done   # (phase, step) after each forward: the viz stream
         self.phases: list = []
         self._uid = None
+        self._outside: list = []
 
     # -- the runtime hook: called instead of cache.execute() -------------------------
     def execute(self, cache) -> None:
         graph, alloc = cache.graph, cache.alloc
-        for ls in cache.lowered.splits:
-            if ls.entry.memory != "host":   # no host view of a device buffer between steps
-                raise MinferError(f"{ENV_TRACE}: per-node capture on backend {ls.entry.name!r} is not supported "
-                                  f"(only host-memory backends can be traced today); run with --backend cpu")
         kind = cache.params.gtype.value if cache.params is not None else "prefill"
         if not self.phases or self._uid != graph.uid or self.phases[-1]["kind"] != kind:
             name_of = self.name_of or cache.name_of
             self.phases.append({"kind": kind, "graph": graph_json(graph, self.model, kind, name_of), "steps": []})
             self._uid = graph.uid
+            self._outside = _read_outside(graph)
         records: dict = {}
+        launches: list = []
         # Inputs are host-filled before the run and never written by it.
         for nid in graph.inputs:
             records[nid] = self._read(alloc, graph.nodes[nid])
@@ -106,7 +131,21 @@ class Tracer:
             if node.op not in KV_BOUND:
                 records[node.id] = self._read(alloc, node)
 
-        cache.execute(on_step=on_step)
+        def on_launch(launch, ls) -> None:
+            ids = [n.id for n in launch.nodes]
+            launches.append({"kernel": launch.kernel, "nodes": ids})
+            ids = set(ids)
+            for node in launch.nodes:
+                if node.op in KV_BOUND:
+                    continue
+                if len(ids) == 1 or self._outside[node.id] - ids:
+                    rec = self._read(alloc, node)
+                else:
+                    rec = _merged_record(node)
+                rec["kernel"] = launch.kernel
+                records[node.id] = rec
+
+        cache.execute(on_step=on_step, on_launch=on_launch)
         out = graph.outputs[0]
         logits = alloc.host_view(out)[-1]
         top = np.argsort(-logits, kind="stable")[:LOGITS_TOP]
@@ -114,6 +153,8 @@ class Tracer:
                 "logits_top": [{"id": int(i), "logit": _num(float(logits[i]))} for i in top],
                 "nodes": [records[i] for i in sorted(records)]}
         phase = self.phases[-1]
+        if launches:
+            phase["launches"] = launches
         phase["steps"].append(step)
         if self.on_step_done is not None:
             self.on_step_done(phase, step)

@@ -7,6 +7,13 @@ step by step, node by node in A's order. A node diverges when the largest absolu
 difference over its sampled values or its stats (min, max, mean, std) exceeds the
 tolerance, when its NaN/Inf counts differ, or when its sizes differ. The report is the
 first diverging node with both sides' stats, then a per-layer summary over all steps.
+
+A CPU trace and a CUDA trace of one model and prompt line up node for node: the graph
+does not depend on the backend, so ids and names are the same. What CUDA cannot show is
+a value one of its merged kernels keeps to itself (gate and up inside the fused SwiGLU,
+a matvec inside its fused residual add, q, k and v inside the fused rope and KV store):
+such a record is marked `merged` and is listed, not compared (MINFER_CUDA_FUSE=none
+traces every node).
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ class DiffReport:
     layers: dict = field(default_factory=dict)
     only_a: list = field(default_factory=list)
     only_b: list = field(default_factory=list)
+    merged_a: list = field(default_factory=list)   # "phase:name (kernel)": kept inside a merged kernel on A
+    merged_b: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
 
@@ -116,12 +125,18 @@ def diff_traces(a: dict, b: dict, tol: float = 0.0) -> DiffReport:
         if len(pa["steps"]) != len(pb["steps"]):
             rep.notes.append(f"{pa['kind']}: {len(pa['steps'])} vs {len(pb['steps'])} steps; comparing "
                              f"{min(len(pa['steps']), len(pb['steps']))}")
+        merged = ({}, {})
         for k, (sa, sb) in enumerate(zip(pa["steps"], pb["steps"])):
             recs_b = {r["id"]: r for r in sb["nodes"]}
             for ra in sa["nodes"]:
                 node = by_id_a[ra["id"]]
                 rb = recs_b.get(id_b.get(node["name"], -1))
                 if rb is None:
+                    continue
+                if ra.get("merged") or rb.get("merged"):
+                    for side, r in zip(merged, (ra, rb)):
+                        if r.get("merged"):
+                            side.setdefault(node["name"], (node["id"], r.get("kernel")))
                     continue
                 gap, why = node_gap(ra, rb)
                 row = rep.layers.setdefault(node.get("layer"), LayerRow(node.get("layer")))
@@ -135,7 +150,22 @@ def diff_traces(a: dict, b: dict, tol: float = 0.0) -> DiffReport:
                     if rep.first is None:
                         rep.first = Divergence(pa["kind"], k, node["name"], node["op"], node.get("layer"), gap, why,
                                                ra.get("stats"), rb.get("stats"))
+        for side, out in zip(merged, (rep.merged_a, rep.merged_b)):
+            for name, (_, kernel) in sorted(side.items(), key=lambda kv: kv[1][0]):
+                out.append(f"{pa['kind']}:{name} ({kernel})")
     return rep
+
+
+def _merged_summary(merged: list, shown: int = 3) -> str:
+    by_kernel: dict = {}
+    for entry in merged:
+        name, _, kernel = entry.rpartition(" (")
+        by_kernel.setdefault(kernel.rstrip(")"), []).append(name)
+    parts = []
+    for kernel, names in by_kernel.items():
+        more = f" +{len(names) - shown} more" if len(names) > shown else ""
+        parts.append(f"{kernel}: {', '.join(names[:shown])}{more}")
+    return "; ".join(parts)
 
 
 def _fmt_stats(s: Optional[dict]) -> str:
@@ -155,6 +185,10 @@ def format_report(rep: DiffReport, name_a: str = "A", name_b: str = "B") -> str:
     if rep.only_a or rep.only_b:
         lines.append(f"nodes only in {name_a}: {', '.join(rep.only_a) or '-'}")
         lines.append(f"nodes only in {name_b}: {', '.join(rep.only_b) or '-'}")
+    for name, merged in ((name_a, rep.merged_a), (name_b, rep.merged_b)):
+        if merged:
+            lines.append(f"not compared: {len(merged)} nodes stay inside merged kernels in {name} "
+                         f"(MINFER_CUDA_FUSE=none traces them): {_merged_summary(merged)}")
     d = rep.first
     if d is None:
         lines.append("no node differs beyond the tolerance")

@@ -8,7 +8,9 @@
     POST /viz/run          {"prompt": str, "n": int}: start a traced greedy run (409 while one runs)
 
 A run executes in a worker thread with a Tracer attached; every forward step's node
-records go out to each SSE subscriber as one `step` event. Bad requests get a JSON
+records go out to each SSE subscriber as one `step` event. On CUDA the run traces the
+kernels a normal run launches (tools/trace.py): the `phase` event lists them
+(`launches`), and a node a merged kernel keeps to itself has a `merged` record. Bad requests get a JSON
 {"error": ...} with a 4xx status; nothing a client sends stops the server.
 """
 
@@ -115,7 +117,7 @@ class VizState:
             if not phase.get("_sent"):
                 phase["_sent"] = True
                 counts["phase"] += 1
-                pub("phase", {"kind": phase["kind"], "graph": phase["graph"]})
+                pub("phase", {"kind": phase["kind"], "graph": phase["graph"], "launches": phase.get("launches")})
             pub("step", {"kind": phase["kind"], "index": len(phase["steps"]) - 1, "nodes": step["nodes"],
                          "logits_top": step["logits_top"]})
 
