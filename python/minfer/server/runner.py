@@ -7,7 +7,9 @@ SIGINT the server stops accepting (new requests on open connections get 503), gi
 in-flight requests `shutdown_timeout` seconds to finish, then stops the scheduler, which
 ends the rest with a final event (503, or an error event on a stream) so every handler
 returns normally; uvicorn's own hard cancel is only a backstop after that. The signal
-is not re-raised afterwards (uvicorn's default), so the process exits 0.
+is not re-raised afterwards (uvicorn's default), so the process exits 0. A scheduler that
+gives its device up (a hung step, a CUDA fault: scheduler.py) fails its requests with a
+500 and stops the server, which then exits with EXIT_DEVICE_LOST for a supervisor.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -33,6 +36,10 @@ from minfer.server.models import ModelPool, Served
 from minfer.server.scheduler import Scheduler, SpecRequest
 
 log = logging.getLogger("minfer.server")
+
+# The exit status after a device failure or hang: not 0 or 1 (a clean stop, a bad
+# command line), so a supervisor can tell a restart is what is wanted.
+EXIT_DEVICE_LOST = 70
 
 
 @dataclass
@@ -59,6 +66,8 @@ class ServeConfig:
     load_timeout: float = 300.0   # seconds a request waits for its model to load
     backends: list | None = None  # for models loaded later
     threads: int | None = None
+    step_timeout: float = 120.0   # seconds a step may take before the device is given up (a hung kernel)
+    on_fatal: object | None = None  # called with the reason when a scheduler gives its device up
 
 
 def make_protocol(header_timeout: float):
@@ -128,7 +137,8 @@ def make_served(model, cfg: ServeConfig, metrics: Metrics, draft_model=None) -> 
     sched = Scheduler(model, n_slots=1 if embedding else cfg.slots, n_ctx=min(cfg.ctx, 64) if embedding else cfg.ctx,
                       max_queue=cfg.max_queue, chunk=cfg.chunk, max_batch=cfg.max_batch, metrics=metrics,
                       speculate=SpecRequest(cfg.speculate, cfg.draft_max) if cfg.speculate and not embedding else None,
-                      draft_model=None if embedding else draft_model, kv_cells=None if embedding else cfg.kv_cells)
+                      draft_model=None if embedding else draft_model, kv_cells=None if embedding else cfg.kv_cells,
+                      step_timeout=cfg.step_timeout, on_fatal=cfg.on_fatal)
     return Served(model, sched, embed_arena=cfg.ctx)
 
 
@@ -186,6 +196,14 @@ def serve(model, cfg: ServeConfig) -> None:
     """Serve until SIGTERM/SIGINT; returns normally after a graceful shutdown. model:
     an opened Model, or None to serve cfg.models (several, loaded on demand)."""
     sock = listen(cfg.host, cfg.port)
+    failed: list[str] = []
+
+    def on_fatal(why: str) -> None:
+        # From a scheduler or watchdog thread: uvicorn polls should_exit.
+        failed.append(why)
+        server.should_exit = True
+
+    cfg.on_fatal = on_fatal
     app, pool, _ = build(model, cfg)
     server = uvicorn_server(app, cfg, pool)
     if model is not None:
@@ -206,6 +224,12 @@ def serve(model, cfg: ServeConfig) -> None:
         # A second signal during the last cleanup must not kill the process with it.
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
+    if failed:
+        # The device is lost or hung: a scheduler thread may never return from it, and
+        # the runtime's own exit handlers could wait on it too. Exit now, non-zero.
+        sys.stderr.write(f"minfer serve: exiting for a restart: {failed[0]}\n")
+        sys.stderr.flush()
+        os._exit(EXIT_DEVICE_LOST)
     if not pool.stop(timeout=cfg.shutdown_timeout):
         log.error("the scheduler did not stop in time")
     sys.stderr.write("minfer serve: stopped\n")

@@ -9,6 +9,11 @@ prefix with its prompt, so a conversation's next turn reuses its KV. The engine
 tokens per step in all), picks, verifies drafts and emits events. What stays here is
 admission, routing, cancellation and turning the engine's events into the HTTP side's.
 
+A device that stops answering is contained: a step that has not returned after
+`step_timeout` seconds (a hung kernel), or a device error that leaves the device
+unusable (a CUDA fault), fails every request with a 500 and one log line and calls
+`on_fatal`, which ends the server with a non-zero exit for a supervisor to restart.
+
 The HTTP side never touches the Context: it submits Jobs and receives Events through
 the job's `emit` callback (called on this thread; the app hops them onto its loop).
 """
@@ -30,6 +35,18 @@ from minfer.session import Context
 from minfer.speculate import Policy, check_same_vocab
 
 log = logging.getLogger("minfer.server")
+
+
+# CUDA errors after which the context is unusable ("sticky"): every later call fails too.
+_STICKY = ("cudaErrorIllegalAddress", "cudaErrorLaunchFailure", "cudaErrorIllegalInstruction",
+           "cudaErrorMisalignedAddress", "cudaErrorInvalidAddressSpace", "cudaErrorInvalidPc",
+           "cudaErrorHardwareStackError", "cudaErrorAssert", "cudaErrorLaunchTimeout", "cudaErrorECCUncorrectable",
+           "cudaErrorUnknown", "cudaErrorDevicesUnavailable")
+
+
+def device_lost(e: BaseException) -> bool:
+    """Whether an error leaves the device unusable (so the process must restart)."""
+    return any(name in str(e) for name in _STICKY)
 
 
 class QueueFull(Exception):
@@ -116,7 +133,8 @@ def default_max_batch(model) -> int:
 class Scheduler:
     def __init__(self, model, n_slots: int = 4, n_ctx: int = 4096, max_queue: int = 64,
                  chunk: int = 128, max_batch: int | None = None, metrics=None,
-                 speculate: SpecRequest | None = None, draft_model=None, kv_cells: int | None = None):
+                 speculate: SpecRequest | None = None, draft_model=None, kv_cells: int | None = None,
+                 step_timeout: float = 120.0, on_fatal: Callable[[str], None] | None = None):
         if n_slots < 1:
             raise MinferError(f"--slots must be >= 1, got {n_slots}")
         if speculate is not None and (speculate.mode not in ("ngram", "draft") or not 1 <= speculate.draft_max <= 64):
@@ -152,6 +170,11 @@ class Scheduler:
         self._stopping = False
         self._draining = False
         self._thread = threading.Thread(target=self._loop, name="minfer-scheduler", daemon=True)
+        self.step_timeout = step_timeout
+        self.on_fatal = on_fatal
+        self.fatal: str | None = None    # why the device is given up on
+        self._step_since: float | None = None
+        self._watchdog = threading.Thread(target=self._watch, name="minfer-watchdog", daemon=True)
 
     @property
     def steps(self) -> int:
@@ -160,6 +183,7 @@ class Scheduler:
     # -- the HTTP side ---------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._watchdog.start()
 
     def submit(self, job: Job) -> None:
         if job.speculate is not None and job.speculate.mode == "draft" and self.dctx is None:
@@ -167,6 +191,8 @@ class Scheduler:
         if not 1 <= job.n <= len(self.slots):
             raise MinferError(f"n = {job.n} choices need as many slots; this server has {len(self.slots)}")
         with self._cv:
+            if self.fatal is not None:
+                raise ShuttingDown(f"the server is restarting: {self.fatal}")
             if self._stopping or self._draining:
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
@@ -210,16 +236,28 @@ class Scheduler:
                 if self._stopping:
                     break
                 self._admit()
+            if self.fatal is not None:
+                break
             try:
                 self._drop_cancelled()
                 if self._working():
+                    self._step_since = time.monotonic()
                     self._step()
+                    self._step_since = None
             except Exception as e:  # noqa: BLE001 - a bug in one step must not stop the server
-                log.exception("scheduler step failed")
+                self._step_since = None
+                if self.fatal is not None:
+                    break
+                lost = device_lost(e)
+                if not lost:   # a lost device is said in one line below, not a traceback
+                    log.exception("scheduler step failed")
                 self.engine._launch = None
                 for s in self.slots:
                     if s.busy and s.seq is not None:
                         self.engine._fail(s.seq, e)
+                if lost:
+                    self._give_up(f"the device failed: {str(e).splitlines()[0]}")
+                    break
         for s in self.slots:
             if s.busy and s.seq is not None:
                 self.engine.abort(s.seq)
@@ -227,6 +265,34 @@ class Scheduler:
             waiting, self._waiting = list(self._waiting), collections.deque()
         for job in waiting:
             _send(job, Event("error", status=503, message="the server is shutting down"))
+
+    def _watch(self) -> None:
+        """The watchdog: a step that has not returned in step_timeout seconds (a kernel
+        that hangs, a wait that never ends) gives the device up."""
+        tick = min(1.0, self.step_timeout / 4)
+        while self._thread.is_alive() and self.fatal is None:
+            time.sleep(tick)
+            since = self._step_since
+            if since is not None and time.monotonic() - since > self.step_timeout:
+                self._give_up(f"a step has not returned in {self.step_timeout:g} s (a hung kernel?)")
+
+    def _give_up(self, why: str) -> None:
+        """Fail every running and waiting request with a 500 (from whichever thread
+        sees it first: the loop may be stuck in the device), then on_fatal."""
+        with self._cv:
+            if self.fatal is not None:
+                return
+            self.fatal = why
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            self._cv.notify()
+        log.error("minfer serve: %s; failing every request and exiting for a restart", why)
+        jobs = {id(j): j for j in [s.job for s in self.slots if s.job is not None] + waiting}
+        for job in jobs.values():     # a job of n choices holds n slots: told once
+            _send(job, Event("error", status=500, message=f"the server is restarting: {why}"))
+        if self.metrics:
+            self.metrics.on_error()
+        if self.on_fatal is not None:
+            self.on_fatal(why)
 
     def _working(self) -> bool:
         return self.engine.busy or self.engine._launch is not None
