@@ -1,0 +1,54 @@
+"""Greedy output of every sequence in a batch equals its output alone, on CUDA (GPU
+suite), at batch 1, 7, 16 and 64: decode rows of up to CUDA_ROW_EXACT_MAX_TOKENS per
+forward give each row the bits a lone step gives (the matvec path); prompts of 12 tokens
+in forwards of at most 16 prompt rows keep prefill on that path too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minfer.backends import cuda as cuda_backend
+from minfer.engine import Engine, Sequence
+from minfer.model import Model
+from minfer.sampling import SamplingParams
+from minfer.session import Context, Session
+from minfer.testing import write_model
+
+pytestmark = pytest.mark.cuda
+
+GREEDY = SamplingParams(temperature=0.0)
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Model:
+    e = cuda_backend.ENTRY
+    assert e.compiled and e.usable, f"pytest -m cuda needs the CUDA backend here: {e.unusable_reason}"
+    path = tmp_path_factory.mktemp("batch-eq") / "m.gguf"
+    write_model(path, n_layer=3, n_embd=256, n_head=8, n_head_kv=2, n_ff=512, n_vocab=4096, seed=11,
+                types={"attn_q": "Q4_K", "ffn_up": "Q8_0", "ffn_down": "Q6_K", "ffn_gate": "Q5_0"})
+    return Model.open(path, backends=["cuda"])
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    return [[int(t) for t in rng.integers(3, 4000, size=12)] for _ in range(64)]
+
+
+@pytest.fixture(scope="module")
+def alone(model, prompts):
+    return [Session(model, n_ctx=64).generate(p, STEPS, GREEDY, stop_at_eog=False).ids for p in prompts]
+
+
+@pytest.mark.parametrize("batch", [1, 7, 16, 64])
+def test_greedy_in_a_batch_equals_alone(model, prompts, alone, batch):
+    ctx = Context(model, n_ctx=64, n_seq=batch)
+    eng = Engine(ctx, [ctx.session(i) for i in range(batch)], chunk=16)
+    seqs = [Sequence(p, STEPS, GREEDY, stop_at_eog=False) for p in prompts[:batch]]
+    for i, s in enumerate(seqs):
+        eng.add(s, i)
+    eng.run()
+    differ = [i for i, s in enumerate(seqs) if s.ids != alone[i]]
+    assert not differ, f"{len(differ)} of {batch} sequences differ from alone: {differ[:8]}"
