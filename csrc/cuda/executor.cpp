@@ -1139,20 +1139,23 @@ void book_stamps(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     w.count += 1;
 }
 
+// Ends a whole run's prefill GEMM pipeline: a later partial run dequantizes on the main
+// stream again. A run cut short by an error may leave dequantizations no GEMM waited
+// for: the side stream is joined here (unchecked: this may run while unwinding).
+struct PipeOff {
+    CudaPlanState& st;
+    ~PipeOff() {
+        if (st.pipe && !st.deqs.empty() && std::uncaught_exceptions() > 0) {
+            cudaEventRecord(st.ev_start, ctx().side);
+            cudaStreamWaitEvent(ctx().stream, st.ev_start, 0);
+        }
+        st.pipe = false;
+    }
+};
+
 void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) {
     static const bool prof = [] { const char* e = std::getenv("MINFER_CUDA_PROFILE"); return e && *e && *e != '0'; }();
-    struct PipeOff {  // a later partial run dequantizes on the main stream again
-        CudaPlanState& st;
-        ~PipeOff() {
-            // A run cut short by an error may leave dequantizations no GEMM waited for:
-            // join the side stream here (unchecked: this may run while unwinding).
-            if (st.pipe && !st.deqs.empty() && std::uncaught_exceptions() > 0) {
-                cudaEventRecord(st.ev_start, ctx().side);
-                cudaStreamWaitEvent(ctx().stream, st.ev_start, 0);
-            }
-            st.pipe = false;
-        }
-    } off{st};
+    PipeOff off{st};
     if (st.stamps) {
         stamp(st.stamps);
         stamp(st.stamps + 1);
@@ -1401,16 +1404,6 @@ std::vector<LaunchInfo> run_launches(const Plan& plan, DevPool& pool, const Weig
     for (size_t i = 0; i < covered.size(); ++i)
         if (!covered[i]) step_fail(plan.steps[i], "run_launches: the step is in no launch of the program");
     forget_pick();
-    struct PipeOff {  // as launch_program's: join the side stream if an error cuts the run short
-        CudaPlanState& st;
-        ~PipeOff() {
-            if (st.pipe && !st.deqs.empty() && std::uncaught_exceptions() > 0) {
-                cudaEventRecord(st.ev_start, ctx().side);
-                cudaStreamWaitEvent(ctx().stream, st.ev_start, 0);
-            }
-            st.pipe = false;
-        }
-    };
     struct Events {
         std::vector<cudaEvent_t> ev;
         ~Events() {
