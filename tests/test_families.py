@@ -154,6 +154,13 @@ def test_phi3_longrope_short_and_long_factors(built):
     assert rel <= 1e-4
     rel_long, _ = _stats(_session(path, n_ctx=128).forward(short, n_out=len(short)), ref)
     assert rel_long > 1e-3   # the long factors really are different
+    # Four sequences of 32 cells are not one context of 128: short factors (llama.cpp's
+    # n_ctx_per_seq).
+    from minfer.model import Model
+    from minfer.session import Context
+    ctx = Context(Model.open(path, n_threads=2, backends=["cpu"]), n_ctx=32, n_seq=4, kv_type="f32")
+    rel4, _ = _stats(ctx.session(2).forward(short, n_out=len(short)), ref)
+    assert rel4 <= 1e-4
 
 
 # ---- the engine's identities on the new ops --------------------------------------------

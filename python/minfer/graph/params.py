@@ -25,6 +25,7 @@ class CParams:
     explicit_span: bool = False  # attention reads an explicit per-token span input (several sequences)
     fuse_swiglu: bool = True     # the peephole pass folds silu*mul into SwiGLU where the backend can
     kv_type: str = "f16"         # KV element type ("f16" | "f32"): sizes the KV regions, picks the kernels
+    seq_ctx: int = 0             # the context one sequence may use (0: n_ctx), as llama.cpp's n_ctx_per_seq
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,8 @@ class Phi3Model(ModelDef):
     def build_graph(self, params: GraphParams) -> ComputeGraph:
         g = DecoderGraph(self, params)
         h = g.embed()
-        spec = self.attn_spec(params.cparams.n_ctx)
+        # Per sequence, as llama.cpp's n_ctx_per_seq: a context of many sequences is not one long one.
+        spec = self.attn_spec(params.cparams.seq_ctx or params.cparams.n_ctx)
         for il in range(self.hp.n_layer):
             h = g.pre_norm_layer(il, h, spec, qkv_bias="optional", fused_qkv=True, o_bias=True, fused_up=True)
         return g.head(h)
