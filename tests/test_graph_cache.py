@@ -53,7 +53,7 @@ def changed_params():
         if isinstance(cur, bool):
             new = not cur
         elif isinstance(cur, int):
-            new = cur * 2
+            new = cur * 2 or 1
         else:
             new = next(k for k in KV_TYPES if k != cur) if f == "kv_type" else pytest.fail(f"no change for {f}")
         out.append(dataclasses.replace(BASE, cparams=dataclasses.replace(BASE.cparams, **{f: new})))
@@ -96,8 +96,13 @@ def test_small_graphs_are_kept_ready_and_big_ones_released(weights):
     c.install(build(big), big)
     assert c.try_reuse(ps[0])            # the big one is set aside as freed, not kept
     assert not c.try_reuse(big)
+    # A padded decode batch (every row an output, up to KEEP_MAX_DECODE rows) is kept too.
+    dec = dataclasses.replace(BASE, n_tokens=24, n_out=24)
+    gd = c.install(build(dec), dec)
+    c.install(build(ps[1]), ps[1])
+    assert c.try_reuse(dec) and c.graph is gd
     c.KEEP = 2
-    c.install(build(big), big)           # keeps ps[0]; ps[1], ps[2] were kept before: one is evicted
+    c.install(build(big), big)           # keeps dec; the others kept before: all but two are evicted
     assert len(c._kept) <= 2
 
 

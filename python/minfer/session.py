@@ -52,8 +52,16 @@ def _cuda_row_exact_max() -> int:
 class Context:
     """One graph cache + KV arena shared by up to n_seq sequences run together."""
 
+    # Decode batches of more rows than a lone step's exact path (CUDA_ROW_EXACT_MAX_TOKENS)
+    # are padded up to a multiple of PAD_STEP rows, at most PAD_MAX, so a server whose batch
+    # size moves reuses a few kept graphs (captured once) instead of building, lowering and
+    # capturing a graph for every size. The padding rows write KV into PAD_MAX cells of
+    # their own past the sequences' and read only themselves.
+    PAD_STEP = 8
+    PAD_MAX = 64
+
     def __init__(self, model, n_ctx: int | None = None, n_seq: int = 1, fuse: bool = True, reuse: bool = True,
-                 kv_type: str = "f16", n_cells: int | None = None):
+                 kv_type: str = "f16", n_cells: int | None = None, pad_batches: bool | None = None):
         if n_ctx is None or n_ctx == 0:
             n_ctx = model.hp.n_ctx_train
         if n_ctx < 0:
@@ -81,9 +89,14 @@ class Context:
         # decode launches) off as well as the graph's SwiGLU fusion.
         self.cache = GraphCache(model.entries, model.weights, {"threads": model.n_threads, "fuse": fuse})
         gpu = self.cache.scheduler.entries[0].name == "cuda"
+        # Where rebuilding a graph per batch size costs (a GPU's lowering and capture);
+        # a CPU rebuild is small beside a batched step, and its rows are exact anyway.
+        self.pad_from = (_cuda_row_exact_max() if gpu else 16) if (gpu if pad_batches is None else pad_batches) \
+            and self.n_seq > 1 else None
         # Everything that shapes the graph besides the batch shape; a new value is a new
         # object, so the memo below can never hand out params built from an old one.
-        self.cparams = CParams(n_ctx=self.n_cells, explicit_span=self.n_seq > 1, fuse_swiglu=fuse,
+        self.cparams = CParams(n_ctx=self.n_cells + (self.PAD_MAX if self.pad_from else 0),
+                               explicit_span=self.n_seq > 1, fuse_swiglu=fuse, seq_ctx=self.n_ctx,
                                gpu=gpu, kv_type=kv_type)
         # Up to how many token rows a forward gives each row's logits bitwise as a lone
         # step would (None: any number; the CPU kernels are row-independent). The CUDA
@@ -329,6 +342,16 @@ class Context:
                 span += [base, base + p0 + j + 1]
             toks += ids
             tail.extend(range(len(toks) - k, len(toks)))
+        rows = len(toks)
+        if self.pad_from is not None and len(tail) == rows and self.pad_from < rows < self.PAD_MAX:
+            # Every row an output (decode rows, verified blocks): pad to the bucket.
+            for j in range(-(-rows // self.PAD_STEP) * self.PAD_STEP - rows):
+                cell = self.n_cells + j
+                toks.append(0)
+                pos.append(0)
+                cells.append(cell)
+                span += [cell, cell + 1]
+                tail.append(len(toks) - 1)
         arr = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
         with self.lock:
             logits = self.run(arr(toks), arr(pos), arr(cells), arr(span), arr(tail), n_out=len(tail), copy=copy)

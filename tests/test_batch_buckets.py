@@ -1,0 +1,73 @@
+"""Decode batches padded to buckets (session.Context.PAD_STEP): a context that pads
+(the default on CUDA; here asked for on the CPU, whose rows are exact either way) runs
+batches of more than 16 rows as multiples of 8 rows, its padding rows writing and
+reading only cells past the sequences', so the outputs are those of the unpadded batch
+and a shrinking batch reuses a few kept graphs instead of building one per size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minfer.engine import Engine, Sequence
+from minfer.model import Model
+from minfer.sampling import SamplingParams
+from minfer.session import Context
+from minfer.testing import write_model
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Model:
+    path = tmp_path_factory.mktemp("buckets") / "m.gguf"
+    write_model(path, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
+    return Model.open(path, n_threads=2)
+
+
+def run(model, pad: bool):
+    """22 sequences ending one by one (budgets 6..27), all started before the first step."""
+    ctx = Context(model, n_ctx=48, n_seq=22, pad_batches=pad)
+    eng = Engine(ctx, [ctx.session(i) for i in range(22)], chunk=256)
+    rng = np.random.default_rng(5)
+    seqs = [Sequence([int(t) for t in rng.integers(3, 200, size=8)], 6 + i, GREEDY, stop_at_eog=False)
+            for i in range(22)]
+    for i, s in enumerate(seqs):
+        eng.add(s, i)
+    rows = []
+    real = ctx.run
+
+    def spy(tokens, *a, **kw):
+        rows.append(int(tokens.size))
+        return real(tokens, *a, **kw)
+    ctx.run = spy
+    builds = ctx.builds
+    eng.run()
+    return [s.ids for s in seqs], rows, ctx.builds - builds, ctx
+
+
+def test_padded_batches_give_the_unpadded_outputs_with_fewer_builds(model):
+    plain, plain_rows, plain_builds, _ = run(model, False)
+    padded, padded_rows, padded_builds, ctx = run(model, True)
+    assert padded == plain
+    decode_sizes = {r for r in padded_rows if r > 16 and r != 22 * 8}
+    assert decode_sizes == {24}, sorted(set(padded_rows))       # 22 .. 17 rows all run as 24
+    assert set(plain_rows) >= set(range(17, 23))                # the unpadded batch took every size
+    assert padded_builds < plain_builds, (padded_builds, plain_builds)
+    # The padding cells lie past every sequence's and the graph's KV holds them.
+    assert ctx.cparams.n_ctx == ctx.n_cells + Context.PAD_MAX
+    assert all(b + c <= ctx.n_cells for b, c in ctx.ranges)
+
+
+def test_small_and_mixed_batches_are_not_padded(model):
+    ctx = Context(model, n_ctx=48, n_seq=4, pad_batches=True)
+    seen = []
+    real = ctx.run
+    ctx.run = lambda tokens, *a, **kw: (seen.append(int(tokens.size)), real(tokens, *a, **kw))[1]
+    eng = Engine(ctx, [ctx.session(i) for i in range(4)], chunk=64)
+    for i in range(4):
+        eng.add(Sequence([5 + i] * 6, 4, GREEDY, stop_at_eog=False), i)
+    eng.run()
+    # The prompts (24 rows, 4 of them outputs) and the 4-row decode steps run as they are.
+    assert seen[0] == 24 and all(r <= 4 for r in seen[1:]), seen
+    assert Context(model, n_ctx=48, n_seq=4).pad_from is None    # the CPU's default: no padding
