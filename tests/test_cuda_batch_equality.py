@@ -1,5 +1,5 @@
 """Greedy output of every sequence in a batch equals its output alone, on CUDA (GPU
-suite), at batch 1, 7, 16 and 64: decode rows of up to CUDA_ROW_EXACT_MAX_TOKENS per
+suite), at batch 1, 7, 16, 20 (padded to 24 rows) and 64: decode rows of up to CUDA_ROW_EXACT_MAX_TOKENS per
 forward give each row the bits a lone step gives (the matvec path); prompts of 12 tokens
 in forwards of at most 16 prompt rows keep prefill on that path too."""
 
@@ -42,7 +42,7 @@ def alone(model, prompts):
     return [Session(model, n_ctx=64).generate(p, STEPS, GREEDY, stop_at_eog=False).ids for p in prompts]
 
 
-@pytest.mark.parametrize("batch", [1, 7, 16, 64])
+@pytest.mark.parametrize("batch", [1, 7, 16, 20, 64])
 def test_greedy_in_a_batch_equals_alone(model, prompts, alone, batch):
     ctx = Context(model, n_ctx=64, n_seq=batch)
     eng = Engine(ctx, [ctx.session(i) for i in range(batch)], chunk=16)
