@@ -1,7 +1,9 @@
 """Greedy output of every sequence in a batch equals its output alone, on CUDA (GPU
-suite), at batch 1, 7, 16, 20 (padded to 24 rows) and 64: decode rows of up to CUDA_ROW_EXACT_MAX_TOKENS per
-forward give each row the bits a lone step gives (the matvec path); prompts of 12 tokens
-in forwards of at most 16 prompt rows keep prefill on that path too."""
+suite), at batch 1, 7, 16, 20 (padded to 24 rows) and 64. Decode rows of up to
+CUDA_ROW_EXACT_MAX_TOKENS per forward give each row the bits a lone step gives (the
+matvec path); prompts of 12 tokens in forwards of at most 16 prompt rows keep prefill on
+that path too. Above it the rows take the GEMM path, which these tests hold to the same
+rule."""
 
 from __future__ import annotations
 
