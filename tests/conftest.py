@@ -41,3 +41,21 @@ def synth_model_path(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("synth") / "qwen2-tiny.gguf"
     write_model(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def mixed_model_path(tmp_path_factory) -> Path:
+    """A small random-weight qwen2 model with mixed weight types (Q8_0 ffn_up, Q4_0
+    attn_q, the rest F32): the engine and scheduler tests' model."""
+    from minfer.testing import write_model
+
+    path = tmp_path_factory.mktemp("mixed") / "m.gguf"
+    write_model(path, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def mixed_model(mixed_model_path):
+    from minfer.model import Model
+
+    return Model.open(mixed_model_path, n_threads=2)

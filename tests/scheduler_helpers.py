@@ -30,6 +30,11 @@ def collect_events(q: queue.Queue, n_jobs: int, timeout: float = 120) -> list[di
     return out
 
 
+def token_ids(seed: int, n: int) -> list[int]:
+    """n random token ids (3..249) from a seed: a prompt of a fixed length."""
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
+
+
 def prompts(n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(3, 250, size=int(rng.integers(5, 40)))] for _ in range(n)]

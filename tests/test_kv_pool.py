@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import queue
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +19,7 @@ from minfer.model import Model
 from minfer.sampling import SamplingParams
 from minfer.server.scheduler import Job, Scheduler
 from minfer.session import Context, Session
-from minfer.testing import write_model
+from scheduler_helpers import token_ids
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -68,14 +67,11 @@ def test_placed_ranges_never_overlap(ops):
 # -- the engine ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Model:
-    path = tmp_path_factory.mktemp("pool") / "m.gguf"
-    write_model(path, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
-    return Model.open(path, n_threads=2)
+def model(mixed_model) -> Model:
+    return mixed_model
 
 
-def ids(seed: int, n: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
+ids = token_ids
 
 
 def alone(model, prompt: list[int], n: int) -> list[int]:

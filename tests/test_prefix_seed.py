@@ -5,27 +5,23 @@ the output is the output without the copy."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from minfer.engine import Engine, Sequence
 from minfer.model import Model
 from minfer.sampling import SamplingParams
 from minfer.session import Context
-from minfer.testing import write_model
+from scheduler_helpers import token_ids
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Model:
-    path = tmp_path_factory.mktemp("seed") / "m.gguf"
-    write_model(path, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
-    return Model.open(path, n_threads=2)
+def model(mixed_model) -> Model:
+    return mixed_model
 
 
-def ids(seed: int, n: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
+ids = token_ids
 
 
 P = ids(1, 48)                       # the shared prefix (three chunks of 16)

@@ -18,21 +18,18 @@ from minfer.errors import MinferError
 from minfer.model import Model
 from minfer.sampling import History, Sampler, SamplingParams
 from minfer.session import Context, Session
-from minfer.testing import write_model
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("features") / "m.gguf"
-    write_model(path, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
-    return path
+def model_path(mixed_model_path):
+    return mixed_model_path
 
 
 @pytest.fixture(scope="module")
-def model(model_path) -> Model:
-    return Model.open(model_path, n_threads=2)
+def model(mixed_model) -> Model:
+    return mixed_model
 
 
 def prompt(seed: int, n: int = 12) -> list[int]:

@@ -23,10 +23,8 @@ CTX = 96
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Model:
-    path = tmp_path_factory.mktemp("sched") / "m.gguf"
-    write_model(path, n_embd=128, n_head=4, n_head_kv=2, n_ff=256, types={"ffn_up": "Q8_0", "attn_q": "Q4_0"})
-    return Model.open(path, n_threads=2)
+def model(mixed_model) -> Model:
+    return mixed_model
 
 
 
