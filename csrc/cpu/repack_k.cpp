@@ -143,7 +143,12 @@ void meta_of(const block_q8_K& a, KMeta& m) {
 
 // Measured (bench/quant_dot.py --cold, 1 thread, 4864x896): Q6_K 0.44 ms without
 // a useful distance, 0.35 at 4 KiB (the unpacked kernel: 0.36); Q4_K 0.28 -> 0.24.
-constexpr size_t kPfDist = 4096;
+// 2 KiB then beat 4 KiB on a 2-vCPU Sapphire Rapids, the Llama-3.2-1B shape's decode
+// (`minfer bench -p 0 -n 128 -r 3`, alternating builds): 1 thread 16.99 / 16.45 / 16.98
+// / 17.49 / 16.43 against 14.50 / 14.79 / 15.11 tok/s (1 KiB 16.07, 1.5 KiB 16.41,
+// 12 KiB 14.15); 2 threads 29.72 / 27.72 against 28.02 / 25.59; the default 0.5B (whose
+// K-quant rows are only its ffn_down) unchanged.
+constexpr size_t kPfDist = 2048;
 constexpr int kPfMaxNA = 1;  // prefill reuses each record for many tokens from cache
 // Decode streams the weights from DRAM: each of a record's 8 steps prefetches its eighth
 // of the record kPfDist bytes ahead, adding to what the hardware prefetcher keeps in
