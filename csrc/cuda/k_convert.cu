@@ -23,15 +23,7 @@ __global__ void k_dequant_f16(const uint8_t* __restrict__ W, size_t row_bytes, i
     const int c = (int)(i % n_chunks);
     float v[32];
     deq32<T>(W + (size_t)row * row_bytes, c, n_chunks, v);
-    uint4* o = reinterpret_cast<uint4*>(out + row * (int64_t)n_chunks * 32 + c * 32);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        uint4 u;
-        __half2* h = reinterpret_cast<__half2*>(&u);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(v[8 * k + 2 * j], v[8 * k + 2 * j + 1]);
-        o[k] = u;
-    }
+    store_half32(v, reinterpret_cast<uint4*>(out + row * (int64_t)n_chunks * 32 + c * 32));
 }
 
 template <int T>

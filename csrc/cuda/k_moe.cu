@@ -167,18 +167,6 @@ constexpr int GROUP_THREADS = 256;
 
 // The group of a slot's id: its expert, or n_expert for an id outside [0, n_expert)
 // (such a slot gets a zero row, as on the CPU; MOE_TOPK never writes one).
-// 32 floats as f16 into four 16-byte stores (a tile row's chunk in shared memory).
-__device__ __forceinline__ void store_half32(const float v[32], uint4* dst) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        uint4 u;
-        __half2* h = reinterpret_cast<__half2*>(&u);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[8 * q + 2 * i], v[8 * q + 2 * i + 1]);
-        dst[q] = u;
-    }
-}
-
 __device__ __forceinline__ int group_of(int32_t id, int n_expert) { return id >= 0 && id < n_expert ? id : n_expert; }
 
 __device__ __forceinline__ int warp_isum(int v) {

@@ -88,6 +88,19 @@ __device__ __forceinline__ void k4_scale_min(const K4Sel& s, uint32_t w0, uint32
     k4_scale_min_sel(s, w0, w1, w2, d0, m0, d1, m1);
 }
 
+// A decoded chunk's 32 floats as f16 in four 16-byte stores (the prefill GEMM's weight
+// conversion, the MoE tile's shared memory).
+__device__ __forceinline__ void store_half32(const float v[32], uint4* dst) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        uint4 u;
+        __half2* h = reinterpret_cast<__half2*>(&u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[8 * q + 2 * i], v[8 * q + 2 * i + 1]);
+        dst[q] = u;
+    }
+}
+
 // Decode chunk c (elements 32c .. 32c+31) of a device row of type T (cuda/layout.h:
 // packed for the legacy types, Q4_K and Q6_K; nb = chunks per row) into v.
 template <int T>
