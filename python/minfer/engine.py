@@ -401,6 +401,8 @@ class Engine:
             return True
         ses = self.slots[slot]
         need = min(len(prompt) + max_tokens, ctx.n_ctx)
+        if ses.cap >= need:   # its range already holds it (the caller trims its tokens)
+            return True
         keep = min(ses.common_prefix(prompt), max(len(prompt) - 1, 0)) if keep_prefix else 0
         idle = sorted((i for i in range(len(self.slots)) if i not in self._owner and i != slot
                        and ctx.ranges[self.slots[i].seq][1] > 0), key=lambda i: self._used[i])

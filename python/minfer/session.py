@@ -1,7 +1,8 @@
 """Sessions: one conversation's graph cache, KV and positions over a shared Model.
 
-A `Context` owns one graph cache whose KV arena holds `n_seq` sequences of `n_ctx`
-cells each; sequence s owns cells [s*n_ctx, (s+1)*n_ctx). Several sequences run in
+A `Context` owns one graph cache whose KV arena holds `n_seq` sequences of up to `n_ctx`
+cells each: sequence s owns cells [s*n_ctx, (s+1)*n_ctx), or, in a smaller arena
+(`n_cells`), a range placed by kv_pool.py (Session.base / cap). Several sequences run in
 one graph (one row per token, each with its own position and cell); with more than
 one sequence the attention reads an explicit [lo, hi) cell span per token, since a
 position alone cannot say where a sequence's cells start.
@@ -89,19 +90,19 @@ class Context:
         # decode launches) off as well as the graph's SwiGLU fusion.
         self.cache = GraphCache(model.entries, model.weights, {"threads": model.n_threads, "fuse": fuse})
         gpu = self.cache.scheduler.entries[0].name == "cuda"
-        # Where rebuilding a graph per batch size costs (a GPU's lowering and capture);
-        # a CPU rebuild is small beside a batched step, and its rows are exact anyway.
-        self.pad_from = (_cuda_row_exact_max() if gpu else 16) if (gpu if pad_batches is None else pad_batches) \
-            and self.n_seq > 1 else None
+        # Up to how many token rows a forward gives each row's logits bitwise as a lone
+        # step would (None: any number; the CPU kernels are row-independent). The CUDA
+        # backend takes a GEMM path above its limit.
+        self.row_exact_max = _cuda_row_exact_max() if gpu else None
+        # Padding starts above that limit, where rebuilding a graph per batch size costs
+        # (a GPU's lowering and capture); a CPU rebuild is small beside a batched step.
+        pad = gpu if pad_batches is None else pad_batches
+        self.pad_from = (self.row_exact_max or 16) if pad and self.n_seq > 1 else None
         # Everything that shapes the graph besides the batch shape; a new value is a new
         # object, so the memo below can never hand out params built from an old one.
         self.cparams = CParams(n_ctx=self.n_cells + (self.PAD_MAX if self.pad_from else 0),
                                explicit_span=self.n_seq > 1, fuse_swiglu=fuse, seq_ctx=self.n_ctx,
                                gpu=gpu, kv_type=kv_type)
-        # Up to how many token rows a forward gives each row's logits bitwise as a lone
-        # step would (None: any number; the CPU kernels are row-independent). The CUDA
-        # backend takes a GEMM path above its limit.
-        self.row_exact_max = _cuda_row_exact_max() if gpu else None
         self._params: dict = {}        # (n_tokens, n_out) -> GraphParams for self.cparams
         self._installed = None         # the params of the graph whose plans are current
         self._out = None               # (device, buffer id, n_vocab, rows) of the logits
