@@ -355,8 +355,10 @@ def test_get_rows_f32():
 # ---------------------------------------------------------------- KV store + attention
 
 
-def _attn64(q, K, V, nh, nkv, hd, ranges, scale):
-    """q [nt][nh*hd]; K, V [n_ctx][nkv*hd]; ranges[t] = (lo, hi) visible cells."""
+def attn64(q, K, V, nh, nkv, hd, ranges, scale, softcap=0.0):
+    """q [nt][nh*hd]; K, V [n_ctx][nkv*hd]; ranges[t] = (lo, hi) visible cells; softcap
+    > 0: every scaled score s becomes softcap * tanh(s / softcap) (the CUDA suite's
+    reference too)."""
     nt = q.shape[0]
     out = np.zeros((nt, nh * hd))
     r = nh // nkv
@@ -370,6 +372,8 @@ def _attn64(q, K, V, nh, nkv, hd, ranges, scale):
             k = K[lo:hi, g * hd:(g + 1) * hd].astype(np.float64)
             v = V[lo:hi, g * hd:(g + 1) * hd].astype(np.float64)
             s = k @ qh * scale
+            if softcap > 0:
+                s = softcap * np.tanh(s / softcap)
             p = np.exp(s - s.max())
             out[t, h * hd:(h + 1) * hd] = (p / p.sum()) @ v
     return out
@@ -445,7 +449,7 @@ def test_attention_prefill(nh, nkv, hd, nt, kernel_path, kv_type):
     for nth in (1, 2, 5):
         kv = KvRig(nh, nkv, hd, n_ctx=64, q_extra=2 * nkv * hd, kv_type=kv_type)
         outs.append(kv.forward(q, k, v, cells=pos, pos=pos, n_threads=nth))
-    ref = _attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, [(0, p + 1) for p in pos], 1.0 / np.sqrt(hd))
+    ref = attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, [(0, p + 1) for p in pos], 1.0 / np.sqrt(hd))
     np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=ATOL)
     for o in outs[1:]:
         np.testing.assert_array_equal(outs[0], o)
@@ -466,14 +470,14 @@ def test_attention_decode_after_prefill(nh, nkv, hd, kernel_path, kv_type):
         q, k, v = _qkv(rng, n_prompt, nh, nkv, hd, peak=3.0)
         pos = np.arange(n_prompt, dtype=np.int32)
         pre = kv.forward(q, k, v, cells=pos, pos=pos, n_threads=nth)
-        ref = _attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, [(0, p + 1) for p in pos], 1.0 / np.sqrt(hd))
+        ref = attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, [(0, p + 1) for p in pos], 1.0 / np.sqrt(hd))
         np.testing.assert_allclose(pre, ref, rtol=1e-5, atol=ATOL)
         outs = [pre]
         # Skipped cells 153..254 were never written: zero in the region and in K_host alike.
         for n_past in (150, 151, 152, 255, 256):  # 256 starts a fresh KV block
             q1, k1, v1 = _qkv(rng, 1, nh, nkv, hd, peak=3.0)
             y = kv.forward(q1, k1, v1, cells=[n_past], pos=[n_past], n_threads=nth)
-            ref = _attn64(q1, kv.K_host, kv.V_host, nh, nkv, hd, [(0, n_past + 1)], 1.0 / np.sqrt(hd))
+            ref = attn64(q1, kv.K_host, kv.V_host, nh, nkv, hd, [(0, n_past + 1)], 1.0 / np.sqrt(hd))
             np.testing.assert_allclose(y, ref, rtol=1e-5, atol=ATOL)
             outs.append(y)
         by_threads[nth] = outs
@@ -498,7 +502,7 @@ def test_attention_explicit_span(kernel_path, kv_type):
     for nth in (1, 2, 5):
         kv = KvRig(nh, nkv, hd, n_ctx, q_extra=64, kv_type=kv_type)
         outs.append(kv.forward(q, k, v, cells=cells, pos=pos, span=spans, n_threads=nth))
-    ref = _attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, spans, 1.0 / np.sqrt(hd))
+    ref = attn64(q, kv.K_host, kv.V_host, nh, nkv, hd, spans, 1.0 / np.sqrt(hd))
     np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=ATOL)
     assert not outs[0][69].any()
     for o in outs[1:]:
@@ -528,9 +532,9 @@ def test_f16_kv_differs_from_f32_only_by_rounding():
     for t in ("f32", "f16"):
         kv = KvRig(nh, nkv, hd, 64, kv_type=t)
         outs[t] = kv.forward(q, k, v, cells=pos, pos=pos, n_threads=2)
-    ref16 = _attn64(q, k.astype(np.float16), v.astype(np.float16), nh, nkv, hd, [(0, p + 1) for p in pos],
+    ref16 = attn64(q, k.astype(np.float16), v.astype(np.float16), nh, nkv, hd, [(0, p + 1) for p in pos],
                     1.0 / np.sqrt(hd))
-    ref32 = _attn64(q, k, v, nh, nkv, hd, [(0, p + 1) for p in pos], 1.0 / np.sqrt(hd))
+    ref32 = attn64(q, k, v, nh, nkv, hd, [(0, p + 1) for p in pos], 1.0 / np.sqrt(hd))
     np.testing.assert_allclose(outs["f16"], ref16, rtol=1e-5, atol=ATOL)
     np.testing.assert_allclose(outs["f32"], ref32, rtol=1e-5, atol=ATOL)
     assert np.abs(outs["f16"] - outs["f32"]).max() > 10 * ATOL

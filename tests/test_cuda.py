@@ -129,10 +129,11 @@ class Rig:
     def weight(self, name, raw, wtype, ne0, ne1):
         return self.weights.add(name, np.ascontiguousarray(raw).view(np.uint8).reshape(-1), int(wtype), ne0, ne1)
 
-    def plan(self, steps):
+    def plan(self, steps, flags=0):
         plan = _core.Plan("t")
         for i, (op, bufs, ip, fp, w) in enumerate(steps):
             plan.add(OPS[op], i, list(bufs), list(ip), list(fp), list(w))
+        plan.flags = flags
         _core.cuda_validate(plan, self.pool, self.weights)
         return plan
 

@@ -28,7 +28,8 @@ from minfer import _core
 from minfer.backends import cuda as cuda_backend
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gpu_models
+import gpu_models  # noqa: E402
+from test_cpu_ops import attn64  # noqa: E402  (the float64 attention reference, soft-cap included)
 
 pytestmark = pytest.mark.cuda
 
@@ -327,27 +328,6 @@ def test_rope_merges_take_only_ropes_that_agree():
 
 # ---- attention: sliding windows and soft-caps --------------------------------------------
 
-def _attn64(q, K, V, lo_hi, nh, nkv, hd, scale, softcap=0.0):
-    """float64 GQA attention over the given [lo, hi) per token, soft-capped scores."""
-    nt = q.shape[0]
-    out = np.zeros((nt, nh * hd))
-    g = nh // nkv
-    for t in range(nt):
-        lo, hi = lo_hi[t]
-        if hi <= lo:
-            continue
-        for h in range(nh):
-            kh = h // g
-            k = K[lo:hi, kh * hd:(kh + 1) * hd].astype(np.float64)
-            v = V[lo:hi, kh * hd:(kh + 1) * hd].astype(np.float64)
-            s = k @ q[t, h * hd:(h + 1) * hd].astype(np.float64) * scale
-            if softcap > 0:
-                s = softcap * np.tanh(s / softcap)
-            p = np.exp(s - s.max())
-            out[t, h * hd:(h + 1) * hd] = p @ v / p.sum()
-    return out
-
-
 def _tensor_cores(nt, hd):
     """Blocks k_attn_prefill.cu takes (Q and P rounded to f16 there)."""
     return nt > _core.CUDA_ROW_EXACT_MAX_TOKENS and hd in (32, 64, 96, 128)
@@ -400,17 +380,17 @@ def test_attention_window_and_softcap_vs_float64_and_cpu(nt, start, nh, nkv, hd,
     cpu, gpu = (a.reshape(nt, -1) for a in r.read(yi, nt * nh * hd))
     lo_hi = [(max(0, p + 1 - window) if window > 0 else 0, p + 1) for p in pos]
     Kf, Vf = K.astype(np.float32), V.astype(np.float32)
-    want = _attn64(q, Kf, Vf, lo_hi, nh, nkv, hd, scale, softcap)
+    want = attn64(q, Kf, Vf, nh, nkv, hd, lo_hi, scale, softcap)
     np.testing.assert_allclose(cpu, want, rtol=0, atol=ATTN_ATOL)
     if _tensor_cores(nt, hd):
-        want_tc = _attn64(q.astype(np.float16), Kf, Vf, lo_hi, nh, nkv, hd, scale, softcap)
+        want_tc = attn64(q.astype(np.float16), Kf, Vf, nh, nkv, hd, lo_hi, scale, softcap)
         np.testing.assert_allclose(gpu, want_tc, rtol=0, atol=TC_ATTN_ATOL)
         np.testing.assert_allclose(gpu, cpu, rtol=0, atol=2 * TC_ATTN_ATOL)
     else:
         np.testing.assert_allclose(gpu, want, rtol=0, atol=ATTN_ATOL)
         np.testing.assert_allclose(gpu, cpu, rtol=0, atol=2 * ATTN_ATOL)
     if softcap > 0 or (window > 0 and pos[-1] + 1 > window):  # the variant really changes the result
-        plain = _attn64(q, Kf, Vf, [(0, p + 1) for p in pos], nh, nkv, hd, scale)
+        plain = attn64(q, Kf, Vf, nh, nkv, hd, [(0, p + 1) for p in pos], scale)
         assert np.abs(plain - want).max() > 1e-2
     r.run_gpu(plan)
     assert r.read_gpu(yi, nt * nh * hd).tobytes() == gpu.tobytes()
@@ -440,8 +420,8 @@ def test_attention_window_over_explicit_spans(nt, hd):
     cpu, gpu = (a.reshape(nt, -1) for a in r.read(yi, nt * nh * hd))
     lo_hi = [(max(int(a), int(b) - window), int(b)) for a, b in span]
     tc = _tensor_cores(nt, hd)
-    want = _attn64(q.astype(np.float16) if tc else q, K.astype(np.float32), V.astype(np.float32), lo_hi, nh, nkv,
-                   hd, scale, softcap)
+    want = attn64(q.astype(np.float16) if tc else q, K.astype(np.float32), V.astype(np.float32), nh, nkv, hd,
+                  lo_hi, scale, softcap)
     np.testing.assert_allclose(gpu, want, rtol=0, atol=TC_ATTN_ATOL if tc else ATTN_ATOL)
     np.testing.assert_allclose(gpu, cpu, rtol=0, atol=2 * (TC_ATTN_ATOL if tc else ATTN_ATOL))
     ok = span[:, 1] > span[:, 0]
@@ -474,7 +454,7 @@ def test_windowed_split_attention_replays_at_every_position(hd, softcap):
         r.write(yi, np.full(nh * hd, np.nan, np.float32))
         r.run_gpu(plan)
         got = r.read_gpu(yi, nh * hd)[None]
-        want = _attn64(q, Kf, Vf, [(max(0, p + 1 - window), p + 1)], nh, nkv, hd, scale, softcap)
+        want = attn64(q, Kf, Vf, nh, nkv, hd, [(max(0, p + 1 - window), p + 1)], scale, softcap)
         np.testing.assert_allclose(got, want, rtol=0, atol=ATTN_ATOL, err_msg=f"run {k} at position {p}")
         outs.append(got.tobytes())
     r.write(qi, qs[0])

@@ -38,6 +38,8 @@ from minfer.backends import cuda as cuda_backend
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_models  # tests/ helper: the MoE checkpoints, carried to the GPU machine
+from test_cuda import Rig as CudaOpRig, make_weight  # noqa: E402
+from test_moe_kernels import Rig as CpuOpRig  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -63,30 +65,6 @@ def cuda_required():
 
 # ---------------------------------------------------------------- rigs and references
 
-F16_FIELDS = {
-    Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-    Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
-}
-
-
-def make_weight(qtype, rows, cols, rng):
-    """(raw GGUF bytes [rows, row_bytes], gguf's dequantization [rows, cols]): random
-    quants with finite f16 scales (tests/test_cuda.py's make_weight)."""
-    if qtype == Q.F32:
-        w = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
-        return w.view(np.uint8).reshape(rows, -1), w
-    if qtype == Q.F16:
-        w = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float16)
-        return w.view(np.uint8).reshape(rows, -1), w.astype(np.float32)
-    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
-    for off in F16_FIELDS[qtype]:
-        d = (rng.standard_normal((rows, cols // bs)) * 0.02).astype(np.float16)
-        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, cols // bs, 2)
-    raw = raw.reshape(rows, -1)
-    return raw, gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
-
-
 @functools.cache
 def expert_weight(qtype, n_expert: int, in_dim: int, out: int):
     """An expert tensor (n_expert * out rows of in_dim) and its float64 [n_expert, out, in]."""
@@ -95,44 +73,12 @@ def expert_weight(qtype, n_expert: int, in_dim: int, out: int):
     return raw, deq.reshape(n_expert, out, in_dim).astype(np.float64)
 
 
-class CudaRig:
-    """A CUDA pool and weight store; outputs poisoned with NaN so an unwritten row fails."""
-
-    def __init__(self):
-        self.pool = _core.CudaPool("moe-test")
-        self.weights = _core.WeightStore()
-
-    def buf(self, arr):
-        arr = np.ascontiguousarray(arr)
-        bid = self.pool.alloc(max(arr.nbytes, 4))
-        self.pool.write(bid, arr)
-        return bid
-
-    def out(self, n):
-        bid = self.pool.alloc(max(4, n * 4))
-        self.pool.write(bid, np.full(max(1, n), np.nan, np.float32))
-        return bid
+class CudaRig(CudaOpRig):
+    """test_cuda's rig (outputs poisoned with NaN, so an unwritten row fails), plus
+    rewrites and step-by-step runs."""
 
     def write(self, bid, arr):
         self.pool.write(bid, np.ascontiguousarray(arr))
-
-    def read(self, bid, n, dtype="float32"):
-        return self.pool.read(bid, dtype, n)
-
-    def weight(self, name, raw, wtype, ne0, ne1):
-        return self.weights.add(name, np.ascontiguousarray(raw).view(np.uint8).reshape(-1), int(wtype), ne0, ne1)
-
-    def plan(self, steps, flags=0):
-        plan = _core.Plan("t")
-        for i, (op, bufs, ip, fp, w) in enumerate(steps):
-            plan.add(OPS[op], i, list(bufs), list(ip), list(fp), list(w))
-        plan.flags = flags
-        _core.cuda_validate(plan, self.pool, self.weights)
-        return plan
-
-    def run(self, plan, begin=0, end=-1):
-        _core.cuda_run(plan, self.pool, self.weights, begin, end)
-        _core.cuda_sync()
 
     def run_steps(self, plan, n):
         """Step by step (partial runs, as tracing runs a plan)."""
@@ -140,31 +86,9 @@ class CudaRig:
             self.run(plan, i, i + 1)
 
 
-class CpuRig:
-    def __init__(self):
-        self.pool = _core.Pool("moe-cpu")
-        self.weights = _core.WeightStore()
-
-    def buf(self, arr):
-        arr = np.ascontiguousarray(arr)
-        bid = self.pool.alloc(max(arr.nbytes, 4))
-        self.pool.write(bid, arr)
-        return bid
-
-    def out(self, n):
-        return self.pool.alloc(max(4, n * 4))
-
-    def read(self, bid, n, dtype="float32"):
-        return self.pool.read(bid, dtype, n)
-
-    def weight(self, name, raw, wtype, ne0, ne1):
-        return self.weights.add(name, np.ascontiguousarray(raw).view(np.uint8).reshape(-1), int(wtype), ne0, ne1)
-
+class CpuRig(CpuOpRig):
     def run(self, steps, n_threads=2):
-        plan = _core.Plan("t")
-        for i, (op, bufs, ip, fp, w) in enumerate(steps):
-            plan.add(OPS[op], i, list(bufs), list(ip), list(fp), list(w))
-        _core.run(plan, self.pool, self.weights, n_threads)
+        super().run(steps, n_threads)
 
 
 def q8_roundtrip(x):
