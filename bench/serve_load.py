@@ -24,7 +24,9 @@ is timed right before and after the minfer load, so the server's rate can be rea
 against the engine's rate in the same window on a shared machine.
 
 llama-server (found on PATH, or --llama-server PATH) is started with
-`-m MODEL -np 8 -c 8192 -t T` (the issue's anchor) and gets the same load.
+`-m MODEL -np 8 -c 8192 -t T` (the CPU anchor) and gets the same load. With
+--backend cuda, minfer serves on the GPU and llama-server gets the same slots and
+context on its GPU: `-ngl 99 -fa on -np SLOTS -c SLOTS*CTX`.
 
 --speculate: instead of the load above, code-editing requests (the workload of
 `minfer bench --speculate` and bench/speculate.py: rewrite a 12-line function with type
@@ -239,6 +241,18 @@ def engine_ref(model: str, n: int, threads: int) -> dict:
     return out
 
 
+def backend_args(a: argparse.Namespace) -> list[str]:
+    return ["--backend", a.backend] if a.backend else []
+
+
+def llama_args(a: argparse.Namespace) -> list[str]:
+    """llama-server's slots and context: on a GPU the same as minfer's, every layer
+    offloaded with flash attention (its best); on the CPU the issue's anchor."""
+    if a.backend and "cuda" in a.backend.lower():
+        return ["-ngl", "99", "-fa", "on", "-np", str(a.slots), "-c", str(a.slots * a.ctx)]
+    return ["-np", "8", "-c", "8192"]
+
+
 def stop(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -257,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--ctx", type=int, default=1024, help="tokens per slot")
+    ap.add_argument("--backend", help="minfer serve --backend (cuda: llama-server offloads every layer, FA on, "
+                    "the same slots and context)")
     ap.add_argument("--url", help="load a running server instead of starting minfer serve")
     ap.add_argument("--llama-server", help="path of llama.cpp's llama-server (default: on PATH)")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server even if found")
@@ -288,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             port = free_port()
             proc = subprocess.Popen([sys.executable, "-m", "minfer.cli", "serve", model, "--port", str(port),
-                                     "--threads", str(a.threads), "--slots", str(a.slots), "--ctx", str(a.ctx)],
-                                    env=dict(os.environ))
+                                     "--threads", str(a.threads), "--slots", str(a.slots), "--ctx", str(a.ctx),
+                                     *backend_args(a)], env=dict(os.environ))
             try:
                 wait_ready(f"http://127.0.0.1:{port}", proc)
                 results = [r for w in loads
@@ -305,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         port = free_port()
         cmd = [sys.executable, "-m", "minfer.cli", "serve", model, "--port", str(port), "--threads", str(a.threads),
-               "--slots", str(a.slots), "--ctx", str(a.ctx), "--max-queue", "256"]
+               "--slots", str(a.slots), "--ctx", str(a.ctx), "--max-queue", "256", *backend_args(a)]
         if not a.no_engine_ref:
             results.append(engine_ref(model, a.tokens, a.threads))
         proc = subprocess.Popen(cmd, env=dict(os.environ))
@@ -321,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     llama = None if a.no_llama else (a.llama_server or shutil.which("llama-server"))
     if llama:
         port = free_port()
-        proc = subprocess.Popen([llama, "-m", model, "-np", "8", "-c", "8192", "-t", str(a.threads), "--host",
+        proc = subprocess.Popen([llama, "-m", model, *llama_args(a), "-t", str(a.threads), "--host",
                                  "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         try:
