@@ -48,6 +48,8 @@ log "minfer build in $((SECONDS - t0)) s at ${COMMIT:-?}"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$OUT/serve.txt"
 
 m=/tmp/serve-models
+vocab=${VOCAB:-bench_vocab/ggml-vocab-qwen2.gguf}
+[ -f "$vocab" ] || vocab=gpu_models/ggml-vocab-qwen2.gguf  # the GPU suite's carried copy
 mkdir -p "$m"
 for s in ${SHAPES:-0.5b 7b}; do
   f=$m/qwen2-$s.gguf
@@ -59,7 +61,7 @@ from cuda_bench import shapes
 from minfer.testing.synth import write_model
 write_model(sys.argv[1], seed=1, with_tokenizer=False, fast=True, ctx=4096, **shapes()[sys.argv[2]])
 PY
-    python3 bench/with_vocab.py "$m/raw.gguf" bench_vocab/ggml-vocab-qwen2.gguf "$f" && rm -f "$m/raw.gguf"
+    python3 bench/with_vocab.py "$m/raw.gguf" "$vocab" "$f" && rm -f "$m/raw.gguf"
     log "wrote $s"
   fi
   t0=$SECONDS
