@@ -5,8 +5,10 @@ machine, which has neither the default model nor a network).
 
     python bench/with_vocab.py MODEL.gguf VOCAB.gguf OUT.gguf
 
-The vocabulary must not be larger than the model's rows (token_embd); a smaller one
-leaves rows no token names, as a padded real model has.
+The vocabulary must not be larger than the model's rows (token_embd); a smaller one is
+padded to them with unused `[PAD<id>]` tokens, as convert_hf_to_gguf.py pads a real
+model's (Qwen2-7B's 152,064 rows over its tokenizer's 151,936 entries here): the
+vocabulary then names every id the output can pick, which llama.cpp requires.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ def main(argv: list[str]) -> int:
         print(f"error: the vocabulary has {n_tok} tokens, the model {int(emb.shape[-1])} rows", file=sys.stderr)
         return 1
     arch = src.fields["general.architecture"].contents()
+    n_rows = int(emb.shape[-1])
+    pad = {"tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(n_tok, n_rows)],
+           "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * (n_rows - n_tok),
+           "tokenizer.ggml.scores": [0.0] * (n_rows - n_tok)}
     w = gguf.GGUFWriter(out, arch)
     for r, keep in ((src, lambda n: not n.startswith("tokenizer.")), (voc, lambda n: n.startswith("tokenizer."))):
         for f in r.fields.values():
@@ -34,7 +40,10 @@ def main(argv: list[str]) -> int:
                 continue
             vt = f.types[0]
             sub = f.types[1] if vt == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
-            w.add_key_value(f.name, f.contents(), vt, sub_type=sub)
+            val = f.contents()
+            if r is voc and f.name in pad:
+                val = list(val) + pad[f.name]
+            w.add_key_value(f.name, val, vt, sub_type=sub)
     for t in src.tensors:
         w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
     w.write_header_to_file()

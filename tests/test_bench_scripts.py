@@ -77,3 +77,13 @@ def test_with_vocab_gives_a_shaped_model_a_real_vocabulary(tmp_path):
     r = subprocess.run([sys.executable, str(BENCH / "with_vocab.py"), str(small), str(voc), str(tmp_path / "x.gguf")],
                        capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "151" in r.stderr
+    # More rows than entries (Qwen2-7B's 152,064): padded with unused entries, so every
+    # id the output can pick has a token, and text ids are unchanged.
+    big, padded = tmp_path / "big.gguf", tmp_path / "padded.gguf"
+    write_model(big, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=152064, with_tokenizer=False, fast=True)
+    r = subprocess.run([sys.executable, str(BENCH / "with_vocab.py"), str(big), str(voc), str(padded)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    m = Model.open(padded)
+    assert m.hp.n_vocab == 152064 and m.tokenizer.decode([152063]) in ("", "[PAD152063]")
+    assert m.tokenizer.encode(inp[0], add_bos=False) == [int(x) for x in want[0].split()]
