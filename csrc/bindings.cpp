@@ -26,7 +26,7 @@ PYBIND11_MODULE(_core, m) {
         .def("add", [](Plan& p, int op, int node, const std::vector<int>& bufs, const std::vector<int64_t>& ip,
                        const std::vector<float>& fp, const std::vector<int>& w) {
                 Step s;
-                if (bufs.size() > 8 || ip.size() > 8 || fp.size() > 4 || w.size() > 4)
+                if (bufs.size() > 8 || ip.size() > 12 || fp.size() > 4 || w.size() > 4)
                     throw std::invalid_argument("plan step has too many fields");
                 s.op = op;
                 s.node = node;

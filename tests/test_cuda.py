@@ -149,7 +149,7 @@ def in_dim_for(qtype):
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("nt", [1, 5, 11, 33])
+@pytest.mark.parametrize("nt", [1, 5, 11, 33, 70])
 def test_matmul_vs_float64(qtype, nt):
     rng = np.random.default_rng(int(qtype) * 100 + nt)
     in_dim, out_dim = in_dim_for(qtype), 300
@@ -1188,14 +1188,14 @@ def test_one_call_step_equals_the_general_path(synth, monkeypatch):
 
 
 def test_prefill_gemm_pipeline_bitwise_on_models(synth, monkeypatch):
-    """A 40-token prefill (the f16 GEMM path, logits of every row: the output GEMM too)
+    """An 80-token prefill (the f16 GEMM path, logits of every row: the output GEMM too)
     with the weight dequantization pipelined on the side stream and the f16 inputs
     shared (or written by the RMSNorm producing them), direct, captured and replayed,
     gives bitwise the logits of direct launches (MINFER_NO_CUDA_GRAPH=1), and stays within
     CUDA_CPU_TOL of the CPU. (In-line dequantization, which partial runs take, is checked
     against the pipeline step by step in test_prefill_gemm_pipeline_bitwise_and_vs_float64.)"""
     name, path, ref = synth
-    seq = _sequences(ref.n_vocab, 6)[3]
+    seq = (_sequences(ref.n_vocab, 6)[3] * 2)[:80]
     assert len(seq) > _core.CUDA_ROW_EXACT_MAX_TOKENS
 
     def prefills(env):

@@ -1,9 +1,9 @@
 """Greedy output of every sequence in a batch equals its output alone, on CUDA (GPU
-suite), at batch 1, 7, 16, 20 (padded to 24 rows) and 64. Decode rows of up to
-CUDA_ROW_EXACT_MAX_TOKENS per forward give each row the bits a lone step gives (the
-matvec path); prompts of 12 tokens in forwards of at most 16 prompt rows keep prefill on
-that path too. Above it the rows take the GEMM path, which these tests hold to the same
-rule."""
+suite), at batch 1, 7, 16, 20 (padded to 24 rows) and 64. Forwards of up to
+CUDA_ROW_EXACT_MAX_TOKENS (64) rows give each row the bits a lone step gives (the matvec
+with the rows as columns; decode attention split by the sequence's own context, from
+its own first cell), and the engine fills a step's prompt rows beside its decode rows
+only up to that limit, so prompts of 12 tokens prefill exactly too."""
 
 from __future__ import annotations
 

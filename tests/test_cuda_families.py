@@ -356,8 +356,8 @@ def _attn_case(nt, start, nh, nkv, hd, n_ctx, rng):
     (1, 40, 4, 2, 96, 64, 0, 1.5),
     (3, 20, 4, 1, 64, 64, 5, 1.5),          # a row-exact block
     (16, 30, 4, 2, 128, 128, 7, 0.0),
-    (37, 0, 8, 2, 64, 64, 8, 2.0),          # tensor-core prefill
-    (70, 100, 4, 2, 96, 256, 33, 0.0),
+    (37, 0, 8, 2, 64, 64, 8, 2.0),          # a row-exact block of 37 rows
+    (70, 100, 4, 2, 96, 256, 33, 0.0),      # tensor-core prefill
     (130, 0, 4, 2, 128, 130, 64, 1.0),      # several 64-row blocks and KV tiles
     (200, 300, 8, 2, 128, 1024, 300, 0.0),
     (40, 5, 4, 2, 256, 64, 9, 3.0),         # prefill at head dim 256 (the decode kernel, one split)
@@ -396,7 +396,7 @@ def test_attention_window_and_softcap_vs_float64_and_cpu(nt, start, nh, nkv, hd,
     assert r.read_gpu(yi, nt * nh * hd).tobytes() == gpu.tobytes()
 
 
-@pytest.mark.parametrize("nt,hd", [(3, 64), (70, 64), (20, 96), (5, 256), (40, 128)])
+@pytest.mark.parametrize("nt,hd", [(3, 64), (70, 64), (20, 96), (5, 256), (80, 128)])
 def test_attention_window_over_explicit_spans(nt, hd):
     """Several sequences in one block (explicit per-row spans: empty, one cell, ragged)
     with a sliding window of 6 and a soft-cap: the window cuts each row's own span."""

@@ -22,7 +22,8 @@ namespace minfer {
 //   ROPE               buf: y, x, pos         w: factors|-1  ip: nt, nh, hd, n_rot, style
 //                                                        fp: freq_base, freq_scale, attn_factor
 //   KV_STORE           buf: K, k, v, cells, V            ip: nt, kv_dim, n_ctx, kv_type
-//   ATTN               buf: y, q, K, V, pos, span|-1     ip: nt, nh, nkv, hd, n_ctx, q_stride, kv_type, window
+//   ATTN               buf: y, q, K, V, pos, span|-1     ip: nt, nh, nkv, hd, n_ctx, q_stride, kv_type, window,
+//                                                            seq_ctx
 //                                                        fp: scale, softcap
 //   SIGMOID            buf: y, x                         ip: n
 //   MOE_TOPK           buf: ids, logits                  ip: n_expert, k, nt
@@ -40,7 +41,9 @@ namespace minfer {
 // cos and sin are multiplied by attn_factor; freq_scale and attn_factor 0 mean 1.
 // ATTN: window > 0 limits a query at cell span [lo, hi) to [max(lo, hi - window), hi)
 // (the last `window` positions, the sliding-window layers); softcap > 0 maps every
-// scaled score s to softcap * tanh(s / softcap) before the softmax.
+// scaled score s to softcap * tanh(s / softcap) before the softmax. seq_ctx: the most
+// cells one row's span holds (its sequence's context; 0: n_ctx), a hint for how a backend
+// cuts the work (CUDA's decode splits), never a bound it enforces.
 // SCALE: y = x * value. SOFTCAP: y = value * tanh(x / value). GELU: the tanh
 // approximation. GEGLU: gelu(g) * u, bitwise GELU then MUL. SLICE: y[t] = columns
 // [offset, offset + width) of row t of x (rows of src_width floats).
@@ -69,7 +72,7 @@ struct Step {
     int32_t op = 0;
     int32_t node = -1;        // graph node id, for error messages and tracing
     int32_t buf[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
-    int64_t ip[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t ip[12] = {};
     float fp[4] = {0, 0, 0, 0};
     int32_t w[4] = {-1, -1, -1, -1};
 };

@@ -646,8 +646,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
             case OP_ATTN:
                 if (ip[6] != T_F16) fail(s, "the cuda backend stores KV as f16 only (kv_type " + std::to_string(ip[6]) + ")");
                 if (!attn_head_dim_supported(ip[3])) fail(s, "head dim " + std::to_string(ip[3]) + " has no CUDA kernel");
-                attn = std::max(attn, attn_scratch_floats(ip[0], ip[1], ip[3], ip[4]) * 4);
-                attn_tk = std::max(attn_tk, attn_tickets(ip[0], ip[1], ip[4]) * sizeof(int));
+                attn = std::max(attn, attn_scratch_floats(ip[0], ip[1], ip[3], ip[4], ip[8]) * 4);
+                attn_tk = std::max(attn_tk, attn_tickets(ip[0], ip[1], ip[4], ip[8]) * sizeof(int));
                 break;
             default:
                 fail(s, std::string("op ") + op_name(s.op) + " has no CUDA kernel");
@@ -941,7 +941,7 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
             a.pos = I(4);
             a.span = s.buf[5] >= 0 ? I(5) : nullptr;
             a.out = F(0);
-            a.nt = ip[0]; a.nh = ip[1]; a.nkv = ip[2]; a.hd = ip[3]; a.n_ctx = ip[4];
+            a.nt = ip[0]; a.nh = ip[1]; a.nkv = ip[2]; a.hd = ip[3]; a.n_ctx = ip[4]; a.seq_ctx = ip[8];
             a.scale = s.fp[0];
             a.window = ip[7];
             a.softcap = s.fp[1];

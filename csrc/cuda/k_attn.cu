@@ -5,11 +5,14 @@
 // q broadcast from shared memory), the group's max and sum are warp butterflies (every
 // lane ends with the same bits), and then each lane accumulates its own slice of head
 // dims over the group's cells in cell order. The warps merge in shared memory, in warp
-// order. The splits (a number fixed by n_ctx alone, so a captured graph serves every
-// position) run in one launch: each split holding cells stores its partial (max, sum,
-// acc), fences, and takes an integer ticket for its (token, head); the block that takes
-// the last ticket merges the splits in split order (whichever block that is) and resets
-// the ticket for the next launch. With head dims up to 64 a warp's first group's K and V
+// order. The splits (a number fixed by the cells one sequence may span, so a captured
+// graph serves every position) run in one launch. A row's splits are cut from its own
+// first cell, in chunks fixed by that span alone: where its cells lie in the arena and how
+// many sequences share it change nothing, so a sequence batched with others gets the
+// bits it gets alone. Each split holding cells stores its partial (max, sum, acc),
+// fences, and takes an integer ticket for its (token, head); the block that takes the
+// last ticket merges the splits in split order (whichever block that is) and resets the
+// ticket for the next launch; a row whose cells fit one split writes its output itself. With head dims up to 64 a warp's first group's K and V
 // loads go out with q's (LoadedGroup). Nothing depends on timing: the same inputs give
 // the same bits. A sliding window only narrows a row's cells (so fewer splits hold any);
 // a soft-cap maps each scaled score before the softmax, as the CPU does.
@@ -335,14 +338,16 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         }
     }
     if (a.window > 0 && hi - a.window > lo) lo = hi - a.window;  // a sliding-window layer
-    // Splits holding cells of [lo, hi): s_lo .. s_hi - 1. Only those publish a partial
-    // and draw a ticket; when there are none, split 0 writes the zeros.
-    const int s_lo = hi > lo ? (int)(lo / chunk) : 0;
-    const int s_hi = hi > lo ? (int)((hi + chunk - 1) / chunk) : 1;
-    if (split < s_lo || split >= s_hi) return;
-    const int64_t c0 = lo > (int64_t)split * chunk ? lo : (int64_t)split * chunk;
-    const int64_t c1e = (int64_t)(split + 1) * chunk;
-    const int64_t c1 = hi < c1e ? hi : c1e;
+    // Splits holding cells of [lo, hi), cut from lo: 0 .. s_hi - 1 (the last one takes
+    // any rest past n_splits chunks, which a span of at most seq_ctx cells never has).
+    // Only those publish a partial and draw a ticket; with no cells, split 0 writes the
+    // zeros.
+    const int s_lo = 0;
+    const int64_t need = hi > lo ? (hi - lo + chunk - 1) / chunk : 1;
+    const int s_hi = need < n_splits ? (int)need : n_splits;
+    if (split >= s_hi) return;
+    const int64_t c0 = lo + (int64_t)split * chunk;
+    const int64_t c1 = split == s_hi - 1 ? hi : c0 + chunk;
     const int64_t kvs = a.nkv * HD;
     // Those cells' K and V rows into L2 while the kernel before finishes (the weights
     // streamed since the last step have evicted them). The newest cell, which that kernel
@@ -458,6 +463,9 @@ int chunk_of(int64_t n_ctx, int n_splits) {
     return (int)((c + 32 * WARPS - 1) / (32 * WARPS) * (32 * WARPS));
 }
 
+// The cells one row may span: its sequence's context where the arena holds several.
+int64_t span_cells(int64_t n_ctx, int64_t seq_ctx) { return seq_ctx > 0 && seq_ctx < n_ctx ? seq_ctx : n_ctx; }
+
 }  // namespace
 
 bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 96 || hd == 128 || hd == 256; }
@@ -468,26 +476,26 @@ bool attn_head_dim_supported(int64_t hd) { return hd == 32 || hd == 64 || hd == 
 // vs 1126 on the 0.5B, 293 vs 297 on the 7B, with 128.)
 constexpr int kAttnChunkCells = 256;
 
-int attn_splits(int64_t nt, int64_t n_ctx) {
+int attn_splits(int64_t nt, int64_t n_ctx, int64_t seq_ctx) {
     if (nt > kRowExactMaxTokens) return 1;
     const int64_t c = kAttnChunkCells;
-    int64_t s = (n_ctx + c - 1) / c;
+    int64_t s = (span_cells(n_ctx, seq_ctx) + c - 1) / c;
     return (int)(s < 1 ? 1 : (s > 64 ? 64 : s));
 }
 
-size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx) {
-    const int s = attn_splits(nt, n_ctx);
+size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx, int64_t seq_ctx) {
+    const int s = attn_splits(nt, n_ctx, seq_ctx);
     return s > 1 ? (size_t)(nt * nh * s * (hd + 2)) : 0;
 }
 
-size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx) {
-    return attn_splits(nt, n_ctx) > 1 ? (size_t)(nt * nh) : 0;
+size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx, int64_t seq_ctx) {
+    return attn_splits(nt, n_ctx, seq_ctx) > 1 ? (size_t)(nt * nh) : 0;
 }
 
 void attention(const AttnDev& a, float* scratch, int* tickets, int* err) {
     if (attention_prefill(a, err)) return;
-    const int n_splits = attn_splits(a.nt, a.n_ctx);
-    const int chunk = chunk_of(a.n_ctx, n_splits);
+    const int n_splits = attn_splits(a.nt, a.n_ctx, a.seq_ctx);
+    const int chunk = chunk_of(span_cells(a.n_ctx, a.seq_ctx), n_splits);
     const int64_t pairs = a.nt * a.nh;
     dim3 grid((unsigned)pairs, (unsigned)n_splits);
     const bool cap = a.softcap > 0.0f;

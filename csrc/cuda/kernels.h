@@ -167,6 +167,10 @@ struct AttnDev {
     const int32_t* pos; const int32_t* span;
     float* out;
     int64_t nt, nh, nkv, hd, n_ctx;
+    // Cells one sequence may span (0: n_ctx), which sizes the decode splits: a row's
+    // splits are cut from its own first cell in chunks fixed by this alone, so its bits
+    // do not depend on where its cells lie or how many sequences share the arena.
+    int64_t seq_ctx = 0;
     float scale;
     // Sliding window (> 0: a row sees only the last `window` cells of its span) and the
     // scores' soft-cap (> 0: s -> softcap * tanh(s / softcap)), as plan.h's ATTN.
@@ -181,15 +185,17 @@ bool attn_head_dim_supported(int64_t hd);
 // (each column bitwise the one-token result) and attention splits the KV as a
 // single-token step does, so every row's logits are bitwise those of decoding it alone:
 // speculative verification blocks (and small batches) then pick exactly what plain
-// greedy decoding picks. Larger batches take the f16 GEMM path.
-constexpr int64_t kRowExactMaxTokens = 16;
-// Splits over KV a decode step uses (depends on n_ctx and nt only, never on positions).
-int attn_splits(int64_t nt, int64_t n_ctx);
+// greedy decoding picks, and every sequence of a batched server step gets the tokens it
+// would get alone. Larger blocks (prefill) take the f16 GEMM path.
+constexpr int64_t kRowExactMaxTokens = 64;
+// Splits over KV a decode step uses (depends on nt and the cells one sequence may span,
+// seq_ctx, or n_ctx where that is 0; never on positions).
+int attn_splits(int64_t nt, int64_t n_ctx, int64_t seq_ctx);
 // scratch: attn_scratch_floats() floats of chunk partials; tickets: attn_tickets()
 // ints, zero before the first launch and left zero by every launch (the last chunk of
 // a (token, head) to finish merges them and resets its ticket). One launch either way.
-size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx);
-size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx);
+size_t attn_scratch_floats(int64_t nt, int64_t nh, int64_t hd, int64_t n_ctx, int64_t seq_ctx);
+size_t attn_tickets(int64_t nt, int64_t nh, int64_t n_ctx, int64_t seq_ctx);
 void attention(const AttnDev& a, float* scratch, int* tickets, int* err);
 // Diagnostics (executor's MINFER_CUDA_DIAG_SKIP): an empty kernel that only waits for
 // the launch before it and lets the next one launch.

@@ -582,6 +582,12 @@ class Engine:
             self._draft_ms = (time.perf_counter() - t0) * 1000
         items = [(s, [s.next_tok] + s.draft, 1 + len(s.draft)) for s in decoding]
         budget = self.chunk if self.chunk is not None else 1 << 62
+        rows = sum(k for _, _, k in items)
+        if cap is not None and 0 < rows < cap:
+            # Prompt rows beside decode rows fill the step up to the exact limit, so the
+            # decoding sequences keep the tokens they would get alone. (A step already
+            # at the limit still takes its chunk: new prompts never wait on the others.)
+            budget = min(budget, cap - rows)
         for s in active:
             if s.pending and budget > 0:
                 take = s.pending[:budget]

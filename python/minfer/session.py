@@ -53,11 +53,13 @@ def _cuda_row_exact_max() -> int:
 class Context:
     """One graph cache + KV arena shared by up to n_seq sequences run together."""
 
-    # Decode batches of more rows than a lone step's exact path (CUDA_ROW_EXACT_MAX_TOKENS)
-    # are padded up to a multiple of PAD_STEP rows, at most PAD_MAX, so a server whose batch
-    # size moves reuses a few kept graphs (captured once) instead of building, lowering and
-    # capturing a graph for every size. The padding rows write KV into PAD_MAX cells of
-    # their own past the sequences' and read only themselves.
+    # Decode batches of more than PAD_FROM rows are padded up to a multiple of PAD_STEP
+    # rows, at most PAD_MAX, so a server whose batch size moves reuses a few kept graphs
+    # (captured once) instead of building, lowering and capturing a graph for every size.
+    # The padding rows write KV into PAD_MAX cells of their own past the sequences' and
+    # read only themselves; every row is computed on its own (the matvec's columns, its
+    # own attention span), so padding changes no real row's bits.
+    PAD_FROM = 8
     PAD_STEP = 8
     PAD_MAX = 64
 
@@ -94,10 +96,10 @@ class Context:
         # step would (None: any number; the CPU kernels are row-independent). The CUDA
         # backend takes a GEMM path above its limit.
         self.row_exact_max = _cuda_row_exact_max() if gpu else None
-        # Padding starts above that limit, where rebuilding a graph per batch size costs
-        # (a GPU's lowering and capture); a CPU rebuild is small beside a batched step.
+        # A GPU pads (its rebuild is a lowering and a capture); a CPU rebuild is small
+        # beside a batched step.
         pad = gpu if pad_batches is None else pad_batches
-        self.pad_from = (self.row_exact_max or 16) if pad and self.n_seq > 1 else None
+        self.pad_from = self.PAD_FROM if pad and self.n_seq > 1 else None
         # Everything that shapes the graph besides the batch shape; a new value is a new
         # object, so the memo below can never hand out params built from an old one.
         self.cparams = CParams(n_ctx=self.n_cells + (self.PAD_MAX if self.pad_from else 0),

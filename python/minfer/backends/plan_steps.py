@@ -74,7 +74,8 @@ def lower_node(node, graph, ctx) -> list:
             raise GraphError(f"node {node.id} ({node.name}): kv source {kv_node.name!r} is not layer {m.layer}'s K region")
         span = ctx.src(node, 3) if len(src) > 3 else -1
         return [(_code("attn"), [y, ctx.src(node, 0), k_id, v_id, ctx.src(node, 2), span],
-                 [nt, m.n_head, m.n_head_kv, m.hd, m.n_ctx, q.out_shape[0], _KV_CODE[m.kv_type], m.window],
+                 [nt, m.n_head, m.n_head_kv, m.hd, m.n_ctx, q.out_shape[0], _KV_CODE[m.kv_type], m.window,
+                  m.seq_ctx],
                  [m.scale, m.softcap], [])]
     if op is Op.Sigmoid:
         return [(_code("sigmoid"), [y, ctx.src(node, 0)], [n], [], [])]

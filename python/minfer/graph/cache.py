@@ -40,7 +40,7 @@ def next_uid() -> int:
 
 
 class GraphCache:
-    KEEP = 16
+    KEEP = 24
     KEEP_MAX_TOKENS = 16
     KEEP_MAX_DECODE = 64
 

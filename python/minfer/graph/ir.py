@@ -135,6 +135,10 @@ class AttnMeta:
     # score s (after scale) becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
     window: int = 0
     softcap: float = 0.0
+    # The most cells one query's span holds: its sequence's context where the arena holds
+    # several (0: n_ctx). Backends may cut their work by it (CUDA's decode splits), so a
+    # row's result does not depend on how many sequences share the arena.
+    seq_ctx: int = 0
 
 
 @dataclass(frozen=True)

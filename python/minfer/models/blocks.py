@@ -123,7 +123,7 @@ class DecoderGraph:
         kv = b.kvcache_load(il, hp.kv_dim, self.n_ctx, name=p + "kv_load", kv_type=self.kvt)
         meta = AttnMeta(layer=il, n_head=hp.n_head, n_head_kv=hp.n_head_kv, hd=hp.head_dim, scale=spec.scale,
                         n_ctx=self.n_ctx, explicit_span=self.span_on, kv_type=self.kvt, window=spec.window,
-                        softcap=spec.softcap)
+                        softcap=spec.softcap, seq_ctx=self.params.cparams.seq_ctx)
         return b.attn(q, kv, self.pos, meta, span=self.span, name=p + "attn")
 
     def tail_rows(self, il: int, out: int, residual: int) -> tuple[int, int]:
