@@ -59,15 +59,46 @@ def test_padded_batches_give_the_unpadded_outputs_with_fewer_builds(model):
     assert all(b + c <= ctx.n_cells for b, c in ctx.ranges)
 
 
-def test_small_and_mixed_batches_are_not_padded(model):
+def test_small_batches_are_not_padded_and_mixed_ones_are_bucketed(model):
     ctx = Context(model, n_ctx=48, n_seq=4, pad_batches=True)
     seen = []
     real = ctx.run
-    ctx.run = lambda tokens, *a, **kw: (seen.append(int(tokens.size)), real(tokens, *a, **kw))[1]
+    ctx.run = lambda tokens, *a, **kw: (seen.append((int(tokens.size), kw["n_out"])), real(tokens, *a, **kw))[1]
     eng = Engine(ctx, [ctx.session(i) for i in range(4)], chunk=64)
     for i in range(4):
         eng.add(Sequence([5 + i] * 6, 4, GREEDY, stop_at_eog=False), i)
     eng.run()
-    # The prompts (24 rows, 4 of them outputs) and the 4-row decode steps run as they are.
-    assert seen[0] == 24 and all(r <= 4 for r in seen[1:]), seen
+    # The prompts (24 rows, 4 of them outputs) run as 24 rows with 8 logits rows; the
+    # 4-row decode steps as they are.
+    assert seen[0] == (24, 8) and all(r <= 4 for r, _ in seen[1:]), seen
     assert Context(model, n_ctx=48, n_seq=4).pad_from is None    # the CPU's default: no padding
+
+
+def test_mixed_steps_in_buckets_give_the_unbucketed_outputs(model):
+    """Decode rows beside prompt chunks of every length (sequences arriving while others
+    decode): bucketed, the wanted rows first and padding after, every output equals the
+    unbucketed run's, and the steps take a few shapes instead of one per mix."""
+    def go(pad: bool):
+        ctx = Context(model, n_ctx=64, n_seq=12, pad_batches=pad)
+        shapes = set()
+        real = ctx.run
+        ctx.run = lambda tokens, *a, **kw: (shapes.add((int(tokens.size), kw["n_out"])), real(tokens, *a, **kw))[1]
+        eng = Engine(ctx, [ctx.session(i) for i in range(12)], chunk=7)
+        rng = np.random.default_rng(9)
+        seqs = [Sequence([int(t) for t in rng.integers(3, 200, size=3 + i % 5)], 5 + i, GREEDY, stop_at_eog=False)
+                for i in range(12)]
+        for i, s in enumerate(seqs[:6]):
+            eng.add(s, i)
+        n = 6
+        while eng.step():
+            if n < 12:             # one newcomer a step, while the first ones decode
+                eng.add(seqs[n], n)
+                n += 1
+        return [s.ids for s in seqs], shapes
+
+    plain, plain_shapes = go(False)
+    bucketed, shapes = go(True)
+    assert bucketed == plain
+    big = {s for s in shapes if s[0] > 8}
+    assert all(r % 8 == 0 and o % 8 == 0 and o <= r for r, o in big), sorted(shapes)
+    assert len(shapes) < len(plain_shapes), (sorted(shapes), sorted(plain_shapes))

@@ -96,7 +96,7 @@ def test_small_graphs_are_kept_ready_and_big_ones_released(weights):
     c.install(build(big), big)
     assert c.try_reuse(ps[0])            # the big one is set aside as freed, not kept
     assert not c.try_reuse(big)
-    # A padded decode batch (every row an output, up to KEEP_MAX_DECODE rows) is kept too.
+    # A bucketed server step (up to KEEP_MAX_TOKENS rows) is kept too.
     dec = dataclasses.replace(BASE, n_tokens=24, n_out=24)
     gd = c.install(build(dec), dec)
     c.install(build(ps[1]), ps[1])

@@ -345,22 +345,40 @@ class Context:
                 span += [base, base + p0 + j + 1]
             toks += ids
             tail.extend(range(len(toks) - k, len(toks)))
-        rows = len(toks)
-        if self.pad_from is not None and len(tail) == rows and self.pad_from < rows < self.PAD_MAX:
-            # Every row an output (decode rows, verified blocks): pad to the bucket.
-            for j in range(-(-rows // self.PAD_STEP) * self.PAD_STEP - rows):
-                cell = self.n_cells + j
-                toks.append(0)
-                pos.append(0)
-                cells.append(cell)
-                span += [cell, cell + 1]
-                tail.append(len(toks) - 1)
+        rows, n_out = len(toks), len(tail)
+        if self.pad_from is not None and self.pad_from < rows <= self.PAD_MAX:
+            toks, pos, cells, span, tail = self._bucketed(toks, pos, cells, span, tail)
         arr = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
         with self.lock:
             logits = self.run(arr(toks), arr(pos), arr(cells), arr(span), arr(tail), n_out=len(tail), copy=copy)
         for it in items:
             it[0].tokens.extend(int(t) for t in it[1])
-        return logits
+        return logits if logits is None or len(logits) == n_out else logits[:n_out]
+
+    def _bucketed(self, toks, pos, cells, span, tail):
+        """A batch as a bucket's shape: rows up to a multiple of PAD_STEP, logits rows up
+        to a multiple of PAD_STEP too, so a server's steps (decode rows beside prompt
+        chunks of every length) reuse a few kept graphs. The rows whose logits are wanted
+        go first, in `tail` order, then the others, then the padding rows (own cells past
+        the sequences', reading only themselves): the graph's first n_out logits rows are
+        then the wanted ones, whatever rows the bucket adds after them. Rows are
+        independent of their order and of each other (each has its position, cell and
+        span; KV is stored before any row attends), so no real row's bits change."""
+        rows, step = len(toks), self.PAD_STEP
+        want = set(tail)
+        order = list(tail) + [r for r in range(rows) if r not in want]
+        pick = lambda xs: [xs[r] for r in order]  # noqa: E731
+        toks, pos, cells = pick(toks), pick(pos), pick(cells)
+        span = [v for r in order for v in span[2 * r:2 * r + 2]]
+        n_rows = -(-rows // step) * step
+        for j in range(n_rows - rows):
+            cell = self.n_cells + j
+            toks.append(0)
+            pos.append(0)
+            cells.append(cell)
+            span += [cell, cell + 1]
+        n_out = min(n_rows, -(-len(tail) // step) * step)
+        return toks, pos, cells, span, list(range(n_out))
 
     def copy_cells(self, src: int, dst: int, n: int) -> None:
         """Copy KV cells [src, src + n) to [dst, dst + n) in every layer (a prompt's

@@ -5,10 +5,9 @@ Reuse compares GraphParams only (never the nodes). A graph is replaced with a
 fresh process-wide uid; a reused graph keeps its uid and its plans.
 
 Besides the current graph, the cache keeps up to KEEP small graphs (at most
-KEEP_MAX_TOKENS rows) and decode graphs (every row an output, at most
-KEEP_MAX_DECODE rows: a server's padded batches, session.Context.PAD_STEP) built and
+KEEP_MAX_TOKENS rows: a server's bucketed steps, session.Context.PAD_STEP) built and
 allocated, keyed by their params: speculative decoding alternates single steps with
-verification blocks of a few sizes, a server's batch size moves with its load, and each
+verification blocks of a few sizes, a server's batch moves with its load, and each
 switch would otherwise rebuild and re-lower the whole model. Big prefill graphs are
 released when replaced (their activations are large and rarely repeat).
 """
@@ -41,8 +40,7 @@ def next_uid() -> int:
 
 class GraphCache:
     KEEP = 24
-    KEEP_MAX_TOKENS = 16
-    KEEP_MAX_DECODE = 64
+    KEEP_MAX_TOKENS = 64
 
     def __init__(self, entries: list, weights: WeightRegistry, options: Optional[dict] = None) -> None:
         """entries: the participating backends, as the registry selected them (the graph
@@ -106,8 +104,7 @@ class GraphCache:
         stale = self._kept.pop(incoming, None) if incoming is not None else None
         if stale is not None:
             self.alloc.release_state(stale[3])
-        small = cur is not None and (cur.n_tokens <= self.KEEP_MAX_TOKENS or (
-            cur.n_out == cur.n_tokens <= self.KEEP_MAX_DECODE))
+        small = cur is not None and cur.n_tokens <= self.KEEP_MAX_TOKENS
         if self.graph is None or self.lowered is None or cur is None or cur == incoming or not small:
             self.alloc.release()
             return
