@@ -14,7 +14,8 @@
 # SPEC=1 adds the ngram speculation comparison (serve_load.py --speculate, c = 1 and 16)
 # per shape, LLAMA_ONLY=1 only builds llama.cpp (to run beside another phase),
 # LLAMA_BIN=DIR takes llama-server from DIR (a carried build) instead of building it,
-# SAVE_LLAMA=1 packs the built binaries into $OUT/llama-bin.tar.xz for a later call.
+# SAVE_LLAMA=1 packs the built binaries into $OUT/llama-bin.tar.xz for a later call,
+# NO_LLAMA=1 runs minfer alone (no llama.cpp build: when device time is short).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/minfer-serve}
@@ -22,7 +23,7 @@ mkdir -p "$OUT"
 log() { printf '%s %s\n' "$(date +%T)" "$*" | tee -a "$OUT/serve.txt"; }
 src=/tmp/lcpp build=/tmp/lcpp-build
 lbin=${LLAMA_BIN:-$build/bin}
-if [ ! -x "$lbin/llama-server" ]; then
+if [ "${NO_LLAMA:-0}" != 1 ] && [ ! -x "$lbin/llama-server" ]; then
   [ -d "$src/llama.cpp" ] || { mkdir -p "$src" && tar -xzf llama-cuda-src.tar.gz -C "$src"; }
   t0=$SECONDS
   cmake -S "$src/llama.cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
@@ -66,7 +67,8 @@ PY
   fi
   t0=$SECONDS
   python3 bench/serve_load.py "$f" --backend cuda -c "${CONC:-1,4,16,64}" -n 128 --rounds "${ROUNDS:-2}" \
-    --slots "${SLOTS:-64}" --ctx "${CTX:-512}" --llama-server "$lbin/llama-server" --no-engine-ref \
+    --slots "${SLOTS:-64}" --ctx "${CTX:-512}" --no-engine-ref \
+    $([ "${NO_LLAMA:-0}" = 1 ] && echo --no-llama || echo --llama-server "$lbin/llama-server") \
     --json "$OUT/serve-$s.json" 2>>"$OUT/serve-$s.log" | sed "s/^/$s /" | tee -a "$OUT/serve.txt"
   log "serve $s in $((SECONDS - t0)) s"
   if [ "${SPEC:-0}" = 1 ]; then
