@@ -102,3 +102,32 @@ def test_mixed_steps_in_buckets_give_the_unbucketed_outputs(model):
     big = {s for s in shapes if s[0] > 8}
     assert all(r % 8 == 0 and o % 8 == 0 and o <= r for r, o in big), sorted(shapes)
     assert len(shapes) < len(plain_shapes), (sorted(shapes), sorted(plain_shapes))
+
+
+def test_attention_steps_carry_the_context_of_one_sequence(model):
+    """ATTN's seq_ctx (plan.h ip[8]): the cells one row's span may hold, the context per
+    sequence, beside the arena's n_ctx (every sequence's cells and the padding's). CUDA
+    cuts its decode splits by it, so a row's bits do not depend on the arena."""
+    from minfer.backends.plan_steps import lower_node
+    from minfer.graph.ir import Op
+
+    class Stub:  # resolves every buffer and weight to 0, the KV regions to (0, 1)
+        def out(self, node):
+            return 0
+
+        def src(self, node, i):
+            return 0
+
+        def kv(self, node, layer):
+            return 0, 1
+
+        def weight(self, name, node):
+            return 0
+
+    ctx = Context(model, n_ctx=48, n_seq=4, pad_batches=True)
+    graph = model.defn.build_graph(ctx.params(12, 4))
+    attn = [n for n in graph.nodes if n.op is Op.Attn]
+    assert attn and all(n.meta.seq_ctx == 48 and n.meta.n_ctx == 4 * 48 + Context.PAD_MAX for n in attn)
+    for n in attn:
+        (code, _, ip, _, _), = lower_node(n, graph, Stub())
+        assert ip[4] == 4 * 48 + Context.PAD_MAX and ip[8] == 48
