@@ -131,3 +131,19 @@ def test_attention_steps_carry_the_context_of_one_sequence(model):
     for n in attn:
         (code, _, ip, _, _), = lower_node(n, graph, Stub())
         assert ip[4] == 4 * 48 + Context.PAD_MAX and ip[8] == 48
+
+
+def test_a_bucketed_step_returns_and_reads_only_the_wanted_rows(model):
+    """The bucket adds logits rows after the wanted ones; the caller gets the wanted
+    rows only, equal to the unbucketed step's, and copy_to_host reads only those."""
+    got = {}
+    for pad in (False, True):
+        ctx = Context(model, n_ctx=48, n_seq=3, pad_batches=pad)
+        items = [(ctx.session(i), [7 + i] * (5 + 4 * i), 1 + (i == 1)) for i in range(3)]   # 21 rows, 4 wanted
+        reads = []
+        real = ctx.cache.alloc.copy_to_host
+        ctx.cache.alloc.copy_to_host = lambda node, rows=None: (reads.append(rows), real(node, rows=rows))[1]
+        got[pad] = ctx.decode_batch(items, copy=True)
+        assert got[pad].shape == (4, model.hp.n_vocab)
+        assert reads == [4 if pad else None]
+    assert np.array_equal(got[True], got[False])

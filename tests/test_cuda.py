@@ -428,7 +428,7 @@ def test_prefill_gemm_pipeline_bitwise_and_vs_float64(monkeypatch):
     each time (outputs poisoned before every run), and within the f16 GEMM tolerance of
     float64 over gguf's dequantization."""
     rng = np.random.default_rng(2026)
-    nt, d = 40, 1024
+    nt, d = 80, 1024  # more rows than CUDA_ROW_EXACT_MAX_TOKENS: the GEMM path
     x = rng.standard_normal((nt, d)).astype(np.float32)
     z = rng.standard_normal((nt, d)).astype(np.float32)
     bias = rng.standard_normal(1536).astype(np.float32)

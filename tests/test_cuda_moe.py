@@ -492,7 +492,7 @@ MODEL_MEDIAN, MODEL_P90, MODEL_MAX = 0.1, 0.25, 1.0
 # this (tests/test_moe.py's MARGIN: random-weight logits are flat); after the first such
 # step the continuations are no longer compared.
 MARGIN = 0.3
-PROMPT, STEPS = 80, 12
+PROMPT, STEPS = 40, 12
 
 
 def _open(path, backend, **kw):

@@ -199,11 +199,12 @@ class Context:
             th.join()
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, cells: np.ndarray, span: np.ndarray | None,
-            tail: np.ndarray | None, n_out: int, copy: bool | None = True) -> np.ndarray | None:
+            tail: np.ndarray | None, n_out: int, copy: bool | None = True,
+            keep: int | None = None) -> np.ndarray | None:
         """One forward over a batch of token rows; logits [n_out, n_vocab] of the rows
-        `tail` names (the last n_out rows when tail is None). copy=None reads nothing
-        back: a greedy pick follows through argmax_last, which on a device backend is
-        then the step's only readback."""
+        `tail` names (the last n_out rows when tail is None), or only the first `keep` of
+        them. copy=None reads nothing back: a greedy pick follows through argmax_last,
+        which on a device backend is then the step's only readback."""
         nt = int(tokens.size)
         self.model.check_tokens(tokens)
         self.runs += 1
@@ -223,7 +224,10 @@ class Context:
             self.tracer.execute(cache)  # MINFER_TRACE / profile / viz: step by step, reading each node
         if copy is None:
             return None
-        return alloc.copy_to_host(g.outputs[0]) if copy else alloc.host_view(g.outputs[0])
+        if copy:
+            return alloc.copy_to_host(g.outputs[0], rows=keep)
+        view = alloc.host_view(g.outputs[0])
+        return view if keep is None else view[:keep]
 
     def run_one(self, token: int, pos: int, cell: int, copy: bool | None = True) -> np.ndarray | None:
         """run() of one token with logits for it, through the bound step where the
@@ -350,10 +354,11 @@ class Context:
             toks, pos, cells, span, tail = self._bucketed(toks, pos, cells, span, tail)
         arr = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
         with self.lock:
-            logits = self.run(arr(toks), arr(pos), arr(cells), arr(span), arr(tail), n_out=len(tail), copy=copy)
+            logits = self.run(arr(toks), arr(pos), arr(cells), arr(span), arr(tail), n_out=len(tail), copy=copy,
+                              keep=n_out)
         for it in items:
             it[0].tokens.extend(int(t) for t in it[1])
-        return logits if logits is None or len(logits) == n_out else logits[:n_out]
+        return logits
 
     def _bucketed(self, toks, pos, cells, span, tail):
         """A batch as a bucket's shape: rows up to a multiple of PAD_STEP, logits rows up

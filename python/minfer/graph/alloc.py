@@ -434,8 +434,10 @@ class GraphAllocator:
             raise GraphError(f"input {name!r} takes exactly {node.n_elements} values, got {arr.size}")
         return node, dev, bid, np.ascontiguousarray(arr).reshape(-1)
 
-    def copy_to_host(self, node_id: int) -> np.ndarray:
-        """A node's value as a token-major array [rows, d]."""
+    def copy_to_host(self, node_id: int, rows: int | None = None) -> np.ndarray:
+        """A node's value as a token-major array [rows, d] (its first `rows` rows only
+        when given: a bucketed step's logits, whose rows past the wanted ones are never
+        read)."""
         g = self._graph
         if g is None or not 0 <= node_id < len(g.nodes):
             raise GraphError(f"copy_to_host: no node {node_id} in the allocated graph")
@@ -443,8 +445,9 @@ class GraphAllocator:
         ref = self.buffer(node_id)
         if node.out_dtype not in (DType.F32, DType.I32):
             raise GraphError(f"copy_to_host: node {node.name!r} is {node.out_dtype.value}")
-        out = self.devices[ref.backend].read(ref.id, node.out_dtype.numpy, node.n_elements)
-        return out.reshape(node.n_rows, node.out_shape[0])
+        n_rows = node.n_rows if rows is None else min(int(rows), node.n_rows)
+        out = self.devices[ref.backend].read(ref.id, node.out_dtype.numpy, n_rows * node.out_shape[0])
+        return out.reshape(n_rows, node.out_shape[0])
 
     def host_view(self, node_id: int) -> np.ndarray:
         """Like copy_to_host, but a read-only view of the buffer where the backend's memory
