@@ -139,6 +139,41 @@ def test_unsupported_tensor_type_is_named(tmp_path):
         Session.open(path, n_ctx=32)
 
 
+def test_a_vocabulary_shorter_than_the_token_rows_is_refused_in_one_line(tmp_path):
+    """Every id the output can pick must name a token (llama.cpp refuses such a file
+    too): the model's 16 padding entries dropped, opening its tokenizer fails, and
+    `minfer generate` says so in one line with a nonzero exit, before any output."""
+    import subprocess
+
+    src, bad = tmp_path / "m.gguf", tmp_path / "short.gguf"
+    write_model(src, n_embd=64, n_head=4, n_head_kv=2, n_ff=128)
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(bad), r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        vt = f.types[0]
+        sub = f.types[1] if vt == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
+        val = f.contents()
+        if f.name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            val = val[:-16]
+        w.add_key_value(f.name, val, vt, sub_type=sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    s = Session.open(bad, n_ctx=32)
+    rows = s.model.hp.n_vocab
+    with pytest.raises(UnsupportedModelError, match=f"names {rows - 16} tokens but the model has {rows} token rows"):
+        s.tokenizer
+    p = subprocess.run([sys.executable, "-m", "minfer.cli", "generate", str(bad), "hi", "-n", "2"],
+                       capture_output=True, text=True)
+    assert p.returncode != 0 and p.stdout == "" and p.stderr.strip().count("\n") == 0, p
+    assert f"{rows} token rows" in p.stderr
+
+
 def test_perplexity_matches_reference(synth_model_path):
     eng = Session.open(synth_model_path, n_ctx=32, n_threads=2)
     text = "the quick brown fox jumps over the lazy dog " * 8

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minfer.errors import ContextError, MinferError
+from minfer.errors import ContextError, MinferError, UnsupportedModelError
 from minfer.graph.weights import WeightRegistry
 from minfer.io.gguf_file import GGUFFile
 from minfer.models import load_model
@@ -55,7 +55,15 @@ class Model:
         if self._tokenizer is None:
             from minfer.tokenizer import Tokenizer
 
-            self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+            tok = Tokenizer.from_metadata(self.gguf.metadata)
+            if tok.n_vocab != self.hp.n_vocab:
+                # Every id the output can pick must name a token, and every token an
+                # embedding row (llama.cpp refuses such a file too): a converter pads the
+                # vocabulary to the model's rows.
+                raise UnsupportedModelError(
+                    f"{self.path.name}: the tokenizer names {tok.n_vocab} tokens but the model has "
+                    f"{self.hp.n_vocab} token rows")
+            self._tokenizer = tok
         return self._tokenizer
 
     def check_tokens(self, ids: np.ndarray) -> None:
