@@ -28,6 +28,22 @@ using namespace minfer::cuda;
 
 namespace {
 
+// Every call that enqueues on the stream, waits on it or moves memory holds the stream
+// mutex (context.h) for its whole length, taken with the GIL released (a holder may be
+// waiting for the GIL to come back): two threads (two models' schedulers) then never
+// interleave on the one stream, so no capture records another thread's launch and a
+// greedy pick's readback follows its own forward. Recursive: a callback from a held call
+// (cuda_launches' `after`) may call others.
+struct StreamGuard {
+    StreamGuard() {
+        py::gil_scoped_release nogil;
+        stream_mutex().lock();
+    }
+    ~StreamGuard() { stream_mutex().unlock(); }
+    StreamGuard(const StreamGuard&) = delete;
+    StreamGuard& operator=(const StreamGuard&) = delete;
+};
+
 DevWeights& mirror_of(PyWeightStore& s) {
     if (!s.device_mirror) s.device_mirror = std::make_shared<DevWeights>();
     return *static_cast<DevWeights*>(s.device_mirror.get());
@@ -104,21 +120,21 @@ void register_cuda(py::module_& m, py::module_& testing) {
     py::class_<DevPool>(m, "CudaPool")
         .def(py::init<std::string>(), py::arg("name"))
         .def_property_readonly("name", &DevPool::name)
-        .def("alloc", &DevPool::alloc, py::arg("nbytes"))
-        .def("alloc_fresh", &DevPool::alloc_fresh, py::arg("nbytes"))
-        .def("pick_target", &DevPool::add_pick_target, py::arg("id"), py::arg("n"),
+        .def("alloc", &DevPool::alloc, py::call_guard<StreamGuard>(), py::arg("nbytes"))
+        .def("alloc_fresh", &DevPool::alloc_fresh, py::call_guard<StreamGuard>(), py::arg("nbytes"))
+        .def("pick_target", &DevPool::add_pick_target, py::call_guard<StreamGuard>(), py::arg("id"), py::arg("n"),
              "Logits a greedy pick reads (n f32 in buffer id): a plan whose last step writes them ends with "
              "the argmax inside its graph.")
-        .def("alloc_group", &DevPool::alloc_group, py::arg("sizes"),
+        .def("alloc_group", &DevPool::alloc_group, py::call_guard<StreamGuard>(), py::arg("sizes"),
              "Buffers of these sizes in one block (a graph's inputs): write_many copies adjacent ones at once.")
-        .def("free", &DevPool::free, py::arg("id"))
+        .def("free", &DevPool::free, py::call_guard<StreamGuard>(), py::arg("id"))
         .def("size", &DevPool::size, py::arg("id"))
         .def("count", &DevPool::count)
         .def("bytes_total", &DevPool::bytes_total)
         .def("write", [](DevPool& p, int id, py::array data, size_t offset) {
                 if (!(data.flags() & py::array::c_style)) throw std::invalid_argument("write needs a C-contiguous array");
                 p.write(id, data.data(), (size_t)data.nbytes(), offset);
-            }, py::arg("id"), py::arg("data"), py::arg("offset") = 0,
+            }, py::call_guard<StreamGuard>(), py::arg("id"), py::arg("data"), py::arg("offset") = 0,
             "Stream-ordered H2D through the buffer's pinned mirror.")
         .def("write_many", [](DevPool& p, const std::vector<int>& ids, const std::vector<py::array>& data) {
                 if (ids.size() != data.size()) throw std::invalid_argument("write_many: as many arrays as buffer ids");
@@ -131,7 +147,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
                     nb[k] = (size_t)data[k].nbytes();
                 }
                 p.write_many(ids, src, nb);
-            }, py::arg("ids"), py::arg("data"),
+            }, py::call_guard<StreamGuard>(), py::arg("ids"), py::arg("data"),
             "Whole-buffer writes; adjacent members of one group (alloc_group) in one H2D.")
         .def("read", [](DevPool& p, int id, const std::string& dtype, py::ssize_t count, size_t offset) {
                 py::dtype dt(dtype);
@@ -144,7 +160,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 py::array out(dt, std::vector<py::ssize_t>{count});
                 std::memcpy(out.mutable_data(), src, nbytes);
                 return out;
-            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0, "D2H + wait; a copy.")
+            }, py::call_guard<StreamGuard>(), py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0, "D2H + wait; a copy.")
         .def("view", [](py::object self, int id, const std::string& dtype, py::ssize_t count, size_t offset) {
                 // Read-only window on the buffer's pinned mirror, filled by one D2H:
                 // valid until this buffer's next host access.
@@ -159,7 +175,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
                               src, self);
                 py::detail::array_proxy(out.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
                 return out;
-            }, py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0)
+            }, py::call_guard<StreamGuard>(), py::arg("id"), py::arg("dtype"), py::arg("count"), py::arg("offset") = 0)
         .def("copy_within", [](DevPool& p, int id, size_t src_off, size_t dst_off, size_t nbytes) {
                 const size_t lo = std::min(src_off, dst_off), hi = std::max(src_off, dst_off);
                 if (hi - lo < nbytes) throw std::invalid_argument("copy_within: the ranges overlap");
@@ -169,19 +185,19 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 uint8_t* base = (uint8_t*)p.data(id);
                 MC_CHECK(cudaMemcpyAsync(base + dst_off, base + src_off, nbytes, cudaMemcpyDeviceToDevice, c.stream));
                 ++c.c.d2d;
-            }, py::arg("id"), py::arg("src_off"), py::arg("dst_off"), py::arg("nbytes"),
+            }, py::call_guard<StreamGuard>(), py::arg("id"), py::arg("src_off"), py::arg("dst_off"), py::arg("nbytes"),
             "Stream-ordered D2D inside one buffer (KV cells from one sequence's range to another's; "
             "the ranges must not overlap).");
 
     m.def("cuda_validate", [](const Plan& plan, DevPool& pool, PyWeightStore& ws) {
             validate_plan(plan, pool, ws.store, mirror_of(ws));
-        }, py::arg("plan"), py::arg("pool"), py::arg("weights"),
+        }, py::call_guard<StreamGuard>(), py::arg("plan"), py::arg("pool"), py::arg("weights"),
         "Check a plan against a CUDA pool and upload the weights it uses (once per handle).");
     m.def("cuda_run", [](const Plan& plan, DevPool& pool, PyWeightStore& ws, size_t begin, int64_t end) {
             DevWeights& dw = mirror_of(ws);
             py::gil_scoped_release nogil;
             run_plan(plan, pool, ws.store, dw, begin, end < 0 ? (size_t)-1 : (size_t)end);
-        }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("begin") = 0, py::arg("end") = -1,
+        }, py::call_guard<StreamGuard>(), py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("begin") = 0, py::arg("end") = -1,
         "Enqueue plan steps [begin, end) on the CUDA stream (a graph replay once warm); does not wait.");
     m.def("cuda_step", [](const Plan& plan, DevPool& pool, PyWeightStore& ws, int tok_id, int pos_id, int cell_id,
                           int32_t tok, int32_t pos, int32_t cell) {
@@ -190,7 +206,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             const int32_t v[3] = {tok, pos, cell};
             pool.write_many({tok_id, pos_id, cell_id}, {&v[0], &v[1], &v[2]}, {4, 4, 4});
             run_plan(plan, pool, ws.store, dw, 0, (size_t)-1);
-        }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("tok_buf"), py::arg("pos_buf"),
+        }, py::call_guard<StreamGuard>(), py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("tok_buf"), py::arg("pos_buf"),
         py::arg("cell_buf"), py::arg("token"), py::arg("position"), py::arg("cell"),
         "A decode step in one call: write_many of its three one-int inputs, then cuda_run of the whole plan.");
     m.def("cuda_launches", [](const Plan& plan, DevPool& pool, PyWeightStore& ws, py::object after, bool timed) {
@@ -210,7 +226,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             for (const auto& L : r)
                 out.append(py::make_tuple(L.name, L.steps, timed ? py::object(py::float_(L.ms)) : py::object(py::none())));
             return out;
-        }, py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("after") = py::none(), py::arg("timed") = false,
+        }, py::call_guard<StreamGuard>(), py::arg("plan"), py::arg("pool"), py::arg("weights"), py::arg("after") = py::none(), py::arg("timed") = false,
         "A whole run launched directly, one launch at a time (tracing and profiling: the kernels a replay runs, "
         "step merges included, bitwise a replay's results): [(kernel, plan steps, ms)]. after(k, kernel, steps) "
         "follows launch k; timed (without after): ms from events between the launches, read once after the last, "
@@ -246,7 +262,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 throw std::runtime_error("CUDA argmax: error code " + std::to_string(r));
             }
             return (int64_t)r;
-        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("n_threads") = 1,
+        }, py::call_guard<StreamGuard>(), py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("n_threads") = 1,
         "Device argmax (first index on ties): one 4-byte readback and one wait. -1 when any of "
         "the n values is NaN or Inf (the caller raises, naming the step).");
 
@@ -275,7 +291,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
                     throw std::runtime_error("CUDA argmax: error code " + std::to_string(v));
                 }
             return r;
-        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"),
+        }, py::call_guard<StreamGuard>(), py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"),
         "Device argmax of each of `rows` consecutive rows of n values (first index on ties), in one "
         "launch and one readback of rows ints; -1 for a row holding NaN or Inf.");
 
@@ -356,7 +372,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 out.append(py::make_tuple(ids, vals, gv));
             }
             return out;
-        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"), py::arg("k"), py::arg("gather"),
+        }, py::call_guard<StreamGuard>(), py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"), py::arg("k"), py::arg("gather"),
         "Sampling's candidates on the device, for each of `rows` consecutive rows of n values: "
         "(ids, values, gathered) with the k best ids best first (ties: lower index first, as top_k), "
         "their values and the row's values at the row's gather ids (-1: none, 0.0); None for a row "
@@ -400,7 +416,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             c.c.h2d_bytes += need;
             mask_rows((float*)pool.data(id), n, m, dev, (const uint32_t*)(dev + m));
             forget_pick();  // an argmax a graph took is of the unmasked row
-        }, py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"), py::arg("which"), py::arg("words"),
+        }, py::call_guard<StreamGuard>(), py::arg("pool"), py::arg("id"), py::arg("n"), py::arg("rows"), py::arg("which"), py::arg("words"),
         "Token masks applied in place to rows `which` of `rows` consecutive rows of n values: the "
         "ids whose bit (words[j], little-endian bits of ceil(n/32) words) is 0 get a value below "
         "every logit, so the picks that follow choose allowed ids only. No wait.");
@@ -413,7 +429,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             MC_CHECK(cudaMemcpyAsync(dst.data(dst_id), src.data(src_id), nbytes, cudaMemcpyDeviceToDevice, c.stream));
             ++c.c.d2d;
             forget_pick();
-        }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
+        }, py::call_guard<StreamGuard>(), py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
     m.def("copy_buffer", [](DevPool& src, int src_id, cpu::Pool& dst, int dst_id, size_t nbytes) {
             check_host_range(dst, dst_id, nbytes);
             const void* p;
@@ -422,11 +438,11 @@ void register_cuda(py::module_& m, py::module_& testing) {
                 p = src.fetch(src_id, nbytes, 0);
             }
             std::memcpy(dst.data(dst_id), p, nbytes);
-        }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
+        }, py::call_guard<StreamGuard>(), py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
     m.def("copy_buffer", [](cpu::Pool& src, int src_id, DevPool& dst, int dst_id, size_t nbytes) {
             check_host_range(src, src_id, nbytes);
             dst.write(dst_id, src.data(src_id), nbytes, 0);
-        }, py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
+        }, py::call_guard<StreamGuard>(), py::arg("src"), py::arg("src_id"), py::arg("dst"), py::arg("dst_id"), py::arg("nbytes"));
 
     m.attr("CUDA_ROW_EXACT_MAX_TOKENS") = py::int_(kRowExactMaxTokens);
     m.def("cuda_device_count", []() {
@@ -444,7 +460,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             py::gil_scoped_release nogil;
             sync_stream();
             raise_device_error();
-        });
+        }, py::call_guard<StreamGuard>());
     testing.def("cuda_counters", []() {
             const Counters& k = ctx().c;
             py::dict d;
@@ -470,12 +486,12 @@ void register_cuda(py::module_& m, py::module_& testing) {
             const void* src = pool.fetch(input_id, n, 0);
             py::gil_scoped_release nogil;
             return replay_probe(plan, pool.data(input_id), src, n, reps);
-        }, py::arg("plan"), py::arg("pool"), py::arg("input_id"), py::arg("reps") = 128,
+        }, py::call_guard<StreamGuard>(), py::arg("plan"), py::arg("pool"), py::arg("input_id"), py::arg("reps") = 128,
         "Medians (us) of {launch, sync}, {H2D, launch, sync}, {H2D, sync} and launches-ahead per replay.");
     testing.def("cuda_d2h_probe", [](size_t nbytes, int reps) {
             py::gil_scoped_release nogil;
             return d2h_probe(nbytes, reps);
-        }, py::arg("nbytes"), py::arg("reps") = 64,
+        }, py::call_guard<StreamGuard>(), py::arg("nbytes"), py::arg("reps") = 64,
         "Medians (us) of an nbytes D2H + wait: copy engine, then SM copies with 132, 264, 528 blocks.");
     testing.def("cuda_timeline", [](bool reset) -> py::object {
             // None unless built with MINFER_CUDA_TIMELINE (cuda/timeline.h).
@@ -501,7 +517,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
     testing.def("cuda_copy_bandwidth", [](size_t nbytes, int reps) {
             py::gil_scoped_release nogil;
             return copy_bandwidth(nbytes, reps);
-        }, py::arg("nbytes") = (size_t)1 << 30, py::arg("reps") = 10,
+        }, py::call_guard<StreamGuard>(), py::arg("nbytes") = (size_t)1 << 30, py::arg("reps") = 10,
         "Device-to-device copy bandwidth in bytes/s (read + write), measured with CUDA events.");
 }
 

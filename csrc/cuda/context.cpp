@@ -57,6 +57,11 @@ Context& ctx() {
     return *c;
 }
 
+std::recursive_mutex& stream_mutex() {
+    static std::recursive_mutex mu;
+    return mu;
+}
+
 std::string device_name() {
     Context& c = ctx();
     cudaDeviceProp p;

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -59,6 +60,9 @@ int device_count(std::string* why);
 std::string device_name();
 // The context, created on first use; throws if no device can be used.
 Context& ctx();
+// Held by every entry from Python that uses the stream (bindings_cuda.cpp): threads take
+// the one stream in turn.
+std::recursive_mutex& stream_mutex();
 // After a host wait: raise if a kernel flagged bad index data since the last check.
 void raise_device_error();
 void sync_stream();
