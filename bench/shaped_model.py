@@ -24,15 +24,11 @@ import numpy as np
 def extract(src: str, dst: str) -> None:
     import gguf
 
+    from minfer.testing.gguf_io import fields as keys_of
+
     r = gguf.GGUFReader(src)
-    fields = []
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.file_type":
-            continue
-        vt = f.types[0]
-        sub = f.types[1] if vt == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
-        val = f.contents()
-        fields.append({"key": f.name, "type": int(vt), "sub": None if sub is None else int(sub), "value": val})
+    fields = [{"key": name, "type": int(vt), "sub": None if sub is None else int(sub), "value": val}
+              for name, val, vt, sub in keys_of(r) if name != "general.file_type"]
     tensors = [{"name": t.name, "shape": [int(x) for x in t.shape]} for t in r.tensors]
     arch = r.fields["general.architecture"].contents()
     with gzip.open(dst, "wt") as fh:

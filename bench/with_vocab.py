@@ -19,6 +19,8 @@ import sys
 def main(argv: list[str]) -> int:
     import gguf
 
+    from minfer.testing.gguf_io import fields, write
+
     if len(argv) != 3:
         print(__doc__.strip().splitlines()[-5].strip(), file=sys.stderr)
         return 2
@@ -33,23 +35,10 @@ def main(argv: list[str]) -> int:
     pad = {"tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(n_tok, n_rows)],
            "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * (n_rows - n_tok),
            "tokenizer.ggml.scores": [0.0] * (n_rows - n_tok)}
-    w = gguf.GGUFWriter(out, arch)
-    for r, keep in ((src, lambda n: not n.startswith("tokenizer.")), (voc, lambda n: n.startswith("tokenizer."))):
-        for f in r.fields.values():
-            if f.name.startswith("GGUF.") or f.name == "general.architecture" or not keep(f.name):
-                continue
-            vt = f.types[0]
-            sub = f.types[1] if vt == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
-            val = f.contents()
-            if r is voc and f.name in pad:
-                val = list(val) + pad[f.name]
-            w.add_key_value(f.name, val, vt, sub_type=sub)
-    for t in src.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    keys = [k for k in fields(src) if not k[0].startswith("tokenizer.")]
+    keys += [(name, list(val) + pad[name] if name in pad else val, vt, sub)
+             for name, val, vt, sub in fields(voc) if name.startswith("tokenizer.")]
+    write(out, arch, keys, src.tensors)
     return 0
 
 

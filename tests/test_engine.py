@@ -147,23 +147,12 @@ def test_a_vocabulary_shorter_than_the_token_rows_is_refused_in_one_line(tmp_pat
 
     src, bad = tmp_path / "m.gguf", tmp_path / "short.gguf"
     write_model(src, n_embd=64, n_head=4, n_head_kv=2, n_ff=128)
+    from minfer.testing.gguf_io import fields, write
+
     r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(bad), r.fields["general.architecture"].contents())
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        vt = f.types[0]
-        sub = f.types[1] if vt == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
-        val = f.contents()
-        if f.name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
-            val = val[:-16]
-        w.add_key_value(f.name, val, vt, sub_type=sub)
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    cut = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
+    write(bad, r.fields["general.architecture"].contents(),
+          [(n, v[:-16] if n in cut else v, vt, sub) for n, v, vt, sub in fields(r)], r.tensors)
     s = Session.open(bad, n_ctx=32)
     rows = s.model.hp.n_vocab
     with pytest.raises(UnsupportedModelError, match=f"names {rows - 16} tokens but the model has {rows} token rows"):
