@@ -18,6 +18,11 @@
 # once per variant of STAMP_AB (as AB; unset: the defaults); COSTS=1 what each launch kind
 # costs inside the replayed graph (bench/launch_costs.py, ROUNDS rounds; COSTS_KINDS narrows it);
 # GAP=1 a step's wall outside the replay (bench/host_gap.py).
+# SERVE=1: minfer serve beside llama-server (bench/cuda_serve.sh, its knobs too; carry
+# llama-cuda-src.tar.gz): llama.cpp builds in the background from the start, beside the
+# build and the GPU suite, and the serving table runs after them into serve.txt.
+# STEPS=1: bench/batch_steps.py on the 0.5B and 7B shapes (step walls, graph builds,
+# a cProfile of 64 concurrent) into steps-SHAPE.txt.
 # Phases that fail are reported in summary.txt; the later ones still run.
 set -u
 cd "$(dirname "$0")/.."
@@ -46,6 +51,12 @@ if [ "${PROBE:-0}" = 1 ]; then
     nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/tail_probe bench/tail_probe.cu >>"$OUT/probe.txt" 2>&1 &&
     /tmp/tail_probe >>"$OUT/probe.txt" 2>&1
   phase "probe rc $? in $((SECONDS - t0)) s -> probe.txt"
+fi
+
+llama_bg=
+if [ "${SERVE:-0}" = 1 ] && [ "${NO_LLAMA:-0}" != 1 ]; then
+  (OUT=$OUT LLAMA_ONLY=1 LLAMA_JOBS=${LLAMA_JOBS:-12} bash bench/cuda_serve.sh >"$OUT/llama-bg.log" 2>&1) &
+  llama_bg=$!
 fi
 
 t0=$SECONDS
@@ -219,5 +230,31 @@ if [ -n "${NCU:-}" ]; then
       fi
     done
   fi
+fi
+if [ "${STEPS:-0}" = 1 ]; then
+  for shape in 0.5b 7b; do
+    python3 - "$models" "$shape" >>"$S" 2>&1 <<'EOF3'
+import sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+from cuda_bench import shapes
+from minfer.testing.synth import write_model
+p = Path(sys.argv[1]) / f"qwen2-{sys.argv[2]}-q4km-shape.gguf"
+if not p.exists():
+    write_model(p, seed=1, with_tokenizer=False, fast=True, ctx=4096, **shapes()[sys.argv[2]])
+EOF3
+    timeout "${STEPS_S:-150}" python3 bench/batch_steps.py "$models/qwen2-$shape-q4km-shape.gguf" -c 1,4,16,64 -n 64 \
+      --profile 64 >"$OUT/steps-$shape.txt" 2>&1
+    phase "batch steps $shape rc $? -> steps-$shape.txt"
+    head -4 "$OUT/steps-$shape.txt" >>"$S"
+  done
+fi
+
+if [ "${SERVE:-0}" = 1 ]; then
+  [ -n "$llama_bg" ] && { wait "$llama_bg"; phase "llama.cpp build: $(tail -1 "$OUT/llama-bg.log")"; }
+  t0=$SECONDS
+  OUT=$OUT bash bench/cuda_serve.sh >/dev/null 2>&1
+  phase "serve rc $? in $((SECONDS - t0)) s -> serve.txt"
+  grep -E "minfer|llama-server|x$" "$OUT/serve.txt" >>"$S"
 fi
 phase "done"
