@@ -25,6 +25,7 @@
 #include "cpu/quants_k.h"
 #include "cpu/quantize.h"
 #include "cpu/repack.h"
+#include "cpu/repack_k.h"
 #include "cpu/step_stats.h"
 #include "cpu/thread_pin.h"
 #include "cpu/work_split.h"
@@ -308,6 +309,11 @@ void register_cpu_testing(py::module_& t) {
     // (cpu/repack.h), so tests know which kernel they pin.
     t.def("repack_packable", [](int type) { return repack::packable(type); }, py::arg("type"));
     t.def("repack_token_tile", &repack::token_tile);
+    // Q4_K prefill on the AMX tiles (cpu/repack_k.h): whether this build and OS run it,
+    // and a switch so tests can compare it with the vector kernel, bitwise.
+    t.def("cpu_amx_available", &repack::k::amx_available);
+    t.def("cpu_set_amx", &repack::k::set_amx, py::arg("on"));
+    t.def("cpu_amx_calls", &repack::k::amx_calls);
     // Q8_K activation bytes of x (a multiple of 256 floats) from the SIMD or the scalar
     // quantizer: the two must agree byte for byte.
     t.def("quantize_q8_K", [](py::array_t<float, py::array::c_style> x, bool simd) {

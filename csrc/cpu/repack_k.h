@@ -18,6 +18,12 @@ namespace minfer::cpu::repack::k {
 
 // Q4_K and Q6_K, in builds with AVX2 or wider.
 bool handles(int32_t type);
+// Q4_K blocks of 16 tokens and more run on the AMX tiles where the build targets them
+// and the OS grants the tile state (bitwise the vector kernel's results). set_amx(false)
+// makes this process take the vector kernel (tests compare the two).
+bool amx_available();
+void set_amx(bool on);
+uint64_t amx_calls();  // matmul calls that ran on the tiles so far
 // Bytes of one 16-row group of nb super-blocks (a multiple of 64).
 size_t group_bytes(int32_t type, int64_t nb);
 // One group from its 16 GGUF rows (null: padding row, zero weights).
