@@ -357,10 +357,16 @@ void amx_tile(const uint8_t* g, const uint8_t* bt, int64_t nb, const uint8_t* ac
             _tile_stored(1, c[1], 64);
             _tile_stored(2, c[2], 64);
             _tile_stored(3, c[3], 64);
-            for (int q = 0; q < 4; ++q) {
-                const V::I sc = V::u8_32(R + kQ4Sc + 16 * (j0 + q));
-                for (int a = 0; a < kAmxTokens; ++a)
-                    isum[a] = V::add(isum[a], V::mullo(_mm512_load_si512((const void*)c[q][a]), sc));
+            // sum over the four of scale * product, in floats: each product (|dot| <=
+            // 32 * 15 * 127, scale <= 63) and each partial sum stays below 2^24, so every
+            // step is exact and the sum converts back to the integer the vector kernel adds.
+            __m512 scf[4];
+            for (int q = 0; q < 4; ++q) scf[q] = _mm512_cvtepi32_ps(V::u8_32(R + kQ4Sc + 16 * (j0 + q)));
+            for (int a = 0; a < kAmxTokens; ++a) {
+                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)c[0][a])), scf[0]);
+                for (int q = 1; q < 4; ++q)
+                    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)c[q][a])), scf[q], f);
+                isum[a] = V::add(isum[a], _mm512_cvtps_epi32(f));
             }
         }
         const V::F dw = V::loadh((const half*)(R + kQ4D));
