@@ -85,6 +85,7 @@ def make(name: str) -> Path:
     import gguf
 
     import families
+    from minfer.testing.gguf_io import fields
 
     s = SHAPES[name]
     d = out_dir()
@@ -102,14 +103,13 @@ def make(name: str) -> Path:
             "vocab_size": s["n_vocab"], "rope.dimension_count": s["head_dim"]}
     dims.update(s["kv"])
     skip = {"general.architecture", "general.file_type", "general.name", "general.size_label"}
-    for k, f in tmpl.fields.items():
-        if k.startswith("GGUF.") or k in skip or k.startswith("tokenizer.ggml."):
+    for k, v, vt, sub in fields(tmpl):
+        if k in skip or k.startswith("tokenizer.ggml."):
             continue
         short = k[len(a) + 1:] if k.startswith(a + ".") else None
         if short in dims or short in s.get("drop", ()):
             continue
-        vt = f.types[0]
-        w.add_key_value(k, f.contents(), vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+        w.add_key_value(k, v, vt, sub_type=sub)
     for short, v in dims.items():
         if short == "vocab_size" and a != "llama":
             continue
@@ -119,10 +119,9 @@ def make(name: str) -> Path:
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
     if a == "llama":
         voc = gguf.GGUFReader(str(families.vocab_dir() / "ggml-vocab-llama-bpe.gguf"))
-        for k, f in voc.fields.items():
+        for k, v, vt, sub in fields(voc):
             if k.startswith("tokenizer."):
-                vt = f.types[0]
-                w.add_key_value(k, f.contents(), vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+                w.add_key_value(k, v, vt, sub_type=sub)
     else:
         toks, scores, types = _spm_vocab(s["n_vocab"])
         w.add_tokenizer_model("llama")

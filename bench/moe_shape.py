@@ -86,14 +86,10 @@ def tensors_of(p: dict, n_vocab: int) -> list:
 def tokenizer_fields(src: Path) -> list:
     import gguf
 
+    from minfer.testing.gguf_io import fields as keys_of
+
     r = gguf.GGUFReader(str(src))
-    fields = []
-    for f in r.fields.values():
-        if not f.name.startswith("tokenizer."):
-            continue
-        vt = f.types[0]
-        sub = f.types[1] if vt == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
-        fields.append((f.name, f.contents(), vt, sub))
+    fields = [k for k in keys_of(r) if k[0].startswith("tokenizer.")]
     n_vocab = len(r.fields["tokenizer.ggml.tokens"].contents())
     return fields, n_vocab
 

@@ -422,26 +422,13 @@ def _patched(src, dst, *, set_kv=None, drop=(), arch=None):
     """A copy of GGUF `src` with metadata keys set / dropped (tensors as they are)."""
     import gguf
 
+    from minfer.testing.gguf_io import fields, write
+
     r = gguf.GGUFReader(str(src))
-    a = arch or r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), a)
-    for k, f in r.fields.items():
-        if k.startswith("GGUF.") or k in drop or k == "general.architecture" or (set_kv and k in set_kv):
-            continue
-        v = f.contents()
-        vt = f.types[0]
-        if vt == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(k, v, vt, sub_type=f.types[-1])
-        else:
-            w.add_key_value(k, v, vt)
-    for k, (v, vt) in (set_kv or {}).items():
-        w.add_key_value(k, v, vt)
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)   # data in numpy order (bytes for quantized rows)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    set_kv = set_kv or {}
+    keys = [k for k in fields(r) if k[0] not in drop and k[0] not in set_kv]
+    keys += [(k, v, vt, None) for k, (v, vt) in set_kv.items()]
+    write(dst, arch or r.fields["general.architecture"].contents(), keys, r.tensors)
     return dst
 
 
