@@ -9,24 +9,17 @@
 #           copy ggml-vocab-{llama-bpe,qwen2}.gguf into bench_vocab/
 #   device: run(command="bash bench/cuda_side_by_side.sh", carry=["llama-cuda-src.tar.gz", "bench_vocab", ".whl"])
 #
-# The llama.cpp build (sm_90 only) stays in /tmp between calls on a warm machine; a call
-# that runs out of time resumes it. SHAPES narrows the models (llama8b qwen3-30b).
+# The llama.cpp build (sm_90 only, bench/cuda_serve.sh's) stays in /tmp between calls on
+# a warm machine; a call that runs out of time resumes it. SHAPES narrows the models
+# (llama8b qwen3-30b).
 set -u
 OUT=${OUT:-/tmp/minfer-side}
 mkdir -p "$OUT"
 log() { printf '%s %s\n' "$(date +%T)" "$*" | tee -a "$OUT/side.txt"; }
 compgen -G ".whl/*.whl" >/dev/null && python3 -m pip install -q --no-deps .whl/*.whl
-src=/tmp/lcpp build=/tmp/lcpp-build
-if [ ! -x "$build/bin/llama-bench" ]; then
-  [ -d "$src/llama.cpp" ] || { mkdir -p "$src" && tar -xzf llama-cuda-src.tar.gz -C "$src"; }
-  t0=$SECONDS
-  cmake -S "$src/llama.cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >"$OUT/llama-cmake.log" 2>&1 &&
-    timeout "${BUILD_S:-420}" cmake --build "$build" -j"$(nproc)" --target llama-bench >"$OUT/llama-build.log" 2>&1
-  log "llama.cpp build rc $? in $((SECONDS - t0)) s"
-  [ -x "$build/bin/llama-bench" ] || { tail -5 "$OUT/llama-build.log"; exit 3; }
-fi
+# llama.cpp's CUDA build (llama-bench and llama-server) is bench/cuda_serve.sh's.
+build=/tmp/lcpp-build
+OUT=$OUT LLAMA_ONLY=1 bash bench/cuda_serve.sh || exit 3
 t0=$SECONDS
 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps \
   -C cmake.define.MINFER_CUDA=ON -C build-dir=build/device . >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
