@@ -53,12 +53,13 @@ def _cuda_row_exact_max() -> int:
 class Context:
     """One graph cache + KV arena shared by up to n_seq sequences run together."""
 
-    # Decode batches of more than PAD_FROM rows are padded up to a multiple of PAD_STEP
-    # rows, at most PAD_MAX, so a server whose batch size moves reuses a few kept graphs
-    # (captured once) instead of building, lowering and capturing a graph for every size.
-    # The padding rows write KV into PAD_MAX cells of their own past the sequences' and
-    # read only themselves; every row is computed on its own (the matvec's columns, its
-    # own attention span), so padding changes no real row's bits.
+    # Batched steps of more than PAD_FROM rows, up to PAD_MAX, run in buckets (_bucketed):
+    # rows and logits rows up to multiples of PAD_STEP, so a server whose mix of decode
+    # rows and prompt chunks moves reuses a few kept graphs (captured once) instead of
+    # building, lowering and capturing one for every mix. The padding rows write KV into
+    # PAD_MAX cells of their own past the sequences' and read only themselves; every row
+    # is computed on its own (the matvec's columns, its own attention span), so padding
+    # changes no real row's bits.
     PAD_FROM = 8
     PAD_STEP = 8
     PAD_MAX = 64
