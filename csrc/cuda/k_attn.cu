@@ -12,10 +12,11 @@
 // bits it gets alone. Each split holding cells stores its partial (max, sum, acc),
 // fences, and takes an integer ticket for its (token, head); the block that takes the
 // last ticket merges the splits in split order (whichever block that is) and resets the
-// ticket for the next launch; a row whose cells fit one split writes its output itself. With head dims up to 64 a warp's first group's K and V
-// loads go out with q's (LoadedGroup). Nothing depends on timing: the same inputs give
-// the same bits. A sliding window only narrows a row's cells (so fewer splits hold any);
-// a soft-cap maps each scaled score before the softmax, as the CPU does.
+// ticket for the next launch; a row whose cells fit one split writes its output itself.
+// With head dims up to 64 a warp's first group's K and V loads go out with q's
+// (LoadedGroup). Nothing depends on timing: the same inputs give the same bits. A
+// sliding window only narrows a row's cells (so fewer splits hold any); a soft-cap maps
+// each scaled score before the softmax, as the CPU does.
 #include <cuda_fp16.h>
 
 #include <cmath>
@@ -99,20 +100,20 @@ template <> struct VSlice<8> {
     }
 };
 
-// Merge the partials of splits s_lo .. s_hi - 1 (those with cells) of one (token, head):
+// Merge the partials of splits 0 .. n - 1 (those with cells) of one (token, head):
 // out[d] for the lane's dims. Lane k takes splits k, k + 32, ... for the max and the
 // softmax sum (each a fixed butterfly), then every lane adds the splits' weighted sums
 // for its dims in split order. The partials are read through L2 (__ldcg): other SMs
 // wrote them during this launch, and this SM's L1 may hold older lines of the scratch.
 template <int HD>
-__device__ __forceinline__ void merge_chunks(const float* pp, int s_lo, int s_hi, int lane, float* __restrict__ out) {
+__device__ __forceinline__ void merge_chunks(const float* pp, int n, int lane, float* __restrict__ out) {
     constexpr int EPL = HD / 32, ST = HD + 2;
     float M = -INFINITY;
-    for (int s = s_lo + lane; s < s_hi; s += 32)
+    for (int s = lane; s < n; s += 32)
         if (__ldcg(pp + s * ST + 1) > 0.0f) M = fmaxf(M, __ldcg(pp + s * ST));
     M = warp_max(M);
     float L = 0.0f;
-    for (int s = s_lo + lane; s < s_hi; s += 32) {
+    for (int s = lane; s < n; s += 32) {
         const float l = __ldcg(pp + s * ST + 1);
         if (l > 0.0f) L += l * expf(__ldcg(pp + s * ST) - M);
     }
@@ -121,17 +122,17 @@ __device__ __forceinline__ void merge_chunks(const float* pp, int s_lo, int s_hi
     float o[EPL];
 #pragma unroll
     for (int j = 0; j < EPL; ++j) o[j] = 0.0f;
-    for (int s0 = s_lo; s0 < s_hi; s0 += 32) {
+    for (int s0 = 0; s0 < n; s0 += 32) {
         // This lane's split's weight (0 for none, or no mass), then each split in order.
         const int mine = s0 + lane;
         float f = 0.0f;
         bool has = false;
-        if (mine < s_hi) {
+        if (mine < n) {
             has = __ldcg(pp + mine * ST + 1) > 0.0f;
             if (has) f = expf(__ldcg(pp + mine * ST) - M);
         }
         const unsigned live = __ballot_sync(0xffffffffu, has);
-        const int cnt = s_hi - s0 < 32 ? s_hi - s0 : 32;
+        const int cnt = n - s0 < 32 ? n - s0 : 32;
         for (int k = 0; k < cnt; ++k) {
             const float fk = __shfl_sync(0xffffffffu, f, k);
             if (!((live >> k) & 1u)) continue;
@@ -342,7 +343,6 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     // any rest past n_splits chunks, which a span of at most seq_ctx cells never has).
     // Only those publish a partial and draw a ticket; with no cells, split 0 writes the
     // zeros.
-    const int s_lo = 0;
     const int64_t need = hi > lo ? (hi - lo + chunk - 1) / chunk : 1;
     const int s_hi = need < n_splits ? (int)need : n_splits;
     if (split >= s_hi) return;
@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     for (int j = 0; j < EPL; ++j) wacc[w][lane * EPL + j] = acc[j];
     __syncthreads();
     const int64_t off = t * a.nh * HD + h * HD;
-    if (s_hi - s_lo == 1) {
+    if (s_hi == 1) {
         // The block's warps merge the head a 32-dim block each (dim 32 b + lane) by
         // merge_warps, then store their block and make its int8 copy: the blocks'
         // reductions side by side (warp 0 alone doing them one after the other was
@@ -444,12 +444,12 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
     int tk = 0;
     if (lane == 0) tk = atomicAdd(ticket + pair, 1);
     tk = __shfl_sync(0xffffffffu, tk, 0);
-    if (tk != s_hi - s_lo - 1) {
+    if (tk != s_hi - 1) {
         TL_END();
         return;
     }
     __threadfence();
-    merge_chunks<HD>(pp, s_lo, s_hi, lane, a.out + off);
+    merge_chunks<HD>(pp, s_hi, lane, a.out + off);
     quant_head<HD>(a, off, lane);
     // Every split of this pair has drawn its ticket: ready for the next launch.
     if (lane == 0) ticket[pair] = 0;
