@@ -337,6 +337,8 @@ void amx_tile(const uint8_t* g, const uint8_t* bt, int64_t nb, const uint8_t* ac
         // Four sub-blocks' products, then their stores, then the scaling: the loads of
         // a stored tile come a few products after its store.
         for (int j0 = 0; j0 < 8; j0 += 4) {
+            // (Spelled out: GCC's tile intrinsics paste their register numbers into the
+            // instruction text, so they take literals, not a loop's or template's value.)
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
