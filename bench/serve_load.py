@@ -93,13 +93,20 @@ async def sse_docs(client: httpx.AsyncClient, url: str, body: dict):
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            doc = json.loads(line[6:])
-            if "error" in doc:
-                raise RuntimeError(f"stream error: {doc['error']}")
-            yield doc
+        # SSE lines end at CR or LF only: aiter_lines() would also split at U+2028, U+0085
+        # and the like, which JSON strings may carry unescaped.
+        buf = ""
+        async for text in r.aiter_text():
+            buf += text
+            *lines, buf = buf.split("\n")
+            for line in lines:
+                line = line.rstrip("\r")
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                doc = json.loads(line[6:])
+                if "error" in doc:
+                    raise RuntimeError(f"stream error: {doc['error']}")
+                yield doc
 
 
 async def one(client: httpx.AsyncClient, url: str, i: int, n: int) -> tuple[float, int, float]:
