@@ -9,6 +9,8 @@ finished one replaced at once (continuous batching), `--rounds` sequences per sl
 Per concurrency: generated tok/s, steps, median / p90 step wall (ms), graph builds
 during the level, and the row counts of the steps. --profile C: cProfile of level C
 (top functions by own time), to tell Python per step from waiting on the device.
+--kernels K: `minfer profile`'s per-kernel table (CUDA events per launch; host clocks
+on the CPU) of K steps from the middle of every level, the top rows of each.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import numpy as np
 
 
-def level(ctx, slots, conc: int, n: int, rounds: int, seed: int = 0) -> dict:
+def level(ctx, slots, conc: int, n: int, rounds: int, seed: int = 0, kernels: int = 0) -> dict:
     from minfer.engine import Engine, Sequence
     from minfer.sampling import SamplingParams
 
@@ -42,8 +44,14 @@ def level(ctx, slots, conc: int, n: int, rounds: int, seed: int = 0) -> dict:
     for i in range(conc):
         start(i)
     walls, rows = [], []
+    prof = None
     b0, t0 = ctx.builds, time.perf_counter()
     while True:
+        if kernels and len(walls) == n // 2:   # the middle of the level: every slot decoding
+            prof = _profiler(ctx)
+            ctx.tracer = prof
+        elif prof is not None and len(walls) == n // 2 + kernels:
+            ctx.tracer = None
         s0 = time.perf_counter()
         more = eng.step()
         walls.append((time.perf_counter() - s0) * 1000)
@@ -55,10 +63,23 @@ def level(ctx, slots, conc: int, n: int, rounds: int, seed: int = 0) -> dict:
         if not more and started >= todo:
             break
     wall = time.perf_counter() - t0
+    ctx.tracer = None
     toks = todo * n
     return {"c": conc, "tps": toks / wall, "steps": len(walls), "med_ms": statistics.median(walls),
             "p90_ms": float(np.percentile(walls, 90)), "builds": ctx.builds - b0,
-            "rows": sorted(set(rows))[:12]}
+            "rows": sorted(set(rows))[:12], "kernels": prof.document() if prof is not None else None}
+
+
+def _profiler(ctx):
+    from minfer.tools.profile import Profiler
+
+    tensors = ctx.model.defn.tensors
+
+    def weight_bytes(name: str) -> int:
+        t = tensors.get(name)
+        return int(t.nbytes) if t is not None else 0
+
+    return Profiler(ctx.model.path if hasattr(ctx.model, "path") else "model", weight_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--profile", type=int, default=0, help="cProfile this concurrency level")
+    ap.add_argument("--kernels", type=int, default=0, help="per-kernel table of this many steps a level")
     ap.add_argument("--backend", default=None)
     a = ap.parse_args(argv)
     from minfer.model import Model
@@ -83,12 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         if c == a.profile:
             pr = cProfile.Profile()
             pr.enable()
-            r = level(ctx, slots, c, a.tokens, a.rounds)
+            r = level(ctx, slots, c, a.tokens, a.rounds, kernels=a.kernels)
             pr.disable()
         else:
-            r = level(ctx, slots, c, a.tokens, a.rounds)
+            r = level(ctx, slots, c, a.tokens, a.rounds, kernels=a.kernels)
         print(f"c={r['c']:<3} {r['tps']:9.1f} tok/s  {r['steps']} steps  step median {r['med_ms']:.2f} ms  "
               f"p90 {r['p90_ms']:.2f} ms  builds {r['builds']}  rows {r['rows']}", flush=True)
+        if r["kernels"] is not None:
+            from minfer.tools.profile import format_profile
+
+            print(format_profile(r["kernels"], top=12), flush=True)
         if c == a.profile:
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)

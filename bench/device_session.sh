@@ -22,7 +22,7 @@
 # llama-cuda-src.tar.gz): llama.cpp builds in the background from the start, beside the
 # build and the GPU suite, and the serving table runs after them into serve.txt.
 # STEPS=1: bench/batch_steps.py on the 0.5B and 7B shapes (step walls, graph builds,
-# a cProfile of 64 concurrent) into steps-SHAPE.txt.
+# a cProfile of 64 concurrent, the per-kernel table of two steps a level) into steps-SHAPE.txt.
 # Phases that fail are reported in summary.txt; the later ones still run.
 set -u
 cd "$(dirname "$0")/.."
@@ -244,7 +244,7 @@ if not p.exists():
     write_model(p, seed=1, with_tokenizer=False, fast=True, ctx=4096, **shapes()[sys.argv[2]])
 EOF3
     timeout "${STEPS_S:-150}" python3 bench/batch_steps.py "$models/qwen2-$shape-q4km-shape.gguf" -c 1,4,16,64 -n 64 \
-      --profile 64 >"$OUT/steps-$shape.txt" 2>&1
+      --profile 64 --kernels 2 >"$OUT/steps-$shape.txt" 2>&1
     phase "batch steps $shape rc $? -> steps-$shape.txt"
     head -4 "$OUT/steps-$shape.txt" >>"$S"
   done
