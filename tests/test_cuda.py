@@ -185,6 +185,66 @@ def test_matmul_vs_float64(qtype, nt):
     assert np.all(err <= tol), f"{qtype.name} nt={nt}: max err/tol {np.max(err / tol):.3g}"
 
 
+class mmq_min_cols:
+    """Blocks of at least n token columns on the tensor cores (k_mmq.cu) inside the block."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        self.old = _core.testing.cuda_set_mmq_min_cols(self.n)
+
+    def __exit__(self, *exc):
+        _core.testing.cuda_set_mmq_min_cols(self.old)
+
+
+# Rows of fewer than 32 units (idle butterfly lanes), of ragged unit counts per lane, a
+# 7B-like long row; 300 rows leave a partial 16-row tile.
+MMQ_DIMS = {t: [224, 2080] for t in FAMILY32} | {t: [768, 4864, 18944] for t in KQUANTS}
+
+
+@pytest.mark.parametrize("nt", [9, 16, 17, 40, 64])
+@pytest.mark.parametrize("qtype", FAMILY32 + KQUANTS, ids=lambda t: t.name)
+def test_mmq_columns_bitwise_the_matvec(qtype, nt):
+    """A block of 9 to 64 token columns on the int8 tensor cores: every column bitwise
+    what the matvec's column launches give (which the test above holds to one-token
+    runs), with a bias and after an RMSNorm's deferred copy (its per-column scale), and
+    within the int8-activation bound of float64 over gguf's dequantization."""
+    for in_dim in MMQ_DIMS[qtype]:
+        rng = np.random.default_rng(int(qtype) * 1000 + nt + in_dim)
+        out_dim, eps = 300, 1e-6
+        raw, deq = make_weight(qtype, out_dim, in_dim, rng)
+        x = rng.standard_normal((nt, in_dim)).astype(np.float32)
+        bias = rng.standard_normal(out_dim).astype(np.float32)
+        nw = rng.standard_normal(in_dim).astype(np.float32)
+        got = {}
+        for n_min in (2, 10_000):
+            with mmq_min_cols(n_min):
+                r = Rig()
+                wh = r.weight("w", raw, qtype, in_dim, out_dim)
+                bh = r.weight("b", bias, Q.F32, out_dim, 1)
+                wn = r.weight("norm", nw, Q.F32, in_dim, 1)
+                xi, yi, hn, zi = r.buf(x), r.out(nt * out_dim), r.out(nt * in_dim), r.out(nt * out_dim)
+                steps = [("matmul", [yi, xi], [in_dim, out_dim, nt], [], [wh, bh])]
+                if in_dim <= 4096:  # the norm's deferred copy takes rows of at most 4096
+                    steps += [("rms_norm", [hn, xi], [in_dim, nt], [eps], [wn]),
+                              ("matmul", [zi, hn], [in_dim, out_dim, nt], [], [wh, -1])]
+                _core.testing.cuda_reset_counters()
+                r.run(r.plan(steps))
+                assert _core.testing.cuda_counters()["mmq"] == (len(steps) + 1) // 2 * (n_min == 2)
+                got[n_min] = [r.read(yi, nt * out_dim).tobytes()]
+                if len(steps) > 1:
+                    got[n_min].append(r.read(zi, nt * out_dim).tobytes())
+        assert got[2][0] == got[10_000][0], f"{qtype.name} in {in_dim}: tensor cores != matvec"
+        if len(got[2]) > 1:
+            assert got[2][1] == got[10_000][1], f"{qtype.name} in {in_dim}: after the norm, tensor cores != matvec"
+            z = np.frombuffer(got[2][1], np.float32).reshape(nt, out_dim).astype(np.float64)
+            for c in range(nt):
+                check_after_norm(z[c:c + 1], x[c], nw, eps, deq)
+        y = np.frombuffer(got[2][0], np.float32).reshape(nt, out_dim).astype(np.float64)
+        check_matvec(y, x, deq, qtype, bias)
+
+
 @pytest.mark.parametrize("in_dim", [512, 4096])
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0])
 def test_matvec_one_type_and_pair_kernels(qtype, in_dim):

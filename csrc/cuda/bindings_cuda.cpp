@@ -477,6 +477,7 @@ void register_cuda(py::module_& m, py::module_& testing) {
             d["staged"] = k.staged;
             d["x4"] = k.x4;
             d["pair"] = k.pair;
+            d["mmq"] = k.mmq;
             return d;
         });
     testing.def("cuda_replay_probe", [](const Plan& plan, DevPool& pool, int input_id, int reps) {
@@ -507,6 +508,13 @@ void register_cuda(py::module_& m, py::module_& testing) {
         }, py::arg("reset") = true,
         "The in-kernel timeline's records per kind ([marks..., t0 ns, t1 ns, blocks, sm]), or None.");
     testing.def("cuda_reset_counters", []() { ctx().c = Counters{}; });
+    // Blocks of at least n token columns take the tensor-core matmul (k_mmq.cu); returns
+    // the old n. Tests set a large n to compare with the matvec's column launches.
+    testing.def("cuda_set_mmq_min_cols", [](int n) {
+        const int old = mmq_min_cols();
+        mmq_min_cols() = n;
+        return old;
+    });
     testing.def("cuda_weight_bytes", [](PyWeightStore& ws) { return mirror_of(ws).bytes; });
     testing.def("cuda_mem_info", []() {
             ctx();

@@ -34,6 +34,7 @@ struct Counters {
     uint64_t staged = 0;          // launches of the staged matvec (k_matvec_bulk), direct or captured
     uint64_t x4 = 0;              // launches of the four-rows-a-block matvec (k_matvec_x4)
     uint64_t pair = 0;            // launches of a two-type matvec instantiation (mv_pair)
+    uint64_t mmq = 0;             // batched matmuls on the int8 tensor cores (k_mmq), direct or captured
 };
 
 struct Context {

@@ -6,6 +6,7 @@
 #include "cuda/context.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
+#include "cuda/mv_math.cuh"
 #include "cuda/quant.cuh"
 #include "cuda/norm.cuh"
 #include "cuda/rope.cuh"
@@ -100,8 +101,8 @@ __device__ __forceinline__ int dot32(const uint32_t w[8], const uint4& x0, const
     for (int i = 0; i < 4; ++i) s = U ? dp4us(w[4 + i], W_(x1, i), s) : dp4(w[4 + i], W_(x1, i), s);
     return s;
 }
-__device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
+using mvm::fadd;
+using mvm::fmul;
 
 // The activation side of one unit (the int8 copy and its (d, d * sum) pairs). A unit's
 // dot product reads it through one of two views with the same methods: Lazy loads each
@@ -166,14 +167,7 @@ struct XQ6 {  // Q6_K unit u: chunks ja and jb = ja + 2 of superblock u / 4 (ja 
     }
 };
 
-// Bits j..j+3 of qh to bit 4 of bytes 0..3 (the fifth bit of four 5-bit quants). The
-// multiply adds b, b << 7, b << 14 and b << 21: bit i of b lands at bit 8i in the copy
-// shifted by 7i, and the copies take disjoint bits (0-3, 7-10, 14-17, 21-24), so nothing
-// carries.
-__device__ __forceinline__ uint32_t spread4(uint32_t qh, int j) {
-    const uint32_t b = (qh >> j) & 0xF;
-    return ((b * 0x00204081u) & 0x01010101u) << 4;
-}
+using mvm::spread4;
 
 // Sum of the 16 int8 values in v. Offset quants (Q4_0, Q5_0, Q6_K) are dotted unsigned
 // and the offset times this sum taken off the integer result: the same integer as
@@ -229,11 +223,7 @@ struct UnitQ45 {
         constexpr int off = T == T_Q4_0 ? 8 : T == T_Q5_0 ? 16 : 0;
         const uint4 x0 = x.q(0), x1 = x.q(1);
         const int s = dot32(w, x0, x1, off ? -off * sum16(x1, sum16(x0)) : 0);
-        const float2 ds = x.ds();
-        const float d = __half2float(__ushort_as_half((unsigned short)(dm & 0xFFFF)));
-        float r = fmul(fmul(d, ds.x), (float)s);
-        if constexpr (kMin) r = fadd(r, fmul(__half2float(__ushort_as_half((unsigned short)(dm >> 16))), ds.y));
-        return r;
+        return mvm::val_q45<kMin>(dm, x.ds(), s);
     }
 };
 template <> struct Unit<T_Q4_0> : UnitQ45<T_Q4_0> {};
@@ -256,8 +246,7 @@ template <> struct Unit<T_Q8_0> {
     template <class XV>
     __device__ __forceinline__ float dot(const XV& x, int) const {
         const uint32_t w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-        const int s = dot32(w, x.q(0), x.q(1));
-        return fmul(fmul(d, x.ds().x), (float)s);
+        return mvm::val_q8_0(d, x.ds(), dot32(w, x.q(0), x.q(1)));
     }
 };
 
@@ -308,14 +297,9 @@ struct UnitK45 {
         }
         const int s0 = dot32(wl, x.q(0), x.q(1));
         const int s1 = T == T_Q4_K ? dot32<true>(wh, x.q(2), x.q(3)) >> 4 : dot32(wh, x.q(2), x.q(3));
-        const float4 ds = x.ds();
         int sc0, m0, sc1, m1;
         k4_scale_min(sel, h.y, h.z, h.w, sc0, m0, sc1, m1);
-        const float d = __half2float(__ushort_as_half((unsigned short)(h.x & 0xFFFF)));
-        const float dmin = __half2float(__ushort_as_half((unsigned short)(h.x >> 16)));
-        const float fs = fadd(fmul((float)(sc0 * s0), ds.x), fmul((float)(sc1 * s1), ds.z));
-        const float fm = fadd(fmul((float)m0, ds.y), fmul((float)m1, ds.w));
-        return __fsub_rn(fmul(d, fs), fmul(dmin, fm));
+        return mvm::val_k45(h.x, sc0, m0, sc1, m1, s0, s1, x.ds());
     }
 };
 template <> struct Unit<T_Q4_K> : UnitK45<T_Q4_K> {};
@@ -371,9 +355,7 @@ template <> struct Unit<T_Q6_K> {
         sb1 -= 32 * sum16(xb1);
         const int ia = sbyte(sc, 8 * n + 2 * k1) * sa0 + sbyte(sc, 8 * n + 2 * k1 + 1) * sa1;
         const int ib = sbyte(sc, 8 * n + 2 * k1 + 4) * sb0 + sbyte(sc, 8 * n + 2 * k1 + 5) * sb1;
-        const float fa = fmul(x.da(), (float)ia);
-        const float fb = fmul(x.db(), (float)ib);
-        return fmul(d, fadd(fa, fb));
+        return mvm::val_q6k(d, ia, ib, x.da(), x.db());
     }
 };
 
@@ -1457,6 +1439,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         a.block0[i] = b;
         b += (jobs[i].rows + MV_WARPS - 1) / MV_WARPS;
     }
+    // Blocks of 9 and more columns: the tensor cores, the weights read once.
+    if (ncols > 1 && !rope && mmq_matvec(jobs[0], in_dim, a.xq, a.xds, a.xscale, ncols)) return;
     // Columns in launches of 8, 4, 2, 1: each column's bits are the same in all of them.
     for (int c0 = 0; c0 < ncols;) {
         const int left = ncols - c0;

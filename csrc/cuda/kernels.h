@@ -87,6 +87,15 @@ void rope_table(float2* table, int64_t rows, int n_rot, const RopeCfg& cfg);
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols = 1,
                   bool xq_ready = false, const MvRopeStore* rope = nullptr, bool in_norm = false);
 size_t matvec_scratch_bytes(int64_t in_dim, int64_t ncols = 1);
+// The columns of such a block on the int8 tensor cores (k_mmq.cu) when there are at least
+// mmq_min_cols() of them and the type has the kernel (the quantized ones): one launch
+// reading the weights once, each column bitwise the matvec's. False: not taken (the
+// caller launches the matvec's columns). xq / xds: the int8 copy as matvec_multi lays it
+// out; xscale: the norm's per-column scales or null.
+bool mmq_matvec(const MvJob& jb, int64_t in_dim, const int8_t* xq, const float2* xds, const float* xscale,
+                int ncols);
+bool mmq_type_supported(int32_t t);
+int& mmq_min_cols();
 // RMSNorm rows whose readers are decode matvecs (d % 32 == 0, d <= kNormCopyMaxRow, nt
 // rows of at most kRowExactMaxTokens): y bitwise rms_norm's, plus the rows' deferred
 // int8 copy: q8 of x * w per 32-element group (no whole-row reduction in it), and each

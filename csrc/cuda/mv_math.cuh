@@ -1,0 +1,55 @@
+// The float side of a quantized dot product: how a unit's exact integer sums become its
+// float value, one function per weight family (and the bit spreading both kernels decode
+// Q5 quants with). The decode matvec (k_matvec.cu, integer
+// sums by __dp4a) and the batched matmul on the tensor cores (k_mmq.cu, the same integers
+// by mma) both call these, so a row's bits are the same whichever kernel computed it:
+// the integers are exact in any order, and every float operation here is spelled out
+// (_rn) so no instantiation contracts differently.
+#pragma once
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace minfer::cuda::mvm {
+
+// Bits j..j+3 of qh to bit 4 of bytes 0..3 (the fifth bit of four 5-bit quants). The
+// multiply adds b, b << 7, b << 14 and b << 21: bit i of b lands at bit 8i in the copy
+// shifted by 7i, and the copies take disjoint bits (0-3, 7-10, 14-17, 21-24), so nothing
+// carries.
+__device__ __forceinline__ uint32_t spread4(uint32_t qh, int j) {
+    const uint32_t b = (qh >> j) & 0xF;
+    return ((b * 0x00204081u) & 0x01010101u) << 4;
+}
+
+__device__ __forceinline__ float fmul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float half_lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFF))); }
+__device__ __forceinline__ float half_hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+
+// Legacy 32-element block: d (dm's low half) times the activation block's scale times
+// the integer s; Q4_1 / Q5_1 (kMin) add their min m (dm's high half) times d * sum(q).
+template <bool kMin>
+__device__ __forceinline__ float val_q45(uint32_t dm, float2 ds, int s) {
+    float r = fmul(fmul(half_lo(dm), ds.x), (float)s);
+    if constexpr (kMin) r = fadd(r, fmul(half_hi(dm), ds.y));
+    return r;
+}
+
+__device__ __forceinline__ float val_q8_0(float d, float2 ds, int s) { return fmul(fmul(d, ds.x), (float)s); }
+
+// Q4_K / Q5_K half superblock: sub-blocks with 6-bit scales sc0, sc1 and mins m0, m1,
+// integers s0, s1 against activation blocks ds = (d0, d0 * sum0, d1, d1 * sum1); dd
+// holds the superblock's d (low half) and dmin (high half).
+__device__ __forceinline__ float val_k45(uint32_t dd, int sc0, int m0, int sc1, int m1, int s0, int s1, float4 ds) {
+    const float fs = fadd(fmul((float)(sc0 * s0), ds.x), fmul((float)(sc1 * s1), ds.z));
+    const float fm = fadd(fmul((float)m0, ds.y), fmul((float)m1, ds.w));
+    return __fsub_rn(fmul(half_lo(dd), fs), fmul(half_hi(dd), fm));
+}
+
+// Q6_K unit: the scale-weighted integers of its two chunks (ia, ib) against their
+// activation scales (da, db), times the superblock's d.
+__device__ __forceinline__ float val_q6k(float d, int ia, int ib, float da, float db) {
+    return fmul(d, fadd(fmul(da, (float)ia), fmul(db, (float)ib)));
+}
+
+}  // namespace minfer::cuda::mvm
