@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import json
+
 import httpx
 
 # The server's own knobs that the CLI does not expose, for the limit and timeout tests.
@@ -26,6 +28,22 @@ serve(Model.open(path, n_threads=2), ServeConfig(port=port, slots=slots, ctx=ctx
       limits=Limits(max_body=64 * 1024, body_timeout=timeout),
       speculate=speculate, draft_max=draft_max))
 """
+
+
+def sse_events(lines, timeout: float, until=("done", "run_error")) -> list[tuple[str, dict]]:
+    """The (event, data) pairs of an SSE line iterator, up to the first event named in
+    `until`; an assertion fails once `timeout` seconds have passed."""
+    events, ev = [], None
+    deadline = time.monotonic() + timeout
+    for line in lines:
+        assert time.monotonic() < deadline, f"no {until} event within {timeout} s: {events[-3:]}"
+        if line.startswith("event: "):
+            ev = line[7:]
+        elif line.startswith("data: ") and ev:
+            events.append((ev, json.loads(line[6:])))
+            if ev in until:
+                break
+    return events
 
 
 def free_port() -> int:

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -31,6 +29,7 @@ from minfer.session import Session
 from minfer.testing import QWEN2_Q4_K_M_TYPES, write_model
 from minfer.tools.trace import Tracer, load_trace
 from minfer.tools.trace_diff import diff_traces, format_report
+from server_helpers import free_port, sse_events
 
 pytestmark = pytest.mark.cuda
 
@@ -210,18 +209,12 @@ def test_profile_cli_on_cuda(models):
     assert "CUDA events around each kernel" in text.stdout and "fused_ffn_swiglu" in text.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_viz_live_run_on_cuda(models):
     """POST /viz/run on a CUDA session: the run streams a record for every executed node
     of every step and the kernels of each phase, and its tokens are the untraced greedy
     run's."""
     model = models["quant"]
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "minfer.cli", "viz", str(model), "--port", str(port),
                              "--backend", "cuda"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ))
@@ -240,22 +233,12 @@ def test_viz_live_run_on_cuda(models):
             time.sleep(0.2)
         c = httpx.Client(base_url=base, timeout=60)
         assert c.get("/viz/info").json()["backends"][0] == "CUDA"
-        events = []
         with c.stream("GET", "/viz/events") as sse:
             lines = sse.iter_lines()
             assert next(lines) == "event: hello"
             r = c.post("/viz/run", json={"prompt": "the cat sat", "n": 4})
             assert r.status_code == 202, r.text
-            ev = None
-            deadline = time.monotonic() + 120
-            for line in lines:
-                assert time.monotonic() < deadline
-                if line.startswith("event: "):
-                    ev = line[7:]
-                elif line.startswith("data: ") and ev:
-                    events.append((ev, json.loads(line[6:])))
-                    if ev in ("done", "run_error"):
-                        break
+            events = sse_events(lines, 120)
         kinds = [e for e, _ in events]
         assert kinds[-1] == "done", events[-1]
         assert kinds.count("phase") == 2 and kinds.count("step") == 4

@@ -3,7 +3,6 @@ live run streams per-node data over SSE) and the page in a real headless Chromiu
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -14,16 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import free_port, sse_events
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +29,7 @@ def server(synth_model_path, tmp_path_factory):
                         "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     prof.write_text(r.stdout)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "minfer.cli", "viz", str(synth_model_path), "--port", str(port),
                              "--profile", str(prof)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
@@ -92,7 +86,6 @@ def test_bad_requests_get_clear_errors_and_the_server_survives(server):
 def test_live_run_streams_node_data_and_refuses_a_second_run(server):
     c = httpx.Client(base_url=server, timeout=30)
     _wait_done(server)
-    events = []
     with c.stream("GET", "/viz/events") as sse:
         lines = sse.iter_lines()
         assert next(lines) == "event: hello"
@@ -100,16 +93,7 @@ def test_live_run_streams_node_data_and_refuses_a_second_run(server):
         assert r.status_code == 202
         second = c.post("/viz/run", json={"prompt": "again", "n": 1})
         assert second.status_code == 409 and "already" in second.json()["error"]
-        ev = None
-        deadline = time.monotonic() + 60
-        for line in lines:
-            assert time.monotonic() < deadline
-            if line.startswith("event: "):
-                ev = line[7:]
-            elif line.startswith("data: ") and ev:
-                events.append((ev, json.loads(line[6:])))
-                if ev in ("done", "run_error"):
-                    break
+        events = sse_events(lines, 60)
     kinds = [e for e, _ in events]
     assert kinds[-1] == "done", events[-1]
     assert kinds.count("phase") == 2 and kinds.count("step") == 3
