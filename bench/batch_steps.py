@@ -9,7 +9,8 @@ finished one replaced at once (continuous batching), `--rounds` sequences per sl
 Per concurrency: generated tok/s, steps, median / p90 step wall (ms), graph builds
 during the level, and the row counts of the steps. --profile C: cProfile of level C
 (top functions by own time), to tell Python per step from waiting on the device.
---kernels K: `minfer profile`'s per-kernel table (CUDA events per launch; host clocks
+--mmq-ab: each level twice more, the batched matmuls as the matvec's column launches
+and then on the tensor cores (k_mmq), side by side (CUDA). --kernels K: `minfer profile`'s per-kernel table (CUDA events per launch; host clocks
 on the CPU) of K steps from the middle of every level, the top rows of each.
 """
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--profile", type=int, default=0, help="cProfile this concurrency level")
     ap.add_argument("--kernels", type=int, default=0, help="per-kernel table of this many steps a level")
+    ap.add_argument("--mmq-ab", action="store_true", help="also each level with the matvec's columns, then k_mmq")
     ap.add_argument("--backend", default=None)
     a = ap.parse_args(argv)
     from minfer.model import Model
@@ -111,6 +113,21 @@ def main(argv: list[str] | None = None) -> int:
             r = level(ctx, slots, c, a.tokens, a.rounds, kernels=a.kernels)
         print(f"c={r['c']:<3} {r['tps']:9.1f} tok/s  {r['steps']} steps  step median {r['med_ms']:.2f} ms  "
               f"p90 {r['p90_ms']:.2f} ms  builds {r['builds']}  rows {r['rows']}", flush=True)
+        if a.mmq_ab:
+            from minfer import _core
+
+            default = _core.testing.cuda_set_mmq_min_cols(1 << 30)
+            for label, n_min in (("matvec columns", 1 << 30), ("tensor cores", default)):
+                _core.testing.cuda_set_mmq_min_cols(n_min)
+                # A context of its own: its graphs are captured under this choice.
+                c2 = Context(model, n_ctx=a.ctx, n_seq=a.slots)
+                s2 = [c2.session(i) for i in range(a.slots)]
+                level(c2, s2, 1, 8, 1)
+                ab = level(c2, s2, c, a.tokens, a.rounds)
+                print(f"      {label:<15} {ab['tps']:9.1f} tok/s  step median {ab['med_ms']:.2f} ms  "
+                      f"p90 {ab['p90_ms']:.2f} ms", flush=True)
+                del c2, s2
+            _core.testing.cuda_set_mmq_min_cols(default)
         if r["kernels"] is not None:
             from minfer.tools.profile import format_profile
 
