@@ -22,7 +22,8 @@
 # llama-cuda-src.tar.gz): llama.cpp builds in the background from the start, beside the
 # build and the GPU suite, and the serving table runs after them into serve.txt.
 # STEPS=1: bench/batch_steps.py on the 0.5B and 7B shapes (step walls, graph builds,
-# a cProfile of 64 concurrent, the per-kernel table of two steps a level) into steps-SHAPE.txt.
+# a cProfile of 64 concurrent, the per-kernel table of two steps a level) into
+# steps-SHAPE.txt; STEPS_ARGS adds options (e.g. --mmq-ab), STEPS_SHAPES narrows the shapes.
 # Phases that fail are reported in summary.txt; the later ones still run.
 set -u
 cd "$(dirname "$0")/.."
@@ -232,7 +233,7 @@ if [ -n "${NCU:-}" ]; then
   fi
 fi
 if [ "${STEPS:-0}" = 1 ]; then
-  for shape in 0.5b 7b; do
+  for shape in ${STEPS_SHAPES:-0.5b 7b}; do
     python3 - "$models" "$shape" >>"$S" 2>&1 <<'EOF3'
 import sys
 from pathlib import Path
@@ -243,8 +244,12 @@ p = Path(sys.argv[1]) / f"qwen2-{sys.argv[2]}-q4km-shape.gguf"
 if not p.exists():
     write_model(p, seed=1, with_tokenizer=False, fast=True, ctx=4096, **shapes()[sys.argv[2]])
 EOF3
-    timeout "${STEPS_S:-150}" python3 bench/batch_steps.py "$models/qwen2-$shape-q4km-shape.gguf" -c 1,4,16,64 -n 64 \
-      --profile 64 --kernels 2 >"$OUT/steps-$shape.txt" 2>&1
+    # The engine detokenizes: the shape with Qwen2's vocabulary (carried in gpu_models/).
+    sv=$models/qwen2-$shape-vocab.gguf
+    [ -f "$sv" ] || python3 bench/with_vocab.py "$models/qwen2-$shape-q4km-shape.gguf" \
+      "${VOCAB:-gpu_models/ggml-vocab-qwen2.gguf}" "$sv" >>"$S" 2>&1
+    timeout "${STEPS_S:-150}" python3 bench/batch_steps.py "$sv" -c 1,4,16,64 -n 64 \
+      --profile 64 --kernels 2 ${STEPS_ARGS:-} >"$OUT/steps-$shape.txt" 2>&1
     phase "batch steps $shape rc $? -> steps-$shape.txt"
     head -4 "$OUT/steps-$shape.txt" >>"$S"
   done

@@ -114,10 +114,31 @@ std::vector<double> d2h_probe(size_t nbytes, int reps) {
     return r;
 }
 
+// A pool's end frees device and pinned memory and waits on the stream: like every call
+// that touches the stream, under the stream mutex (taken with the GIL released), so it
+// never lands inside another thread's capture. Not while the interpreter finalizes: a
+// daemon thread frozen there may hold the mutex, and no other thread runs by then.
+struct PoolDeleter {
+    void operator()(DevPool* p) const {
+#if PY_VERSION_HEX >= 0x030D0000
+        const bool finalizing = Py_IsFinalizing();
+#else
+        const bool finalizing = _Py_IsFinalizing();
+#endif
+        if (finalizing) {
+            delete p;
+            return;
+        }
+        py::gil_scoped_release nogil;
+        std::lock_guard<std::recursive_mutex> lk(stream_mutex());
+        delete p;
+    }
+};
+
 }  // namespace
 
 void register_cuda(py::module_& m, py::module_& testing) {
-    py::class_<DevPool>(m, "CudaPool")
+    py::class_<DevPool, std::unique_ptr<DevPool, PoolDeleter>>(m, "CudaPool")
         .def(py::init<std::string>(), py::arg("name"))
         .def_property_readonly("name", &DevPool::name)
         .def("alloc", &DevPool::alloc, py::call_guard<StreamGuard>(), py::arg("nbytes"))
@@ -249,8 +270,15 @@ void register_cuda(py::module_& m, py::module_& testing) {
             {
                 py::gil_scoped_release nogil;
                 // The plan that wrote these logits may have taken the argmax in its graph.
-                if (!(pk.pool == &pool && pk.buf == id && pk.n == n))
+                // Else it is taken now, and the slot then answers for these logits: the
+                // device int no longer holds what it held for another pool (another
+                // thread's context), whose next pick must not trust it.
+                if (!(pk.pool == &pool && pk.buf == id && pk.n == n)) {
                     argmax((const float*)pool.data(id), n, pk.dev, c.err_dev);
+                    pk.pool = &pool;
+                    pk.buf = id;
+                    pk.n = n;
+                }
                 MC_CHECK(cudaMemcpyAsync(pk.host, pk.dev, 4, cudaMemcpyDeviceToHost, c.stream));
                 ++c.c.d2h;
                 c.c.d2h_bytes += 4;

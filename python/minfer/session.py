@@ -227,8 +227,7 @@ class Context:
             return None
         if copy:
             return alloc.copy_to_host(g.outputs[0], rows=keep)
-        view = alloc.host_view(g.outputs[0])
-        return view if keep is None else view[:keep]
+        return alloc.host_view(g.outputs[0], rows=keep)
 
     def run_one(self, token: int, pos: int, cell: int, copy: bool | None = True) -> np.ndarray | None:
         """run() of one token with logits for it, through the bound step where the

@@ -449,16 +449,17 @@ class GraphAllocator:
         out = self.devices[ref.backend].read(ref.id, node.out_dtype.numpy, n_rows * node.out_shape[0])
         return out.reshape(n_rows, node.out_shape[0])
 
-    def host_view(self, node_id: int) -> np.ndarray:
+    def host_view(self, node_id: int, rows: int | None = None) -> np.ndarray:
         """Like copy_to_host, but a read-only view of the buffer where the backend's memory
-        is host-addressable (else a copy): valid until the next execute. The decode loop
-        samples from it without a copy."""
+        is host-addressable (else a copy, of the first `rows` rows only when given): valid
+        until the next execute. The decode loop samples from it without a copy."""
         node = self._graph.nodes[node_id]
         ref = self.buffer(node_id)
         out = self.devices[ref.backend].view(ref.id, node.out_dtype.numpy, node.n_elements)
         if out is None:
-            return self.copy_to_host(node_id)
-        return out.reshape(node.n_rows, node.out_shape[0])
+            return self.copy_to_host(node_id, rows=rows)
+        out = out.reshape(node.n_rows, node.out_shape[0])
+        return out if rows is None else out[:rows]
 
     def viewer(self, node_id: int):
         """host_view(node_id) of the allocated graph as a call of no arguments, the
