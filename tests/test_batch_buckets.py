@@ -147,3 +147,25 @@ def test_a_bucketed_step_returns_and_reads_only_the_wanted_rows(model):
         assert got[pad].shape == (4, model.hp.n_vocab)
         assert reads == [4]
     assert np.array_equal(got[True], got[False])
+
+
+def test_warmed_buckets_build_nothing_later_and_change_no_output(model):
+    """warm_buckets (a server's start on a GPU): every bucket and small decode shape built
+    beforehand on the padding cells, so the batched steps that follow build nothing, and
+    the sequences' outputs are a cold context's; a context that does not pad warms nothing."""
+    cold, cold_rows, cold_builds, _ = run(model, True)
+    ctx = Context(model, n_ctx=48, n_seq=22, pad_batches=True)
+    n = ctx.warm_buckets()
+    assert n == 8 + sum(r // 8 for r in range(16, Context.PAD_MAX + 1, 8)) and ctx.builds == n
+    eng = Engine(ctx, [ctx.session(i) for i in range(22)], chunk=256)
+    rng = np.random.default_rng(5)
+    seqs = [Sequence([int(t) for t in rng.integers(3, 200, size=8)], 6 + i, GREEDY, stop_at_eog=False)
+            for i in range(22)]
+    for i, s in enumerate(seqs):
+        eng.add(s, i)
+    builds = ctx.builds
+    eng.run()
+    assert [s.ids for s in seqs] == cold
+    # Only the prompt step (22 x 8 rows, past the buckets) builds.
+    assert ctx.builds - builds == 1 and cold_builds > 1, (ctx.builds - builds, cold_builds)
+    assert Context(model, n_ctx=48, n_seq=22).warm_buckets() == 0

@@ -182,6 +182,27 @@ class Context:
             if ls.prepare is not None:
                 ls.prepare()
 
+    def warm_buckets(self) -> int:
+        """The graphs of the batched steps a server takes, built (and captured, where the
+        device captures on a plan's second run) before its first request, so no request
+        waits on a build: every bucket (rows and logits rows in multiples of PAD_STEP up
+        to PAD_MAX) and the decode steps of up to PAD_FROM rows. Each runs twice on the
+        padding cells, which only padding rows use, so no sequence's KV changes. Returns
+        the shapes warmed; none where steps are not bucketed (the CPU rebuilds cheaply)."""
+        if self.pad_from is None:
+            return 0
+        shapes = [(r, r) for r in range(1, min(self.pad_from, self.n_seq) + 1)]
+        shapes += [(r, k) for r in range(self.pad_from + self.PAD_STEP, self.PAD_MAX + 1, self.PAD_STEP)
+                   for k in range(self.PAD_STEP, r + 1, self.PAD_STEP)]
+        with self.lock:
+            for rows, n_out in shapes:
+                cells = np.arange(self.n_cells, self.n_cells + rows, dtype=np.int32)
+                span = np.stack([cells, cells + 1], axis=1).reshape(-1)
+                zeros = np.zeros(rows, dtype=np.int32)
+                for _ in range(2):
+                    self.run(zeros, zeros, cells, span, np.arange(n_out, dtype=np.int32), n_out, copy=None)
+        return len(shapes)
+
     @contextlib.contextmanager
     def warming(self):
         """warm() on a thread for the length of the block, joined on leaving: for start-up

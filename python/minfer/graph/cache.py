@@ -39,7 +39,9 @@ def next_uid() -> int:
 
 
 class GraphCache:
-    KEEP = 24
+    # A server's bucketed shapes (session.Context.warm_buckets: 43 of them) and the
+    # speculative blocks' sizes besides.
+    KEEP = 48
     KEEP_MAX_TOKENS = 64
 
     def __init__(self, entries: list, weights: WeightRegistry, options: Optional[dict] = None) -> None:

@@ -182,6 +182,9 @@ class Scheduler:
 
     # -- the HTTP side ---------------------------------------------------------------
     def start(self) -> None:
+        # A GPU's batched steps run in a few bucket shapes: their graphs are built and
+        # captured now rather than inside the first requests that take them.
+        self.ctx.warm_buckets()
         self._thread.start()
         self._watchdog.start()
 
