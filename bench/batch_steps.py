@@ -9,8 +9,9 @@ finished one replaced at once (continuous batching), `--rounds` sequences per sl
 Per concurrency: generated tok/s, steps, median / p90 step wall (ms), graph builds
 during the level, and the row counts of the steps. --profile C: cProfile of level C
 (top functions by own time), to tell Python per step from waiting on the device.
---mmq-ab: each level twice more, the batched matmuls as the matvec's column launches
-and then on the tensor cores (k_mmq), side by side (CUDA). --kernels K: `minfer profile`'s per-kernel table (CUDA events per launch; host clocks
+--mmq-ab: each level three times more, the batched matmuls as the matvec's column
+launches, on the tensor cores (k_mmq) from its default column count, and from 2
+columns, side by side (CUDA). --kernels K: `minfer profile`'s per-kernel table (CUDA events per launch; host clocks
 on the CPU) of K steps from the middle of every level, the top rows of each.
 """
 
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             from minfer import _core
 
             default = _core.testing.cuda_set_mmq_min_cols(1 << 30)
-            for label, n_min in (("matvec columns", 1 << 30), ("tensor cores", default)):
+            for label, n_min in (("matvec columns", 1 << 30), (f"k_mmq from {default}", default),
+                                 ("k_mmq from 2", 2)):
                 _core.testing.cuda_set_mmq_min_cols(n_min)
                 # A context of its own: its graphs are captured under this choice.
                 c2 = Context(model, n_ctx=a.ctx, n_seq=a.slots)
