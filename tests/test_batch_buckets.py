@@ -25,15 +25,20 @@ def model(tmp_path_factory) -> Model:
     return Model.open(path, n_threads=2)
 
 
-def run(model, pad: bool):
+def started(ctx):
     """22 sequences ending one by one (budgets 6..27), all started before the first step."""
-    ctx = Context(model, n_ctx=48, n_seq=22, pad_batches=pad)
     eng = Engine(ctx, [ctx.session(i) for i in range(22)], chunk=256)
     rng = np.random.default_rng(5)
     seqs = [Sequence([int(t) for t in rng.integers(3, 200, size=8)], 6 + i, GREEDY, stop_at_eog=False)
             for i in range(22)]
     for i, s in enumerate(seqs):
         eng.add(s, i)
+    return eng, seqs
+
+
+def run(model, pad: bool):
+    ctx = Context(model, n_ctx=48, n_seq=22, pad_batches=pad)
+    eng, seqs = started(ctx)
     rows = []
     real = ctx.run
 
@@ -157,12 +162,7 @@ def test_warmed_buckets_build_nothing_later_and_change_no_output(model):
     ctx = Context(model, n_ctx=48, n_seq=22, pad_batches=True)
     n = ctx.warm_buckets()
     assert n == 8 + sum(r // 8 for r in range(16, Context.PAD_MAX + 1, 8)) and ctx.builds == n
-    eng = Engine(ctx, [ctx.session(i) for i in range(22)], chunk=256)
-    rng = np.random.default_rng(5)
-    seqs = [Sequence([int(t) for t in rng.integers(3, 200, size=8)], 6 + i, GREEDY, stop_at_eog=False)
-            for i in range(22)]
-    for i, s in enumerate(seqs):
-        eng.add(s, i)
+    eng, seqs = started(ctx)
     builds = ctx.builds
     eng.run()
     assert [s.ids for s in seqs] == cold
