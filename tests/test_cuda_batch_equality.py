@@ -54,3 +54,25 @@ def test_greedy_in_a_batch_equals_alone(model, prompts, alone, batch):
     eng.run()
     differ = [i for i, s in enumerate(seqs) if s.ids != alone[i]]
     assert not differ, f"{len(differ)} of {batch} sequences differ from alone: {differ[:8]}"
+
+
+def test_warmed_buckets_change_no_output_and_save_builds(model, prompts, alone):
+    """A server's start on the GPU (Context.warm_buckets): the bucket graphs built and
+    captured on the padding cells beforehand; a batch of 20 then gives the sequences'
+    outputs alone and builds fewer graphs than a cold context."""
+    def batch(warm: bool):
+        ctx = Context(model, n_ctx=64, n_seq=20)
+        if warm:
+            assert ctx.warm_buckets() == 43
+        builds = ctx.builds
+        eng = Engine(ctx, [ctx.session(i) for i in range(20)], chunk=16)
+        seqs = [Sequence(p, STEPS, GREEDY, stop_at_eog=False) for p in prompts[:20]]
+        for i, s in enumerate(seqs):
+            eng.add(s, i)
+        eng.run()
+        return [s.ids for s in seqs], ctx.builds - builds
+
+    cold, cold_builds = batch(False)
+    warm, warm_builds = batch(True)
+    assert warm == cold == alone[:20]
+    assert warm_builds < cold_builds, (warm_builds, cold_builds)
