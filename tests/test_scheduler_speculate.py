@@ -369,3 +369,29 @@ def test_a_draft_model_of_another_vocabulary_is_refused(model, tmp_path):
     write_model(tmp_path / "other.gguf", n_layer=1, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=300)
     with pytest.raises(MinferError, match="vocabulary"):
         Scheduler(model, n_slots=1, n_ctx=64, draft_model=Model.open(tmp_path / "other.gguf", n_threads=2))
+
+
+def test_prompt_rows_stay_within_the_row_exact_limit_even_alone(model):
+    """Where a backend computes only up to N rows exactly (CUDA: 64), a server's step
+    never exceeds N rows, also when it holds prompt chunks alone: a long prompt is
+    prefilled in exact steps whether or not others decode, so its output does not depend
+    on the load. Set here on the CPU context, whose rows are exact at any count."""
+    ps = prompts(3, seed=12)
+    sched = Scheduler(model, n_slots=3, n_ctx=CTX, chunk=64)
+    sched.ctx.row_exact_max = 6
+    seen = []
+    real = sched.engine._forward
+
+    def spy(items, copy):
+        seen.append(sum(len(toks) for _, toks, _ in items))
+        return real(items, copy)
+
+    sched.engine._forward = spy
+    sched.start()
+    try:
+        got = run_jobs(sched, [dict(prompt_ids=p, n_predict=12) for p in ps])
+    finally:
+        assert sched.stop()
+    for p, g in zip(ps, got):
+        assert g["ids"] == alone(model, p, 12).ids
+    assert len(seen) > 12 and max(seen) <= 6, seen
