@@ -583,14 +583,15 @@ class Engine:
         items = [(s, [s.next_tok] + s.draft, 1 + len(s.draft)) for s in decoding]
         budget = self.chunk if self.chunk is not None else 1 << 62
         rows = sum(k for _, _, k in items)
-        if cap is not None and len(self.slots) > 1:
+        if cap is not None and len(self.slots) > 1 and rows < cap:
             # Prompt rows fill a step up to the exact limit, beside decode rows or not: the
             # decoding sequences keep the tokens they would get alone, a prompt's KV has
             # the same bits whatever else runs (so a server's output does not depend on
             # its load), and every step takes one of the few bucketed graphs a server
             # builds at start. (Beyond the limit a GPU takes its GEMM path: other bits,
-            # and a graph built for each new row count.) A lone sequence keeps its chunk.
-            budget = min(budget, max(0, cap - rows))
+            # and a graph built for each new row count.) A lone sequence keeps its chunk,
+            # and so does a step already at the limit: new prompts never wait on the others.
+            budget = min(budget, cap - rows)
         for s in active:
             if s.pending and budget > 0:
                 take = s.pending[:budget]
