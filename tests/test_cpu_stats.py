@@ -66,14 +66,15 @@ def test_stats_count_the_plan_and_add_up(model):
         assert crit <= r["wall_s"] * (1 + 1e-6)
         if t == 1:  # one thread never waits, and has nobody to steal from
             assert all(o["stolen"] == 0 for o in ops.values())
-    # One thread's barriers return at once: its wait is the clock reads around them. The
+    # One thread's barriers return at once: its wait is the clock reads around them (tens
+    # of ns a barrier: 1.67 us over a run's barriers missed a flat 1.59 us bound once). The
     # OS can still preempt it inside that window on a busy 2-core machine (a timer tick is
     # ~1e-3 of this run), so the bound must hold in one of three runs; a thread that
-    # really waited at its barriers would miss it in every run.
+    # really waited at its barriers (microseconds each) would miss it in every run.
     misses = []
     for attempt in range(3):
         r = by_t[1] if attempt == 0 else balance(model, "1", {"MINFER_ALL_BARRIERS": "1"})[0]
-        bound = 1e-3 * max(r["wall_s"], 1e-9) + 1e-6
+        bound = 1e-3 * max(r["wall_s"], 1e-9) + 1e-6 + 5e-8 * r["barriers"]
         worst = max(o["wait_s"] for o in r["ops"].values())
         if worst < bound:
             break
