@@ -115,9 +115,9 @@ std::vector<double> d2h_probe(size_t nbytes, int reps) {
 }
 
 // A pool's end frees device and pinned memory and waits on the stream: like every call
-// that touches the stream, under the stream mutex (taken with the GIL released), so it
-// never lands inside another thread's capture. Not while the interpreter finalizes: a
-// daemon thread frozen there may hold the mutex, and no other thread runs by then.
+// that touches the stream, under StreamGuard, so it never lands inside another thread's
+// capture. Not while the interpreter finalizes: a daemon thread frozen there may hold the
+// mutex, and no other thread runs by then.
 struct PoolDeleter {
     void operator()(DevPool* p) const {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -129,8 +129,7 @@ struct PoolDeleter {
             delete p;
             return;
         }
-        py::gil_scoped_release nogil;
-        std::lock_guard<std::recursive_mutex> lk(stream_mutex());
+        StreamGuard g;
         delete p;
     }
 };

@@ -53,29 +53,11 @@ struct MvArgs {
 
 constexpr int MV_WARPS = 4;
 
-__device__ __forceinline__ uint4 ldg4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-// Weight loads: G = global memory through the read-only path, else shared memory (a
-// staged copy of the row, k_matvec_bulk).
-template <bool G = true>
-__device__ __forceinline__ uint4 ld4(const uint8_t* p) {
-    if constexpr (G) return ldg4(p);
-    else return *reinterpret_cast<const uint4*>(p);
-}
-template <bool G = true>
-__device__ __forceinline__ float ldh(const uint8_t* p) {
-    if constexpr (G) return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
-    else return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
-}
-template <bool G = true>
-__device__ __forceinline__ uint32_t ldw(const uint8_t* p) {
-    if constexpr (G) return __ldg(reinterpret_cast<const unsigned int*>(p));
-    else return *reinterpret_cast<const unsigned int*>(p);
-}
-template <bool G = true>
-__device__ __forceinline__ unsigned short ldu16(const uint8_t* p) {
-    if constexpr (G) return __ldg(reinterpret_cast<const unsigned short*>(p));
-    else return *reinterpret_cast<const unsigned short*>(p);
-}
+using mvm::ld4;
+using mvm::ldg4;
+using mvm::ldh;
+using mvm::ldu16;
+using mvm::ldw;
 __device__ __forceinline__ int dp4(uint32_t a, uint32_t b, int c) { return __dp4a((int)a, (int)b, c); }
 // a's bytes unsigned, b's signed.
 __device__ __forceinline__ int dp4us(uint32_t a, uint32_t b, int c) {
@@ -179,10 +161,9 @@ __device__ __forceinline__ int sum16(const uint4& v, int c = 0) {
     return __dp4a((int)v.w, 0x01010101, c);
 }
 
-// A unit is what a lane decodes per trip: half a superblock (64 elements) for the
-// K-quants, a 32-element block for the rest (Unit<T>::count), nb 32-element blocks a row.
-__host__ __device__ constexpr bool kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
-__host__ __device__ constexpr int row_units(int t, int nb) { return kquant(t) ? nb / 2 : nb; }
+// Units (mv_math.cuh) as Unit<T>::count gives them.
+using mvm::kquant;
+using mvm::row_units;
 
 template <int T> struct Unit;
 
@@ -322,9 +303,6 @@ template <> struct Unit<T_Q6_K> {
         sc = ld4<G>(row + q6k_sc(ns, s));
         d = ldh<G>(row + q6k_d(ns, s));
     }
-    __device__ __forceinline__ static int sbyte(const uint4& v, int i) {
-        return (int)(int8_t)((W_(v, i >> 2) >> (8 * (i & 3))) & 0xFF);
-    }
     using X = XQ6;
     __device__ __forceinline__ float dot(const MvArgs& a, int col, int u) const { return dot(typename X::Lazy{a, col, u}, u); }
     template <class XV>
@@ -353,6 +331,7 @@ template <> struct Unit<T_Q6_K> {
         sa1 -= 32 * sum16(xa1);
         sb0 -= 32 * sum16(xb0);
         sb1 -= 32 * sum16(xb1);
+        using mvm::sbyte;
         const int ia = sbyte(sc, 8 * n + 2 * k1) * sa0 + sbyte(sc, 8 * n + 2 * k1 + 1) * sa1;
         const int ib = sbyte(sc, 8 * n + 2 * k1 + 4) * sb0 + sbyte(sc, 8 * n + 2 * k1 + 5) * sb1;
         return mvm::val_q6k(d, ia, ib, x.da(), x.db());

@@ -54,12 +54,13 @@ struct MmqArgs {
     const float* xscale;  // a norm's deferred copy: the row sums times xscale[c]; null: none
 };
 
-__device__ __forceinline__ uint32_t ldw(const uint8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
-__device__ __forceinline__ uint32_t ldx(const int8_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
-__device__ __forceinline__ uint4 ld4(const uint8_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-__device__ __forceinline__ float ldh(const uint8_t* p) {
-    return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
-}
+using mvm::ld4;
+using mvm::ldh;
+using mvm::ldu16;
+using mvm::ldw;
+using mvm::sbyte;
+// Four bytes of the int8 activation copy.
+__device__ __forceinline__ uint32_t ldx(const int8_t* p) { return ldw(reinterpret_cast<const uint8_t*>(p)); }
 
 // d = A (16 x 32, rows g / g + 8 in a[0..3]) * B (32 x 8, column g in b0, b1), int32.
 __device__ __forceinline__ void mma_k32(const uint32_t a[4], uint32_t b0, uint32_t b1, int d[4]) {
@@ -83,11 +84,6 @@ __device__ __forceinline__ uint32_t centred(uint32_t v) {
     constexpr uint32_t m = (1u << (B - 1)) * 0x01010101u;
     const uint32_t x = v ^ m;
     return x | ((x & m) * ((1u << (9 - B)) - 2));
-}
-
-__device__ __forceinline__ int sbyte(const uint4& v, int i) {
-    const uint32_t w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
-    return (int)(int8_t)((w >> (8 * (i & 3))) & 0xFF);
 }
 
 // Where the lanes' pieces of a launch's columns are: B-fragment column (col0 + 8 j + g)
@@ -249,7 +245,7 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
                 q[r] = lo;
                 q[2 + r] = hi;
                 if constexpr (kMin) dm[r] = ldw(w + (size_t)sc_at * a.nb + 4 * u);
-                else dm[r] = __ldg(reinterpret_cast<const unsigned short*>(w + (size_t)sc_at * a.nb + 2 * u));
+                else dm[r] = ldu16(w + (size_t)sc_at * a.nb + 2 * u);
             }
         }
         const int p0 = 16 * xq_chunk(2 * u, a.in_dim) + 4 * t, p1 = 16 * xq_chunk(2 * u + 1, a.in_dim) + 4 * t;
@@ -359,18 +355,12 @@ int g_mmq_min_cols = 9;
 
 int& mmq_min_cols() { return g_mmq_min_cols; }
 
-bool mmq_type_supported(int32_t t) {
-    switch (t) {
-        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1: case T_Q8_0: case T_Q4_K: case T_Q5_K: case T_Q6_K:
-            return true;
-        default: return false;
-    }
-}
+bool mmq_type_supported(int32_t t) { return matvec_type_supported(t) && t != T_F32 && t != T_F16; }
 
 bool mmq_matvec(const MvJob& jb, int64_t in_dim, const int8_t* xq, const float2* xds, const float* xscale,
                 int ncols) {
     if (ncols < g_mmq_min_cols || !mmq_type_supported(jb.type) || jb.W2 || jb.resid || jb.q_out) return false;
-    if (in_dim % 32 || (in_dim % 256 && (jb.type == T_Q4_K || jb.type == T_Q5_K || jb.type == T_Q6_K)))
+    if (in_dim % 32 || (in_dim % 256 && mvm::kquant(jb.type)))
         throw std::invalid_argument("mmq_matvec: rows of whole blocks");
     MmqArgs a;
     a.W = jb.W;
@@ -380,8 +370,7 @@ bool mmq_matvec(const MvJob& jb, int64_t in_dim, const int8_t* xq, const float2*
     a.y = jb.y;
     a.in_dim = (int)in_dim;
     a.nb = (int)(in_dim / 32);
-    const bool kq = jb.type == T_Q4_K || jb.type == T_Q5_K || jb.type == T_Q6_K;
-    a.nu = kq ? a.nb / 2 : a.nb;
+    a.nu = mvm::row_units(jb.type, a.nb);
     a.ncols = ncols;
     a.xq = xq;
     a.xds = xds;

@@ -1,16 +1,53 @@
-// The float side of a quantized dot product: how a unit's exact integer sums become its
-// float value, one function per weight family (and the bit spreading both kernels decode
-// Q5 quants with). The decode matvec (k_matvec.cu, integer
-// sums by __dp4a) and the batched matmul on the tensor cores (k_mmq.cu, the same integers
-// by mma) both call these, so a row's bits are the same whichever kernel computed it:
-// the integers are exact in any order, and every float operation here is spelled out
-// (_rn) so no instantiation contracts differently.
+// What the decode matvec (k_matvec.cu, integer sums by __dp4a) and the batched matmul on
+// the tensor cores (k_mmq.cu, the same integers by mma) share: how a row is cut into
+// units and its pieces loaded and decoded, and the float side of a quantized dot
+// product, how a unit's exact integer sums become its float value, one function per
+// weight family. Both kernels call these, so a row's bits are the same whichever kernel
+// computed it: the integers are exact in any order, and every float operation here is
+// spelled out (_rn) so no instantiation contracts differently.
 #pragma once
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
+#include "common/ggml_types.h"
+
 namespace minfer::cuda::mvm {
+
+// A unit is what a matvec lane decodes per trip: half a superblock (64 elements) for the
+// K-quants, a 32-element block for the rest; nb 32-element blocks a row.
+__host__ __device__ constexpr bool kquant(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+__host__ __device__ constexpr int row_units(int t, int nb) { return kquant(t) ? nb / 2 : nb; }
+
+__device__ __forceinline__ uint4 ldg4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+// Weight loads: G = global memory through the read-only path, else shared memory (a
+// staged copy of the row, k_matvec_bulk).
+template <bool G = true>
+__device__ __forceinline__ uint4 ld4(const uint8_t* p) {
+    if constexpr (G) return ldg4(p);
+    else return *reinterpret_cast<const uint4*>(p);
+}
+template <bool G = true>
+__device__ __forceinline__ float ldh(const uint8_t* p) {
+    if constexpr (G) return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+    else return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
+}
+template <bool G = true>
+__device__ __forceinline__ uint32_t ldw(const uint8_t* p) {
+    if constexpr (G) return __ldg(reinterpret_cast<const unsigned int*>(p));
+    else return *reinterpret_cast<const unsigned int*>(p);
+}
+template <bool G = true>
+__device__ __forceinline__ unsigned short ldu16(const uint8_t* p) {
+    if constexpr (G) return __ldg(reinterpret_cast<const unsigned short*>(p));
+    else return *reinterpret_cast<const unsigned short*>(p);
+}
+
+// Byte i of 16 as a signed int (Q6_K's scales).
+__device__ __forceinline__ int sbyte(const uint4& v, int i) {
+    const uint32_t w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
+    return (int)(int8_t)((w >> (8 * (i & 3))) & 0xFF);
+}
 
 // Bits j..j+3 of qh to bit 4 of bytes 0..3 (the fifth bit of four 5-bit quants). The
 // multiply adds b, b << 7, b << 14 and b << 21: bit i of b lands at bit 8i in the copy
