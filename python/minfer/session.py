@@ -194,14 +194,19 @@ class Context:
         shapes = [(r, r) for r in range(1, min(self.pad_from, self.n_seq) + 1)]
         shapes += [(r, k) for r in range(self.pad_from + self.PAD_STEP, self.PAD_MAX + 1, self.PAD_STEP)
                    for k in range(self.PAD_STEP, r + 1, self.PAD_STEP)]
+        arr = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
         with self.lock:
             for rows, n_out in shapes:
-                cells = np.arange(self.n_cells, self.n_cells + rows, dtype=np.int32)
-                span = np.stack([cells, cells + 1], axis=1).reshape(-1)
-                zeros = np.zeros(rows, dtype=np.int32)
+                toks, pos, cells, span = self._padding(rows)
                 for _ in range(2):
-                    self.run(zeros, zeros, cells, span, np.arange(n_out, dtype=np.int32), n_out, copy=None)
+                    self.run(arr(toks), arr(pos), arr(cells), arr(span), arr(range(n_out)), n_out, copy=None)
         return len(shapes)
+
+    def _padding(self, n: int) -> tuple[list, list, list, list]:
+        """n padding rows (tokens, positions, cells, spans): token 0 at position 0, each in
+        a cell of its own past the sequences' (PAD_MAX of them), attending to itself only."""
+        cells = list(range(self.n_cells, self.n_cells + n))
+        return [0] * n, [0] * n, cells, [v for c in cells for v in (c, c + 1)]
 
     @contextlib.contextmanager
     def warming(self):
@@ -397,12 +402,8 @@ class Context:
         toks, pos, cells = pick(toks), pick(pos), pick(cells)
         span = [v for r in order for v in span[2 * r:2 * r + 2]]
         n_rows = -(-rows // step) * step
-        for j in range(n_rows - rows):
-            cell = self.n_cells + j
-            toks.append(0)
-            pos.append(0)
-            cells.append(cell)
-            span += [cell, cell + 1]
+        pad = self._padding(n_rows - rows)
+        toks, pos, cells, span = toks + pad[0], pos + pad[1], cells + pad[2], span + pad[3]
         n_out = min(n_rows, -(-len(tail) // step) * step)
         return toks, pos, cells, span, list(range(n_out))
 
