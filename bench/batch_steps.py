@@ -9,9 +9,10 @@ finished one replaced at once (continuous batching), `--rounds` sequences per sl
 Per concurrency: generated tok/s, steps, median / p90 step wall (ms), graph builds
 during the level, and the row counts of the steps. --profile C: cProfile of level C
 (top functions by own time), to tell Python per step from waiting on the device.
---mmq-ab: each level three times more, the batched matmuls as the matvec's column
-launches, on the tensor cores (k_mmq) from its default column count, and from 2
-columns, side by side (CUDA). --kernels K: `minfer profile`'s per-kernel table (CUDA events per launch; host clocks
+--ab "mmq=9 x4=0;mmq=17 x4=0": each level once more per variant, side by side, each in a
+context of its own (CUDA): mmq=N, blocks of N columns and more take the tensor cores
+(k_mmq; 1073741824: never); x4=U, launches of 2 to 8 columns of rows of U units and more
+take the four-rows-a-block matvec (1073741824: never). --kernels K: `minfer profile`'s per-kernel table (CUDA events per launch; host clocks
 on the CPU) of K steps from the middle of every level, the top rows of each.
 """
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--profile", type=int, default=0, help="cProfile this concurrency level")
     ap.add_argument("--kernels", type=int, default=0, help="per-kernel table of this many steps a level")
-    ap.add_argument("--mmq-ab", action="store_true", help="also each level with the matvec's columns, then k_mmq")
+    ap.add_argument("--ab", default="", help='variants of the batched matmuls, e.g. "mmq=9 x4=0;mmq=17 x4=0"')
     ap.add_argument("--backend", default=None)
     a = ap.parse_args(argv)
     from minfer.model import Model
@@ -114,22 +115,27 @@ def main(argv: list[str] | None = None) -> int:
             r = level(ctx, slots, c, a.tokens, a.rounds, kernels=a.kernels)
         print(f"c={r['c']:<3} {r['tps']:9.1f} tok/s  {r['steps']} steps  step median {r['med_ms']:.2f} ms  "
               f"p90 {r['p90_ms']:.2f} ms  builds {r['builds']}  rows {r['rows']}", flush=True)
-        if a.mmq_ab:
+        if a.ab:
             from minfer import _core
 
-            default = _core.testing.cuda_set_mmq_min_cols(1 << 30)
-            for label, n_min in (("matvec columns", 1 << 30), (f"k_mmq from {default}", default),
-                                 ("k_mmq from 2", 2)):
-                _core.testing.cuda_set_mmq_min_cols(n_min)
+            hooks = {"mmq": _core.testing.cuda_set_mmq_min_cols, "x4": _core.testing.cuda_set_x4_cols_units}
+            defaults = {k: f(0) for k, f in hooks.items()}
+            for k, f in hooks.items():
+                f(defaults[k])
+            for variant in a.ab.split(";"):
+                for kv in variant.split():
+                    k, v = kv.split("=")
+                    hooks[k](int(v))
                 # A context of its own: its graphs are captured under this choice.
                 c2 = Context(model, n_ctx=a.ctx, n_seq=a.slots)
                 s2 = [c2.session(i) for i in range(a.slots)]
                 level(c2, s2, 1, 8, 1)
                 ab = level(c2, s2, c, a.tokens, a.rounds)
-                print(f"      {label:<15} {ab['tps']:9.1f} tok/s  step median {ab['med_ms']:.2f} ms  "
+                print(f"      {variant:<28} {ab['tps']:9.1f} tok/s  step median {ab['med_ms']:.2f} ms  "
                       f"p90 {ab['p90_ms']:.2f} ms", flush=True)
                 del c2, s2
-            _core.testing.cuda_set_mmq_min_cols(default)
+                for k, f in hooks.items():
+                    f(defaults[k])
         if r["kernels"] is not None:
             from minfer.tools.profile import format_profile
 

@@ -23,7 +23,9 @@
 # build and the GPU suite, and the serving table runs after them into serve.txt.
 # STEPS=1: bench/batch_steps.py on the 0.5B and 7B shapes (step walls, graph builds,
 # a cProfile of 64 concurrent, the per-kernel table of two steps a level) into
-# steps-SHAPE.txt; STEPS_ARGS adds options (e.g. --mmq-ab), STEPS_SHAPES narrows the shapes.
+# steps-SHAPE.txt; STEPS_ARGS adds options, STEPS_AB variants of the batched matmuls
+# (batch_steps --ab, e.g. "mmq=9 x4=0;mmq=17 x4=0"), STEPS_C the levels (1,4,16,64),
+# STEPS_SHAPES narrows the shapes.
 # Phases that fail are reported in summary.txt; the later ones still run.
 set -u
 cd "$(dirname "$0")/.."
@@ -248,8 +250,8 @@ EOF3
     sv=$models/qwen2-$shape-vocab.gguf
     [ -f "$sv" ] || python3 bench/with_vocab.py "$models/qwen2-$shape-q4km-shape.gguf" \
       "${VOCAB:-gpu_models/ggml-vocab-qwen2.gguf}" "$sv" >>"$S" 2>&1
-    timeout "${STEPS_S:-150}" python3 bench/batch_steps.py "$sv" -c 1,4,16,64 -n 64 \
-      --profile 64 --kernels 2 ${STEPS_ARGS:-} >"$OUT/steps-$shape.txt" 2>&1
+    timeout "${STEPS_S:-150}" python3 bench/batch_steps.py "$sv" -c "${STEPS_C:-1,4,16,64}" -n 64 \
+      --profile 64 --kernels 2 ${STEPS_ARGS:-} ${STEPS_AB:+--ab "$STEPS_AB"} >"$OUT/steps-$shape.txt" 2>&1
     phase "batch steps $shape rc $? -> steps-$shape.txt"
     head -4 "$OUT/steps-$shape.txt" >>"$S"
   done

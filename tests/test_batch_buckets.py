@@ -154,6 +154,29 @@ def test_a_bucketed_step_returns_and_reads_only_the_wanted_rows(model):
     assert np.array_equal(got[True], got[False])
 
 
+def test_a_bucketed_host_view_asks_the_device_for_the_wanted_rows_only(model):
+    """copy=False (a host view): a device whose view is a D2H of what it covers (CUDA's
+    pinned mirror) is asked for the wanted rows' elements, not the bucket's."""
+    ctx = Context(model, n_ctx=48, n_seq=3, pad_batches=True)
+    items = [(ctx.session(i), [7 + i] * (5 + 4 * i), 1 + (i == 1)) for i in range(3)]   # 21 rows, 4 wanted
+    ctx.decode_batch(items, copy=True)   # the buffers exist from here on
+    dev = next(iter(ctx.cache.alloc.devices.values()))
+    asked = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(dev, name)
+
+        def view(self, buf, dtype, count, offset=0):
+            asked.append(count)
+            return dev.view(buf, dtype, count, offset)
+
+    ctx.cache.alloc.devices = {k: Counting() for k in ctx.cache.alloc.devices}
+    rows = ctx.decode_batch([(ctx.session(i), [11 + i] * 6, 1 + (i == 2)) for i in range(3)], copy=False)
+    assert rows.shape == (4, model.hp.n_vocab)
+    assert asked == [4 * model.hp.n_vocab]
+
+
 def test_warmed_buckets_build_nothing_later_and_change_no_output(model):
     """warm_buckets (a server's start on a GPU): every bucket and small decode shape built
     beforehand on the padding cells, so the batched steps that follow build nothing, and

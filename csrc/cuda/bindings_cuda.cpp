@@ -542,6 +542,13 @@ void register_cuda(py::module_& m, py::module_& testing) {
         mmq_min_cols() = n;
         return old;
     });
+    // Launches of 2 to 8 columns of rows of at least n units take the four-rows-a-block
+    // layout (k_matvec_x4); returns the old n.
+    testing.def("cuda_set_x4_cols_units", [](int n) {
+        const int old = x4_cols_min_units();
+        x4_cols_min_units() = n;
+        return old;
+    });
     testing.def("cuda_weight_bytes", [](PyWeightStore& ws) { return mirror_of(ws).bytes; });
     testing.def("cuda_mem_info", []() {
             ctx();

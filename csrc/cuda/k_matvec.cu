@@ -828,34 +828,43 @@ __global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, TT>()) k_matv
 // 4 lanes) instead of 32: a quarter of the L1 wavefronts for the activations, which made
 // the down projection L1-bound (Nsight Compute, H200 at 1.95 GHz: L1/TEX 79% at 48% DRAM).
 // One job, one column, no W2, no int8 copy out, no RoPE tail; long rows only (launch_x4).
-template <int T>
-__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<1, T>()) k_matvec_x4(MvArgs a) {
+// Several columns (NC) take the same layout: each column's activation pieces are read
+// by 8 lanes' worth of units instead of 32, which matters NC times as much (one row a
+// warp, four columns ran the 7B's matmuls at a third of the one-column rate).
+template <int T, int NC = 1>
+__global__ void __launch_bounds__(MV_WARPS * 32, mv_min_blocks<NC, T>()) k_matvec_x4(MvArgs a) {
     static_assert(MV_WARPS == 4, "virtual lanes 8 w + l % 8");
     TL_BEGIN(tl::MV);
     pdl_trigger();
     const MvJob& jb = a.job[0];
     const int w = threadIdx.x >> 5, p = threadIdx.x & 31;
     const int vl = 8 * w + (p & 7), row = blockIdx.x * 4 + (p >> 3);
-    __shared__ float red[MV_WARPS][32];
+    __shared__ float red[NC][MV_WARPS][32];
     TL_MARK(1);
     pdl_wait();
     TL_MARK(2);
-    const float rs = a.xscale ? __ldg(a.xscale) : 1.0f;
-    float acc[1] = {0.0f};
-    if (row < jb.rows) row_dot<T, 1>(jb.W + (size_t)row * jb.row_bytes, a, vl, acc);
+    float acc[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
+    if (row < jb.rows) row_dot<T, NC>(jb.W + (size_t)row * jb.row_bytes, a, vl, acc);
     TL_MARK(3);
-    float v = acc[0];
-    red[w][p] = v;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) red[c][w][p] = acc[c];
     __syncthreads();
-    v = fadd(v, red[w ^ 2][p]);  // round 16
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[c] = fadd(acc[c], red[c][w ^ 2][p]);  // round 16
     __syncthreads();
-    red[w][p] = v;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) red[c][w][p] = acc[c];
     __syncthreads();
-    v = fadd(v, red[w ^ 1][p]);  // round 8
-    for (int o = 4; o > 0; o >>= 1) v = fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (vl == 0 && row < jb.rows) {
-        if (a.xscale) v = fmul(v, rs);
-        mv_store(jb, row, 0, v, 0.0f);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        float v = fadd(acc[c], red[c][w ^ 1][p]);  // round 8
+        for (int o = 4; o > 0; o >>= 1) v = fadd(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (vl == 0 && row < jb.rows) {
+            if (a.xscale) v = fmul(v, __ldg(a.xscale + c));
+            mv_store(jb, row, c, v, 0.0f);
+        }
     }
     TL_MARK(5);
     TL_END();
@@ -1307,6 +1316,19 @@ bool launch_x4(const MvArgs& a) {
     return true;
 }
 
+// k_matvec_x4 for a launch of NC > 1 columns (one plain job, matvec_multi checks), of
+// rows of at least g_x4_cols_units units of a typed kernel's weight type.
+int g_x4_cols_units = 0;
+template <int NC>
+bool launch_x4_cols(const MvArgs& a) {
+    const MvJob& j = a.job[0];
+    if (row_units(j.type, a.nb) < g_x4_cols_units) return false;
+    const unsigned blocks = (unsigned)((j.rows + 3) / 4);
+    if (!dispatch_typed(j.type, [&]<int T>() { launch(k_matvec_x4<T, NC>, blocks, MV_WARPS * 32, a); })) return false;
+    ++ctx().c.x4;
+    return true;
+}
+
 // The pair instantiation (mv_pair) of a launch whose jobs have exactly the two types of
 // one, no W2, or -1. (The switch kernel, whose K-quant rows load after the wait, measured
 // slower for them: H200 tg128 side by side, 3 rounds: 7B 491.6 / 493.1 / 494.3 against
@@ -1434,9 +1456,9 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         if (ac.xscale) ac.xscale += c0;
         ac.job[0].y += (size_t)c0 * jobs[0].rows;
         switch (nc) {
-            case 8: launch_mv<8>(ac, (unsigned)b); break;
-            case 4: launch_mv<4>(ac, (unsigned)b); break;
-            case 2: launch_mv<2>(ac, (unsigned)b); break;
+            case 8: if (!launch_x4_cols<8>(ac)) launch_mv<8>(ac, (unsigned)b); break;
+            case 4: if (!launch_x4_cols<4>(ac)) launch_mv<4>(ac, (unsigned)b); break;
+            case 2: if (!launch_x4_cols<2>(ac)) launch_mv<2>(ac, (unsigned)b); break;
             default: {
                 // The next matvec's int8 input (q_out: gate|up + SwiGLU's, for down) by a
                 // quantization launch of its own after this one. (By 32-row group tickets
@@ -1461,6 +1483,8 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         c0 += nc;
     }
 }
+
+int& x4_cols_min_units() { return g_x4_cols_units; }
 
 void rope_table(float2* table, int64_t rows, int n_rot, const RopeCfg& cfg) {
     const int64_t n = rows * (n_rot / 2);

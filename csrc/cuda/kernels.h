@@ -96,6 +96,9 @@ bool mmq_matvec(const MvJob& jb, int64_t in_dim, const int8_t* xq, const float2*
                 int ncols);
 bool mmq_type_supported(int32_t t);
 int& mmq_min_cols();
+// Launches of 2 to 8 columns of rows of at least this many units take k_matvec_x4's
+// layout (bench A/B through the testing hook).
+int& x4_cols_min_units();
 // RMSNorm rows whose readers are decode matvecs (d % 32 == 0, d <= kNormCopyMaxRow, nt
 // rows of at most kRowExactMaxTokens): y bitwise rms_norm's, plus the rows' deferred
 // int8 copy: q8 of x * w per 32-element group (no whole-row reduction in it), and each

@@ -451,15 +451,16 @@ class GraphAllocator:
 
     def host_view(self, node_id: int, rows: int | None = None) -> np.ndarray:
         """Like copy_to_host, but a read-only view of the buffer where the backend's memory
-        is host-addressable (else a copy, of the first `rows` rows only when given): valid
-        until the next execute. The decode loop samples from it without a copy."""
+        is host-addressable (else a copy): valid until the next execute. The decode loop
+        samples from it without a copy. rows: the first `rows` rows only (a device view
+        is a D2H of what it covers, so it covers only those)."""
         node = self._graph.nodes[node_id]
         ref = self.buffer(node_id)
-        out = self.devices[ref.backend].view(ref.id, node.out_dtype.numpy, node.n_elements)
+        n_rows = node.n_rows if rows is None else min(int(rows), node.n_rows)
+        out = self.devices[ref.backend].view(ref.id, node.out_dtype.numpy, n_rows * node.out_shape[0])
         if out is None:
             return self.copy_to_host(node_id, rows=rows)
-        out = out.reshape(node.n_rows, node.out_shape[0])
-        return out if rows is None else out[:rows]
+        return out.reshape(n_rows, node.out_shape[0])
 
     def viewer(self, node_id: int):
         """host_view(node_id) of the allocated graph as a call of no arguments, the
