@@ -234,6 +234,8 @@ bool dead_after(const Plan& plan, size_t after, int buf) {
 }
 
 bool is_mv(const Step& s) { return s.op == OP_MATMUL && s.ip[2] == 1; }
+// A block of row-exact columns: the matvec's (or k_mmq's) launch, not a GEMM.
+bool is_rows_mv(const Step& s) { return s.op == OP_MATMUL && s.ip[2] >= 1 && s.ip[2] <= kRowExactMaxTokens; }
 // A decode RMSNorm: its matvec readers take its deferred copy (kernels.h rms_norm_copy).
 bool copy_norm(const Step& s) {
     return s.op == OP_RMS_NORM && s.ip[1] >= 1 && s.ip[1] <= kRowExactMaxTokens && s.ip[0] % 32 == 0 &&
@@ -350,9 +352,10 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
                 continue;
             }
         }
-        // matvec + residual add
-        if ((f & FUSE_RESIDUAL) && i + 1 < S.size() && is_mv(S[i]) && S[i + 1].op == OP_ADD &&
-            S[i + 1].ip[0] == S[i].ip[1]) {
+        // matvec + residual add (a row-exact block's columns too: the add in the epilogue
+        // is the same float addition, so no row's bits change)
+        if ((f & FUSE_RESIDUAL) && i + 1 < S.size() && is_rows_mv(S[i]) && S[i + 1].op == OP_ADD &&
+            S[i + 1].ip[0] == S[i].ip[1] * S[i].ip[2]) {
             const Step& ad = S[i + 1];
             const int y = S[i].buf[0];
             const bool one = (ad.buf[1] == y) != (ad.buf[2] == y);
@@ -1032,7 +1035,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             MvJob j = job_of(m, pool, ws, dw);
             j.resid = F(ad, ad.buf[1] == m.buf[0] ? 2 : 1);
             j.y = F(ad, 0);
-            matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, 1, L.xq_ready, nullptr, in_norm);
+            matvec_multi(&j, 1, m.ip[0], F(m, 1), xq, m.ip[2], L.xq_ready, nullptr, in_norm);
             break;
         }
         case L_ROPE_STORE: {

@@ -1367,8 +1367,8 @@ bool launch_mv_typed(const MvArgs& a, unsigned blocks) {
 void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, void* scratch, int ncols,
                   bool xq_ready, const MvRopeStore* rope, bool in_norm) {
     if (njobs < 1 || njobs > MV_MAX_JOBS) throw std::invalid_argument("matvec_multi: 1..4 jobs");
-    if (ncols < 1 || (ncols > 1 && (njobs != 1 || jobs[0].resid || jobs[0].W2)))
-        throw std::invalid_argument("matvec_multi: several columns take one plain job");
+    if (ncols < 1 || (ncols > 1 && (njobs != 1 || jobs[0].W2)))
+        throw std::invalid_argument("matvec_multi: several columns take one job without W2");
     if (in_norm && (!xq_ready || !scratch || in_dim % 32 || in_dim > kNormCopyMaxRow))
         throw std::invalid_argument("matvec_multi: a norm's deferred copy is made before, rows of <= 4096");
     const int nb = (int)(in_dim / 32);
@@ -1455,6 +1455,7 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         }
         if (ac.xscale) ac.xscale += c0;
         ac.job[0].y += (size_t)c0 * jobs[0].rows;
+        if (ac.job[0].resid) ac.job[0].resid += (size_t)c0 * jobs[0].rows;
         switch (nc) {
             case 8: if (!launch_x4_cols<8>(ac)) launch_mv<8>(ac, (unsigned)b); break;
             case 4: if (!launch_x4_cols<4>(ac)) launch_mv<4>(ac, (unsigned)b); break;

@@ -46,6 +46,7 @@ struct MmqArgs {
     size_t row_bytes;
     int rows;
     const float* bias;
+    const float* resid;   // added after the bias, as mv_store does; null: none
     float* y;             // column c's row r at y[c * rows + r]
     int in_dim, nb, nu;   // elements, 32-element blocks and units per row
     int ncols;
@@ -334,6 +335,8 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) k_mmq(MmqArgs a) {
         if (row < a.rows && col < a.ncols) {
             float r = a.xscale ? fmul(v, __ldg(a.xscale + col)) : v;
             if (a.bias) r = fadd(r, __ldg(a.bias + row));
+            // Not __ldg: y may be the residual's own buffer (the add's output over it).
+            if (a.resid) r = fadd(r, a.resid[(size_t)col * a.rows + row]);
             a.y[(size_t)col * a.rows + row] = r;
         }
     }
@@ -359,7 +362,7 @@ bool mmq_type_supported(int32_t t) { return matvec_type_supported(t) && t != T_F
 
 bool mmq_matvec(const MvJob& jb, int64_t in_dim, const int8_t* xq, const float2* xds, const float* xscale,
                 int ncols) {
-    if (ncols < g_mmq_min_cols || !mmq_type_supported(jb.type) || jb.W2 || jb.resid || jb.q_out) return false;
+    if (ncols < g_mmq_min_cols || !mmq_type_supported(jb.type) || jb.W2 || jb.q_out) return false;
     if (in_dim % 32 || (in_dim % 256 && mvm::kquant(jb.type)))
         throw std::invalid_argument("mmq_matvec: rows of whole blocks");
     MmqArgs a;
@@ -367,6 +370,7 @@ bool mmq_matvec(const MvJob& jb, int64_t in_dim, const int8_t* xq, const float2*
     a.row_bytes = jb.row_bytes;
     a.rows = jb.rows;
     a.bias = jb.bias;
+    a.resid = jb.resid;
     a.y = jb.y;
     a.in_dim = (int)in_dim;
     a.nb = (int)(in_dim / 32);

@@ -76,7 +76,7 @@ void rope_table(float2* table, int64_t rows, int n_rot, const RopeCfg& cfg);
 // scratch: matvec_scratch_bytes(in_dim, ncols) device bytes for the activations' int8
 // copy. xq_ready: the copy is already there (written by the launch before), skip the
 // quantization launch.
-// ncols > 1 (one job, no resid/W2): ncols tokens at once, x / y / the scratch holding
+// ncols > 1 (one job, no W2): ncols tokens at once, x / y / resid / the scratch holding
 // the tokens' rows one after another; each column's bits are those of ncols == 1 (the
 // weights are read once for all of them: a speculative block costs little more than a
 // single step).
