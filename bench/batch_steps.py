@@ -12,7 +12,7 @@ during the level, and the row counts of the steps. --profile C: cProfile of leve
 --ab "mmq=9 x4=0;mmq=17 x4=0": each level once more per variant, side by side, each in a
 context of its own (CUDA): mmq=N, blocks of N columns and more take the tensor cores
 (k_mmq; 1073741824: never); x4=U, launches of 2 to 8 columns of rows of U units and more
-take the four-rows-a-block matvec (1073741824: never); mmqv=V, k_mmq's schedule. --kernels K: `minfer profile`'s per-kernel table (CUDA events per launch; host clocks
+take the four-rows-a-block matvec (1073741824: never). --kernels K: `minfer profile`'s per-kernel table (CUDA events per launch; host clocks
 on the CPU) of K steps from the middle of every level, the top rows of each.
 """
 
@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.ab:
             from minfer import _core
 
-            hooks = {"mmq": _core.testing.cuda_set_mmq_min_cols, "x4": _core.testing.cuda_set_x4_cols_units,
-                     "mmqv": _core.testing.cuda_set_mmq_variant}
+            hooks = {"mmq": _core.testing.cuda_set_mmq_min_cols, "x4": _core.testing.cuda_set_x4_cols_units}
             defaults = {k: f(0) for k, f in hooks.items()}
             for k, f in hooks.items():
                 f(defaults[k])

@@ -218,8 +218,7 @@ def test_mmq_columns_bitwise_the_matvec(qtype, nt):
         bias = rng.standard_normal(out_dim).astype(np.float32)
         nw = rng.standard_normal(in_dim).astype(np.float32)
         got = {}
-        for n_min, v in ((2, 1), (2, 2), (2, 0), (10_000, 0)):
-            old_v = _core.testing.cuda_set_mmq_variant(v)
+        for n_min in (2, 10_000):
             with mmq_min_cols(n_min):
                 r = Rig()
                 wh = r.weight("w", raw, qtype, in_dim, out_dim)
@@ -236,9 +235,6 @@ def test_mmq_columns_bitwise_the_matvec(qtype, nt):
                 got[n_min] = [r.read(yi, nt * out_dim).tobytes()]
                 if len(steps) > 1:
                     got[n_min].append(r.read(zi, nt * out_dim).tobytes())
-            _core.testing.cuda_set_mmq_variant(old_v)
-            got[(n_min, v)] = got[n_min]
-        assert got[(2, 1)] == got[(2, 0)] == got[(2, 2)], f"{qtype.name} in {in_dim}: k_mmq's schedules differ"
         assert got[2][0] == got[10_000][0], f"{qtype.name} in {in_dim}: tensor cores != matvec"
         if len(got[2]) > 1:
             assert got[2][1] == got[10_000][1], f"{qtype.name} in {in_dim}: after the norm, tensor cores != matvec"

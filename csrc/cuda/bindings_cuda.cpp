@@ -549,11 +549,6 @@ void register_cuda(py::module_& m, py::module_& testing) {
         x4_cols_min_units() = n;
         return old;
     });
-    testing.def("cuda_set_mmq_variant", [](int v) {
-        const int old = mmq_variant();
-        mmq_variant() = v;
-        return old;
-    });
     testing.def("cuda_weight_bytes", [](PyWeightStore& ws) { return mirror_of(ws).bytes; });
     testing.def("cuda_mem_info", []() {
             ctx();

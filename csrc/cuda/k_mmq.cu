@@ -278,9 +278,7 @@ __host__ __device__ constexpr int brev3(int k) { return ((k & 1) << 2) | (k & 2)
 template <int NT>
 constexpr size_t mmq_smem_bytes() { return (size_t)MQ_WARPS * 3 * 4 * NT * 32 * sizeof(float); }
 
-// V (an A/B of the schedule, not of the arithmetic): 1 unrolls a class's unit loop by two,
-// 2 also the eight classes, so the compiler may issue a later unit's loads early.
-template <int T, int NT, int V = 0>
+template <int T, int NT>
 __global__ void __launch_bounds__(MQ_WARPS * 32) k_mmq(MmqArgs a) {
     extern __shared__ float mq_smem[];
     pdl_trigger();
@@ -305,14 +303,12 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) k_mmq(MmqArgs a) {
     }
     pdl_wait();
     float acc[P];
-#pragma unroll (V >= 2 ? 8 : 1)
     for (int k = 0; k < 8; ++k) {
         // Class l of the butterfly's quarter-tree `warp`, in depth-first order: l, l + 16,
         // l + 8, l + 24, l + 4, ... (lane l's partner in round 16 is l + 16, and so on).
         const int l = warp + 4 * brev3(k);
 #pragma unroll
         for (int p = 0; p < P; ++p) acc[p] = 0.0f;
-#pragma unroll (V >= 1 ? 2 : 1)
         for (int u = l; u < a.nu; u += 32) unit<T, NT>(a, wa, wb, u, t, cs, acc);
         // Fold: class k joins the stack like a binary counter (rounds 16, 8, 4).
         int lv = 0;
@@ -346,19 +342,12 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) k_mmq(MmqArgs a) {
     }
 }
 
-template <int T, int V>
-void launch_mmq_v(const MmqArgs& a) {
-    const unsigned gx = (unsigned)((a.rows + MQ_ROWS - 1) / MQ_ROWS);
-    if (a.ncols <= 16) launch_smem(k_mmq<T, 2, V>, dim3(gx, (a.ncols + 15) / 16), MQ_WARPS * 32, mmq_smem_bytes<2>(), a);
-    else if (a.ncols <= 32) launch_smem(k_mmq<T, 4, V>, dim3(gx, 1), MQ_WARPS * 32, mmq_smem_bytes<4>(), a);
-    else launch_smem(k_mmq<T, 8, V>, dim3(gx, (a.ncols + 63) / 64), MQ_WARPS * 32, mmq_smem_bytes<8>(), a);
-}
-int g_mmq_variant = 0;
 template <int T>
 void launch_mmq(const MmqArgs& a) {
-    if (g_mmq_variant == 2) launch_mmq_v<T, 2>(a);
-    else if (g_mmq_variant == 1) launch_mmq_v<T, 1>(a);
-    else launch_mmq_v<T, 0>(a);
+    const unsigned gx = (unsigned)((a.rows + MQ_ROWS - 1) / MQ_ROWS);
+    if (a.ncols <= 16) launch_smem(k_mmq<T, 2>, dim3(gx, (a.ncols + 15) / 16), MQ_WARPS * 32, mmq_smem_bytes<2>(), a);
+    else if (a.ncols <= 32) launch_smem(k_mmq<T, 4>, dim3(gx, 1), MQ_WARPS * 32, mmq_smem_bytes<4>(), a);
+    else launch_smem(k_mmq<T, 8>, dim3(gx, (a.ncols + 63) / 64), MQ_WARPS * 32, mmq_smem_bytes<8>(), a);
 }
 
 static_assert(mmq_smem_bytes<8>() <= 48 * 1024, "the largest instantiation fits without the opt-in");
@@ -368,7 +357,6 @@ int g_mmq_min_cols = 9;
 }  // namespace
 
 int& mmq_min_cols() { return g_mmq_min_cols; }
-int& mmq_variant() { return g_mmq_variant; }
 
 bool mmq_type_supported(int32_t t) { return matvec_type_supported(t) && t != T_F32 && t != T_F16; }
 

@@ -96,7 +96,6 @@ bool mmq_matvec(const MvJob& jb, int64_t in_dim, const int8_t* xq, const float2*
                 int ncols);
 bool mmq_type_supported(int32_t t);
 int& mmq_min_cols();
-int& mmq_variant();  // k_mmq's schedule (bench A/B through the testing hook)
 // Launches of 2 to 8 columns of rows of at least this many units take k_matvec_x4's
 // layout (bench A/B through the testing hook).
 int& x4_cols_min_units();
