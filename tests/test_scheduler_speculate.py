@@ -395,3 +395,36 @@ def test_prompt_rows_stay_within_the_row_exact_limit_even_alone(model):
     for p, g in zip(ps, got):
         assert g["ids"] == alone(model, p, 12).ids
     assert len(seen) > 12 and max(seen) <= 6, seen
+
+
+def test_a_waiting_prompt_gets_half_a_step_at_least(model):
+    """With the step at the row-exact limit, decode rows leave a waiting prompt at least
+    half of it (the rows left out decode a step later, in turn): a long prompt beside
+    five decoding sequences is not prefilled a row a step. Every step stays within the
+    limit and every output is its sequence's alone. Set on a CPU context (limit 6)."""
+    short = [p[:4] for p in prompts(5, seed=13)]
+    long = sum(prompts(6, seed=14), [])[:40]
+    specs = [dict(prompt_ids=p, n_predict=40) for p in short] + [dict(prompt_ids=long, n_predict=8)]
+    sched = Scheduler(model, n_slots=6, n_ctx=CTX, chunk=64)
+    sched.ctx.row_exact_max = 6
+    seen = []
+    real = sched.engine._forward
+
+    def spy(items, copy):
+        pr = [(len(toks), len(s.pending)) for s, toks, _ in items if s.pending and toks == s.pending[:len(toks)]]
+        seen.append((len(items) - len(pr), sum(n for n, _ in pr), sum(w for _, w in pr)))
+        return real(items, copy)
+
+    sched.engine._forward = spy
+    sched.start()
+    try:
+        got = run_jobs(sched, [dict(d) for d in specs])
+    finally:
+        assert sched.stop()
+    for d, g in zip(specs, got):
+        assert g["ids"] == alone(model, d["prompt_ids"], d["n_predict"]).ids
+    assert all(d + n <= 6 for d, n, _ in seen), seen
+    # The long prompt's chunks beside decode rows: >= 3 rows each while more waits.
+    beside = [(d, n, w) for d, n, w in seen if n and d and w > n]
+    assert all(n >= 3 for d, n, w in beside), seen
+    assert sum(d == 3 for d, n, w in beside) >= 5, seen   # five decode, three of them step

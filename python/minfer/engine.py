@@ -328,6 +328,7 @@ class Engine:
         self._owner: dict[int, Sequence] = {}  # slot index -> its running sequence
         self._launch: Launch | None = None
         self._rr = 0
+        self._skip_rr = 0   # where the decode rows a waiting prompt displaces start (_batch)
         self.steps = 0
         self._used = [0.0] * len(self.slots)   # when each slot's sequence last ended (LRU of the KV pool)
 
@@ -583,15 +584,26 @@ class Engine:
         items = [(s, [s.next_tok] + s.draft, 1 + len(s.draft)) for s in decoding]
         budget = self.chunk if self.chunk is not None else 1 << 62
         rows = sum(k for _, _, k in items)
-        if cap is not None and len(self.slots) > 1 and rows < cap:
+        if cap is not None and len(self.slots) > 1:
             # Prompt rows fill a step up to the exact limit, beside decode rows or not: the
             # decoding sequences keep the tokens they would get alone, a prompt's KV has
             # the same bits whatever else runs (so a server's output does not depend on
             # its load), and every step takes one of the few bucketed graphs a server
             # builds at start. (Beyond the limit a GPU takes its GEMM path: other bits,
-            # and a graph built for each new row count.) A lone sequence keeps its chunk,
-            # and so does a step already at the limit: new prompts never wait on the others.
-            budget = min(budget, cap - rows)
+            # and a graph built for each new row count.) A lone sequence keeps its chunk.
+            pend = min(sum(len(s.pending) for s in active if s.pending), budget)
+            # Waiting prompts get at least half of a full step: decode rows alone would
+            # leave a new prompt a row a step once 63 sequences decode (the 64-client
+            # burst's last first token waited ~125 steps). The decode rows left out
+            # (in turn) wait one step; a step makes as many tokens either way. (Nothing
+            # drafts while a prompt waits, so each decode item is one row.)
+            room = max(cap - pend, cap // 2)
+            if pend and rows > room:
+                k = self._skip_rr % len(items)
+                self._skip_rr += rows - room
+                items = (items[k:] + items[:k])[:room]
+                rows = room
+            budget = min(budget, max(cap - rows, 0))
         for s in active:
             if s.pending and budget > 0:
                 take = s.pending[:budget]
