@@ -207,7 +207,8 @@ MMQ_DIMS = {t: [224, 2080] for t in FAMILY32} | {t: [768, 4864, 18944] for t in 
 @pytest.mark.parametrize("qtype", FAMILY32 + KQUANTS, ids=lambda t: t.name)
 def test_mmq_columns_bitwise_the_matvec(qtype, nt):
     """A block of 9 to 64 token columns on the int8 tensor cores: every column bitwise
-    what the matvec's column launches give (which the test above holds to one-token
+    what the matvec's column launches give (four rows a block or one a warp alike;
+    which the test above holds to one-token
     runs), with a bias and after an RMSNorm's deferred copy (its per-column scale), and
     within the int8-activation bound of float64 over gguf's dequantization."""
     for in_dim in MMQ_DIMS[qtype]:
@@ -218,7 +219,10 @@ def test_mmq_columns_bitwise_the_matvec(qtype, nt):
         bias = rng.standard_normal(out_dim).astype(np.float32)
         nw = rng.standard_normal(in_dim).astype(np.float32)
         got = {}
-        for n_min in (2, 10_000):
+        # 10_000: the matvec's column launches (k_matvec_x4's layout); 10_001: the same
+        # with one row a warp (x4 off), which must agree bit for bit.
+        for n_min in (2, 10_000, 10_001):
+            old_x4 = _core.testing.cuda_set_x4_cols_units(1 << 30 if n_min == 10_001 else 0)
             with mmq_min_cols(n_min):
                 r = Rig()
                 wh = r.weight("w", raw, qtype, in_dim, out_dim)
@@ -235,6 +239,8 @@ def test_mmq_columns_bitwise_the_matvec(qtype, nt):
                 got[n_min] = [r.read(yi, nt * out_dim).tobytes()]
                 if len(steps) > 1:
                     got[n_min].append(r.read(zi, nt * out_dim).tobytes())
+            _core.testing.cuda_set_x4_cols_units(old_x4)
+        assert got[10_000] == got[10_001], f"{qtype.name} in {in_dim}: four rows a block != one row a warp"
         assert got[2][0] == got[10_000][0], f"{qtype.name} in {in_dim}: tensor cores != matvec"
         if len(got[2]) > 1:
             assert got[2][1] == got[10_000][1], f"{qtype.name} in {in_dim}: after the norm, tensor cores != matvec"

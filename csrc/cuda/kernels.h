@@ -96,8 +96,8 @@ bool mmq_matvec(const MvJob& jb, int64_t in_dim, const int8_t* xq, const float2*
                 int ncols);
 bool mmq_type_supported(int32_t t);
 int& mmq_min_cols();
-// Launches of 2 to 8 columns of rows of at least this many units take k_matvec_x4's
-// layout (bench A/B through the testing hook).
+// Launches of 2 to 8 columns of rows of at least this many units (default 0: all) take
+// k_matvec_x4's layout; the GPU suite holds it to one row a warp through the testing hook.
 int& x4_cols_min_units();
 // RMSNorm rows whose readers are decode matvecs (d % 32 == 0, d <= kNormCopyMaxRow, nt
 // rows of at most kRowExactMaxTokens): y bitwise rms_norm's, plus the rows' deferred
