@@ -131,21 +131,26 @@ void pack_record(int32_t type, const uint8_t* const rows[G], int64_t ib, uint8_t
 
 // Per (token, super-block) of the activations: d_a, and the integer terms that pair
 // with the weights' per-row constants: for Q6_K c[j] = -32 * sum of 16-element
-// sub-block j; for Q4_K's mins pair[k] = int16 pair (sum of 32-element sub-block 2k,
-// sum of 2k + 1). Both, so one table serves Q4_K and Q6_K weights alike.
+// sub-block j, and (without VNNI) bpair[k] = int16 pair (sum of sub-block 2k, of 2k + 1);
+// for Q4_K's mins pair[k] = int16 pair (sum of 32-element sub-block 2k, sum of 2k + 1).
+// All, so one table serves Q4_K and Q6_K weights alike.
 struct KMeta {
     float d;
     int32_t c[16];
     int32_t pair[4];
+    int32_t bpair[8];
 };
+
+inline int32_t int16_pair(int32_t lo, int32_t hi) {
+    return (int32_t)((uint32_t)(uint16_t)(int16_t)lo | ((uint32_t)(uint16_t)(int16_t)hi << 16));
+}
 
 void meta_of(const block_q8_K& a, KMeta& m) {
     m.d = a.d;
     for (int j = 0; j < 16; ++j) m.c[j] = -32 * a.bsums[j];
-    for (int k = 0; k < 4; ++k) {
-        const int32_t s0 = a.bsums[4 * k] + a.bsums[4 * k + 1], s1 = a.bsums[4 * k + 2] + a.bsums[4 * k + 3];
-        m.pair[k] = (int32_t)((uint32_t)(uint16_t)(int16_t)s0 | ((uint32_t)(uint16_t)(int16_t)s1 << 16));
-    }
+    for (int k = 0; k < 4; ++k)
+        m.pair[k] = int16_pair(a.bsums[4 * k] + a.bsums[4 * k + 1], a.bsums[4 * k + 2] + a.bsums[4 * k + 3]);
+    for (int k = 0; k < 8; ++k) m.bpair[k] = int16_pair(a.bsums[2 * k], a.bsums[2 * k + 1]);
 }
 
 #if defined(RP_AVX2)
@@ -199,10 +204,20 @@ void group_kernel(const uint8_t* g, int64_t nb, int lane0, const uint8_t* act, s
                     RP_UNROLL
                     for (int a = 0; a < NA; ++a) {
                         const uint8_t* qa = (const uint8_t*)q[a] + 32 * j;
-                        I s = V::zero_i();
-                        RP_UNROLL
-                        for (int k = 0; k < 8; ++k) s = V::dot(s, w[k], load_u32(qa + 4 * k));
-                        isum[a][h] = V::add(isum[a][h], V::mullo(s, sc));
+                        if constexpr (V::kMaddubs) {
+                            // Codes <= 15: the 8 steps' 16-bit sums stay below 8 * 2 * 15 * 128 < 2^15,
+                            // so they add in 16 bits, and one madd by the 6-bit scale widens and
+                            // scales them (the same integers as mullo of the 32-bit sum).
+                            I s16 = V::zero_i();
+                            RP_UNROLL
+                            for (int k = 0; k < 8; ++k) s16 = V::dot16(s16, w[k], load_u32(qa + 4 * k));
+                            isum[a][h] = V::widen16_mul(isum[a][h], s16, V::dup16(sc));
+                        } else {
+                            I s = V::zero_i();
+                            RP_UNROLL
+                            for (int k = 0; k < 8; ++k) s = V::dot(s, w[k], load_u32(qa + 4 * k));
+                            isum[a][h] = V::add(isum[a][h], V::mullo(s, sc));
+                        }
                     }
                 }
             }
@@ -241,16 +256,37 @@ void group_kernel(const uint8_t* g, int64_t nb, int lane0, const uint8_t* act, s
                     w[6] = V::or_and(w[6], h1, m30);
                     w[7] = V::or_and(w[7], V::template srl16<2>(h1), m30);
                     const I sa = V::s8_32(R + kQ6Sc + 32 * c + ln), sb = V::s8_32(R + kQ6Sc + 32 * c + 16 + ln);
+                    // Without VNNI: the scales as int16 pairs (sa, sa), (sb, sb), (sa, sb).
+                    [[maybe_unused]] I sa2, sb2, sab;
+                    if constexpr (V::kMaddubs) {
+                        sa2 = V::dup16(sa);
+                        sb2 = V::dup16(sb);
+                        sab = V::pack16(sa, sb);
+                    }
                     RP_UNROLL
                     for (int a = 0; a < NA; ++a) {
                         const uint8_t* qa = (const uint8_t*)q[a] + 32 * c;
                         const KMeta& m = meta[a * nb + ib];
-                        I s0 = V::bcast(m.c[2 * c]), s1 = V::bcast(m.c[2 * c + 1]);
-                        RP_UNROLL
-                        for (int k = 0; k < 4; ++k) s0 = V::dot(s0, w[k], load_u32(qa + 4 * k));
-                        RP_UNROLL
-                        for (int k = 4; k < 8; ++k) s1 = V::dot(s1, w[k], load_u32(qa + 4 * k));
-                        isum[a][h] = V::add(isum[a][h], V::add(V::mullo(s0, sa), V::mullo(s1, sb)));
+                        if constexpr (V::kMaddubs) {
+                            // Codes <= 63: two steps' 16-bit sums stay below 2 * 2 * 63 * 128 < 2^15;
+                            // madd by the int8 scale widens and scales them, and the offset
+                            // terms, -32 (sa bsum_2c + sb bsum_2c+1), are one madd of int16
+                            // pairs: the same integers as the mullo form below.
+                            const auto two = [&](int k) {
+                                return V::dot16(V::dot16(V::zero_i(), w[k], load_u32(qa + 4 * k)), w[k + 1],
+                                                load_u32(qa + 4 * k + 4));
+                            };
+                            I v = V::widen16_mul(V::widen16_mul(isum[a][h], two(0), sa2), two(2), sa2);
+                            v = V::widen16_mul(V::widen16_mul(v, two(4), sb2), two(6), sb2);
+                            isum[a][h] = V::sub(v, V::template slli32<5>(V::dotw(V::zero_i(), sab, (uint32_t)m.bpair[c])));
+                        } else {
+                            I s0 = V::bcast(m.c[2 * c]), s1 = V::bcast(m.c[2 * c + 1]);
+                            RP_UNROLL
+                            for (int k = 0; k < 4; ++k) s0 = V::dot(s0, w[k], load_u32(qa + 4 * k));
+                            RP_UNROLL
+                            for (int k = 4; k < 8; ++k) s1 = V::dot(s1, w[k], load_u32(qa + 4 * k));
+                            isum[a][h] = V::add(isum[a][h], V::add(V::mullo(s0, sa), V::mullo(s1, sb)));
+                        }
                     }
                 }
             }

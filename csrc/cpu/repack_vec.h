@@ -71,6 +71,26 @@ struct V16 {
         return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
 #endif
     }
+    // Without VNNI, dot() is maddubs + madd: dot16() keeps a run's maddubs sums in 16
+    // bits and widen16() adds them to 32 once (see group_kernel for the run lengths).
+#if defined(__AVX512VNNI__)
+    static constexpr bool kMaddubs = false;
+#else
+    static constexpr bool kMaddubs = true;
+#endif
+    static I dot16(I acc16, I w, uint32_t a4) {
+        return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, _mm512_set1_epi32((int)a4)));
+    }
+    static I widen16(I acc, I s16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, _mm512_set1_epi16(1))); }
+    // acc + (s16.lo + s16.hi) * v per lane, v an int16 in both halves of sc2 (dup16(v)).
+    static I widen16_mul(I acc, I s16, I sc2) { return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, sc2)); }
+    static I dup16(I v) { return pack16(v, v); }
+    // The low 16 bits of a's lanes below b's (int16 pairs (a, b)).
+    static I pack16(I a, I b) {
+        return _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(b, 16));
+    }
+    static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+    template <int K> static I slli32(I a) { return _mm512_slli_epi32(a, K); }
     // acc + w.lo16 * a2.lo16 + w.hi16 * a2.hi16 per lane (int16 pairs, int32 sums).
     static I dotw(I acc, I w, uint32_t a2) {
 #if defined(__AVX512VNNI__)
@@ -126,6 +146,22 @@ struct V8 {
         return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 #endif
     }
+#if defined(RP_AVXVNNI) || defined(RP_VNNI)
+    static constexpr bool kMaddubs = false;
+#else
+    static constexpr bool kMaddubs = true;
+#endif
+    static I dot16(I acc16, I w, uint32_t a4) {
+        return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32((int)a4)));
+    }
+    static I widen16(I acc, I s16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1))); }
+    static I widen16_mul(I acc, I s16, I sc2) { return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, sc2)); }
+    static I dup16(I v) { return pack16(v, v); }
+    static I pack16(I a, I b) {
+        return _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(b, 16));
+    }
+    static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+    template <int K> static I slli32(I a) { return _mm256_slli_epi32(a, K); }
     static I dotw(I acc, I w, uint32_t a2) {
 #if defined(RP_AVXVNNI)
         return _mm256_dpwssd_avx_epi32(acc, w, _mm256_set1_epi32((int)a2));
