@@ -72,7 +72,7 @@ struct V16 {
 #endif
     }
     // Without VNNI, dot() is maddubs + madd: dot16() keeps a run's maddubs sums in 16
-    // bits and widen16() adds them to 32 once (see group_kernel for the run lengths).
+    // bits and widen16_mul() widens and scales them once (group_kernel: the run lengths).
 #if defined(__AVX512VNNI__)
     static constexpr bool kMaddubs = false;
 #else
@@ -81,7 +81,6 @@ struct V16 {
     static I dot16(I acc16, I w, uint32_t a4) {
         return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(w, _mm512_set1_epi32((int)a4)));
     }
-    static I widen16(I acc, I s16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, _mm512_set1_epi16(1))); }
     // acc + (s16.lo + s16.hi) * v per lane, v an int16 in both halves of sc2 (dup16(v)).
     static I widen16_mul(I acc, I s16, I sc2) { return _mm512_add_epi32(acc, _mm512_madd_epi16(s16, sc2)); }
     static I dup16(I v) { return pack16(v, v); }
@@ -154,7 +153,6 @@ struct V8 {
     static I dot16(I acc16, I w, uint32_t a4) {
         return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, _mm256_set1_epi32((int)a4)));
     }
-    static I widen16(I acc, I s16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1))); }
     static I widen16_mul(I acc, I s16, I sc2) { return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, sc2)); }
     static I dup16(I v) { return pack16(v, v); }
     static I pack16(I a, I b) {
