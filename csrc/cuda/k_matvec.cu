@@ -1306,23 +1306,14 @@ int one_type(const MvJob* jobs, int njobs) {
 // 504.3 / 504.8 / 503.7; the 0.5B's down rows (76 and 152 units) lost four to a block:
 // 1,775 / 1,720 / 1,777 against 1,842 / 1,833 / 1,838 (3a05235).
 constexpr int kX4MinUnits = 200;
+// Launches of NC > 1 columns (one job without W2, matvec_multi checks) take it for rows of
+// at least g_x4_cols_units units (all, unless a test holds it to one row a warp).
+int g_x4_cols_units = 0;
+template <int NC = 1>
 bool launch_x4(const MvArgs& a) {
     const MvJob& j = a.job[0];
-    if (a.njobs != 1 || a.rope.tickets || a.wearly || j.W2 || j.q_out || row_units(j.type, a.nb) < kX4MinUnits)
-        return false;
-    const unsigned blocks = (unsigned)((j.rows + 3) / 4);
-    if (!dispatch_typed(j.type, [&]<int T>() { launch(k_matvec_x4<T>, blocks, MV_WARPS * 32, a); })) return false;
-    ++ctx().c.x4;
-    return true;
-}
-
-// k_matvec_x4 for a launch of NC > 1 columns (one plain job, matvec_multi checks), of
-// rows of at least g_x4_cols_units units of a typed kernel's weight type.
-int g_x4_cols_units = 0;
-template <int NC>
-bool launch_x4_cols(const MvArgs& a) {
-    const MvJob& j = a.job[0];
-    if (row_units(j.type, a.nb) < g_x4_cols_units) return false;
+    if (NC == 1 && (a.njobs != 1 || a.rope.tickets || a.wearly || j.W2 || j.q_out)) return false;
+    if (row_units(j.type, a.nb) < (NC == 1 ? kX4MinUnits : g_x4_cols_units)) return false;
     const unsigned blocks = (unsigned)((j.rows + 3) / 4);
     if (!dispatch_typed(j.type, [&]<int T>() { launch(k_matvec_x4<T, NC>, blocks, MV_WARPS * 32, a); })) return false;
     ++ctx().c.x4;
@@ -1457,9 +1448,9 @@ void matvec_multi(const MvJob* jobs, int njobs, int64_t in_dim, const float* x, 
         ac.job[0].y += (size_t)c0 * jobs[0].rows;
         if (ac.job[0].resid) ac.job[0].resid += (size_t)c0 * jobs[0].rows;
         switch (nc) {
-            case 8: if (!launch_x4_cols<8>(ac)) launch_mv<8>(ac, (unsigned)b); break;
-            case 4: if (!launch_x4_cols<4>(ac)) launch_mv<4>(ac, (unsigned)b); break;
-            case 2: if (!launch_x4_cols<2>(ac)) launch_mv<2>(ac, (unsigned)b); break;
+            case 8: if (!launch_x4<8>(ac)) launch_mv<8>(ac, (unsigned)b); break;
+            case 4: if (!launch_x4<4>(ac)) launch_mv<4>(ac, (unsigned)b); break;
+            case 2: if (!launch_x4<2>(ac)) launch_mv<2>(ac, (unsigned)b); break;
             default: {
                 // The next matvec's int8 input (q_out: gate|up + SwiGLU's, for down) by a
                 // quantization launch of its own after this one. (By 32-row group tickets
