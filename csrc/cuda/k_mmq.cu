@@ -7,13 +7,14 @@
 // ascending order from 0.0f, and the warp's butterfly adds the 32 lane sums in a fixed
 // tree. Here mma.sync computes the same integer sums for 16 rows x 8 columns at a time
 // (integers are exact in any order), the same mv_math function turns them into the same
-// floats, and the additions follow the same order: a block's four warps take the tree's
-// four quarter-trees (lanes w, w + 4, ..., w + 28 of the butterfly, "classes"), a warp
-// walks its eight classes in the tree's depth-first order adding each class's units in
-// ascending order, and folds finished classes with a three-level stack (shared memory)
-// exactly as the butterfly's first three rounds pair them; the block then adds the four
-// quarters as its last two rounds do. Empty classes (rows of fewer than 32 units) add
-// 0.0f, as the matvec's idle lanes do.
+// floats, and the additions follow the same order: a block's W warps take the tree's W
+// subtrees of its last log2(W) rounds (warp w: lanes w, w + W, ... of the butterfly,
+// "classes"), a warp walks its 32 / W classes in the tree's depth-first order adding each
+// class's units in ascending order, and folds finished classes with a stack (shared
+// memory) exactly as the butterfly's first rounds pair them; the block then adds the W
+// subtrees as its last rounds do. Empty classes (rows of fewer than 32 units) add 0.0f,
+// as the matvec's idle lanes do. Float addition is commutative, so only the tree's shape
+// fixes the bits, not which warp holds which operand.
 //
 // Weight words go straight from global memory into the A fragments (the 4 lanes of a row
 // group read the unit's 32 quant bytes of their row); offset quants (Q4_0, Q5_0, Q6_K)
@@ -37,8 +38,12 @@ namespace {
 using mvm::fadd;
 using mvm::fmul;
 
-constexpr int MQ_WARPS = 4;   // one quarter-tree of the butterfly each
 constexpr int MQ_ROWS = 16;   // rows a block: one m16 tile
+// Warps a block, each two of the row tile's 32 classes. Four (a quarter-tree each) and
+// eight measured slower (bench/batch_steps.py --ab, H100, the 7B's 64-row step 28.5 and
+// 28.6 ms against 21.5; the experiment log): more warps over the same rows keep more
+// loads in flight, and one block an SM leaves more of the SM's memory to L1.
+constexpr int MQ_WARPS = 16;
 constexpr uint32_t NIB = 0x0F0F0F0Fu;
 
 struct MmqArgs {
@@ -63,18 +68,26 @@ using mvm::sbyte;
 // Four bytes of the int8 activation copy.
 __device__ __forceinline__ uint32_t ldx(const int8_t* p) { return ldw(reinterpret_cast<const uint8_t*>(p)); }
 
-// d = A (16 x 32, rows g / g + 8 in a[0..3]) * B (32 x 8, column g in b0, b1), int32.
-__device__ __forceinline__ void mma_k32(const uint32_t a[4], uint32_t b0, uint32_t b1, int d[4]) {
+// The integer sums come out of the mma as floats: it adds them to C = 0x4B400000, the
+// bits of 1.5 * 2^23, and for |s| < 2^22 the bits 0x4B400000 + s are the float 1.5 * 2^23
+// + s, so subtracting 1.5 * 2^23 gives float(s) exactly. A unit's sums stay far below
+// 2^22 (32 products of int8 activations and at most 8-bit weights: |s| < 2^20), and the
+// subtraction runs at the full FP32 rate where an int-to-float conversion runs at 1/8.
+constexpr int kFloatBias = 0x4B400000;
+__device__ __forceinline__ float unbias(int d) { return __fsub_rn(__int_as_float(d), 12582912.0f); }
+
+// d = A (16 x 32, rows g / g + 8 in a[0..3]) * B (32 x 8, column g in b0, b1) + c, int32.
+__device__ __forceinline__ void mma_k32(const uint32_t a[4], uint32_t b0, uint32_t b1, int d[4], int c) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%10,%11,%12,%13};"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c), "r"(c), "r"(c), "r"(c));
 }
 // The same over 16 elements (Q6_K's half chunks, each with its own scale).
-__device__ __forceinline__ void mma_k16(uint32_t a0, uint32_t a1, uint32_t b0, int d[4]) {
+__device__ __forceinline__ void mma_k16(uint32_t a0, uint32_t a1, uint32_t b0, int d[4], int c) {
     asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
+        : "r"(a0), "r"(a1), "r"(b0), "r"(c), "r"(c), "r"(c), "r"(c));
 }
 
 // Bytes of B-bit unsigned quants q to the int8 bytes of q - 2^(B-1): flipping the top bit
@@ -106,6 +119,9 @@ struct Cols {
 
 // One unit u of the thread's rows (wa: row g, wb: row g + 8) against every column:
 // acc[4 j + i] += the unit's value for row g + 8 (i >> 1), column 8 j + 2 t + (i & 1).
+// The values: mv_math's value functions on exact floats of the sums (products of an
+// integer scale and a sum, and Q6_K's sum of two such, stay below 2^24, so they are
+// exact in floats and equal to the integer product's conversion, as the matvec has it).
 template <int T, int NT>
 __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const uint8_t* wb, int u, int t,
                                      const Cols<NT>& cs, float acc[4 * NT]) {
@@ -138,24 +154,32 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
             }
         }
         int sc[2][4];  // per row: sc0, m0, sc1, m1
+        float fsc[2][4], dd[2][2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) k4_scale_min(u & 3, h[r].y, h[r].z, h[r].w, sc[r][0], sc[r][1], sc[r][2], sc[r][3]);
+        for (int r = 0; r < 2; ++r) {
+            k4_scale_min(u & 3, h[r].y, h[r].z, h[r].w, sc[r][0], sc[r][1], sc[r][2], sc[r][3]);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) fsc[r][k] = (float)sc[r][k];
+            dd[r][0] = mvm::half_lo(h[r].x);
+            dd[r][1] = mvm::half_hi(h[r].x);
+        }
         const int p0 = 16 * xq_chunk64(4 * u, a.in_dim) + 4 * t, p1 = 16 * xq_chunk64(4 * u + 1, a.in_dim) + 4 * t;
         const int p2 = 16 * xq_chunk64(4 * u + 2, a.in_dim) + 4 * t, p3 = 16 * xq_chunk64(4 * u + 3, a.in_dim) + 4 * t;
         const int dso = 8 * (u >> 2) + 2 * (u & 3);
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             int s0[4], s1[4];
-            mma_k32(lo, ldx(cs.xb[j] + p0), ldx(cs.xb[j] + p1), s0);
-            mma_k32(hi, ldx(cs.xb[j] + p2), ldx(cs.xb[j] + p3), s1);
+            mma_k32(lo, ldx(cs.xb[j] + p0), ldx(cs.xb[j] + p1), s0, kFloatBias);
+            mma_k32(hi, ldx(cs.xb[j] + p2), ldx(cs.xb[j] + p3), s1, kFloatBias);
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const float4 ds = __ldg(reinterpret_cast<const float4*>(a.xds + (size_t)cs.cv[j][e] * a.nb + dso));
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int i = 2 * r + e;
-                    acc[4 * j + i] = fadd(acc[4 * j + i], mvm::val_k45(h[r].x, sc[r][0], sc[r][1], sc[r][2], sc[r][3],
-                                                                       s0[i], s1[i], ds));
+                    const float v = mvm::val_k45f(dd[r][0], dd[r][1], fmul(fsc[r][0], unbias(s0[i])), fsc[r][1],
+                                                  fmul(fsc[r][2], unbias(s1[i])), fsc[r][3], ds);
+                    acc[4 * j + i] = fadd(acc[4 * j + i], v);
                 }
             }
         }
@@ -168,7 +192,7 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
         const size_t oh0 = q6k_qh(ns, u, 0) + 4 * t, oh1 = q6k_qh(ns, u, 1) + 4 * t;
         uint32_t wa_[2][2], wb_[2][2];  // [half][row]: chunk ja's and chunk ja + 2's quants
         int isc[2][4];
-        float d[2];
+        float fisc[2][4], d[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const uint8_t* w = r ? wb : wa;
@@ -182,6 +206,8 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
             isc[r][1] = sbyte(sc, 8 * n + 2 * k1 + 1);
             isc[r][2] = sbyte(sc, 8 * n + 2 * k1 + 4);
             isc[r][3] = sbyte(sc, 8 * n + 2 * k1 + 5);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) fisc[r][k] = (float)isc[r][k];
             d[r] = ldh(w + q6k_d(ns, sb));
         }
         const int c0 = 16 * sb + 2 * ja;
@@ -191,10 +217,10 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             int sa0[4], sa1[4], sb0[4], sb1[4];
-            mma_k16(wa_[0][0], wa_[0][1], ldx(cs.xb[j] + pa0), sa0);
-            mma_k16(wa_[1][0], wa_[1][1], ldx(cs.xb[j] + pa1), sa1);
-            mma_k16(wb_[0][0], wb_[0][1], ldx(cs.xb[j] + pb0), sb0);
-            mma_k16(wb_[1][0], wb_[1][1], ldx(cs.xb[j] + pb1), sb1);
+            mma_k16(wa_[0][0], wa_[0][1], ldx(cs.xb[j] + pa0), sa0, kFloatBias);
+            mma_k16(wa_[1][0], wa_[1][1], ldx(cs.xb[j] + pa1), sa1, kFloatBias);
+            mma_k16(wb_[0][0], wb_[0][1], ldx(cs.xb[j] + pb0), sb0, kFloatBias);
+            mma_k16(wb_[1][0], wb_[1][1], ldx(cs.xb[j] + pb1), sb1, kFloatBias);
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const float2* xd = a.xds + (size_t)cs.cv[j][e] * a.nb + dsa;
@@ -202,9 +228,11 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int i = 2 * r + e;
-                    const int ia = isc[r][0] * sa0[i] + isc[r][1] * sa1[i];
-                    const int ib = isc[r][2] * sb0[i] + isc[r][3] * sb1[i];
-                    acc[4 * j + i] = fadd(acc[4 * j + i], mvm::val_q6k(d[r], ia, ib, da, db));
+                    // |scale * sum| <= 128 * 16 * 32 * 128 = 2^23: two of them add to at most
+                    // 2^24, still exact.
+                    const float fa = fadd(fmul(fisc[r][0], unbias(sa0[i])), fmul(fisc[r][1], unbias(sa1[i])));
+                    const float fb = fadd(fmul(fisc[r][2], unbias(sb0[i])), fmul(fisc[r][3], unbias(sb1[i])));
+                    acc[4 * j + i] = fadd(acc[4 * j + i], mvm::val_q6kf(d[r], fa, fb, da, db));
                 }
             }
         }
@@ -253,7 +281,7 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             int s[4];
-            mma_k32(q, ldx(cs.xb[j] + p0), ldx(cs.xb[j] + p1), s);
+            mma_k32(q, ldx(cs.xb[j] + p0), ldx(cs.xb[j] + p1), s, kFloatBias);
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const float2 ds = __ldg(a.xds + (size_t)cs.cv[j][e] * a.nb + u);
@@ -261,8 +289,8 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
                 for (int r = 0; r < 2; ++r) {
                     const int i = 2 * r + e;
                     float v;
-                    if constexpr (T == T_Q8_0) v = mvm::val_q8_0(d8[r], ds, s[i]);
-                    else v = mvm::val_q45<T == T_Q4_1 || T == T_Q5_1>(dm[r], ds, s[i]);
+                    if constexpr (T == T_Q8_0) v = mvm::val_q8_0f(d8[r], ds, unbias(s[i]));
+                    else v = mvm::val_q45f<T == T_Q4_1 || T == T_Q5_1>(dm[r], ds, unbias(s[i]));
                     acc[4 * j + i] = fadd(acc[4 * j + i], v);
                 }
             }
@@ -270,18 +298,37 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
     }
 }
 
-__host__ __device__ constexpr int brev3(int k) { return ((k & 1) << 2) | (k & 2) | ((k >> 2) & 1); }
+// k's lowest m bits in reverse order.
+__host__ __device__ constexpr int brev(int k, int m) {
+    int r = 0;
+    for (int i = 0; i < m; ++i) r |= ((k >> i) & 1) << (m - 1 - i);
+    return r;
+}
+constexpr int log2i(int n) { return n <= 1 ? 0 : 1 + log2i(n / 2); }
 
-// Shared memory: per warp a three-level stack of 4 NT values a lane (the finished
-// classes' partial sums), indexed [level][pair][lane] so a warp's accesses never conflict;
-// level 0 then takes the warp's quarter-tree sum for the block's last two rounds.
-template <int NT>
-constexpr size_t mmq_smem_bytes() { return (size_t)MQ_WARPS * 3 * 4 * NT * 32 * sizeof(float); }
+// Shared memory: per warp a stack of log2(32 / W) levels of 4 NT values a lane (the
+// finished classes' partial sums), indexed [level][pair][lane] so a warp's accesses never
+// conflict; afterwards each warp's first level takes its subtree's sum for the block's
+// last rounds (one level even where a warp has a single class and no stack).
+template <int NT, int W>
+constexpr size_t mmq_smem_bytes() {
+    constexpr int m = log2i(32 / W);
+    return (size_t)W * (m > 0 ? m : 1) * 4 * NT * 32 * sizeof(float);
+}
 
-template <int T, int NT>
-__global__ void __launch_bounds__(MQ_WARPS * 32) k_mmq(MmqArgs a) {
+// The sum of the warps' subtree values at p[w * stride] for w = B, B + S, ... (N of them)
+// in the butterfly's last rounds: those S apart pair last (v_w += v_(w + W / 2) first).
+template <int B, int S, int N>
+__device__ __forceinline__ float subtrees(const float* p, size_t stride) {
+    if constexpr (N == 1) return p[B * stride];
+    else return fadd(subtrees<B, 2 * S, N / 2>(p, stride), subtrees<B + S, 2 * S, N / 2>(p, stride));
+}
+
+template <int T, int NT, int W>
+__global__ void __launch_bounds__(W * 32) k_mmq(MmqArgs a) {
     extern __shared__ float mq_smem[];
     pdl_trigger();
+    constexpr int K = 32 / W, M = log2i(K), LV = M > 0 ? M : 1;  // classes a warp, stack levels
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * MQ_ROWS, col0 = blockIdx.y * 8 * NT;
     constexpr int P = 4 * NT;
@@ -289,7 +336,7 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) k_mmq(MmqArgs a) {
     const uint8_t* wa = a.W + (size_t)min(row0 + g, a.rows - 1) * a.row_bytes;
     const uint8_t* wb = a.W + (size_t)min(row0 + g + 8, a.rows - 1) * a.row_bytes;
     const Cols<NT> cs(a, col0, g, t);
-    float* st = mq_smem + (size_t)warp * 3 * P * 32;
+    float* st = mq_smem + (size_t)warp * LV * P * 32;
     // The block's rows into L2 before the wait (no kernel writes weights): a warp walks
     // its units a class at a time, one unit in flight, which alone would not keep enough
     // bytes in flight to stream; blocks start a wave at a time, so L2 holds a wave's rows.
@@ -303,35 +350,36 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) k_mmq(MmqArgs a) {
     }
     pdl_wait();
     float acc[P];
-    for (int k = 0; k < 8; ++k) {
-        // Class l of the butterfly's quarter-tree `warp`, in depth-first order: l, l + 16,
-        // l + 8, l + 24, l + 4, ... (lane l's partner in round 16 is l + 16, and so on).
-        const int l = warp + 4 * brev3(k);
+#pragma unroll 1
+    for (int k = 0; k < K; ++k) {
+        // Class l of the warp's subtree in depth-first order (W = 4 would walk l, l + 16,
+        // l + 8, l + 24, l + 4, ...: lane l's partner in round 16 is l + 16, and so on).
+        const int l = warp + W * brev(k, M);
 #pragma unroll
         for (int p = 0; p < P; ++p) acc[p] = 0.0f;
         for (int u = l; u < a.nu; u += 32) unit<T, NT>(a, wa, wb, u, t, cs, acc);
-        // Fold: class k joins the stack like a binary counter (rounds 16, 8, 4).
+        // Fold: class k joins the stack like a binary counter (rounds 16, 8, ...).
         int lv = 0;
-        for (; lv < 3 && (k >> lv) & 1; ++lv) {
+        for (; lv < M && (k >> lv) & 1; ++lv) {
 #pragma unroll
             for (int p = 0; p < P; ++p) acc[p] = fadd(st[(lv * P + p) * 32 + lane], acc[p]);
         }
-        if (lv < 3) {
+        if (lv < M) {
 #pragma unroll
             for (int p = 0; p < P; ++p) st[(lv * P + p) * 32 + lane] = acc[p];
         }
     }
-    // acc: the quarter-tree's sum. Rounds 2 and 1: (q0 + q2) + (q1 + q3).
+    // acc: the warp's subtree sum. The last rounds: v_w += v_(w + s) for s = W / 2, ..., 1.
 #pragma unroll
     for (int p = 0; p < P; ++p) st[p * 32 + lane] = acc[p];
     __syncthreads();
-    const size_t wstride = (size_t)3 * P * 32;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-        const int p = 4 * j + warp;  // warp w stores the pairs i = w: row g + 8 (w >> 1), column 2 t + (w & 1)
-        const size_t o = (size_t)p * 32 + lane;
-        const float v = fadd(fadd(mq_smem[o], mq_smem[2 * wstride + o]), fadd(mq_smem[wstride + o], mq_smem[3 * wstride + o]));
-        const int row = row0 + g + 8 * (warp >> 1), col = col0 + 8 * j + 2 * t + (warp & 1);
+    const size_t wstride = (size_t)LV * P * 32;
+    for (int e = threadIdx.x; e < P * 32; e += W * 32) {
+        const int p = e >> 5, ln = e & 31;
+        const float v = subtrees<0, 1, W>(mq_smem + e, wstride);
+        // Pair p = 4 j + i of lane (g, t): row g + 8 (i >> 1), column 8 j + 2 t + (i & 1).
+        const int j = p >> 2, i = p & 3, lg = ln >> 2, lt = ln & 3;
+        const int row = row0 + lg + 8 * (i >> 1), col = col0 + 8 * j + 2 * lt + (i & 1);
         if (row < a.rows && col < a.ncols) {
             float r = a.xscale ? fmul(v, __ldg(a.xscale + col)) : v;
             if (a.bias) r = fadd(r, __ldg(a.bias + row));
@@ -342,15 +390,27 @@ __global__ void __launch_bounds__(MQ_WARPS * 32) k_mmq(MmqArgs a) {
     }
 }
 
-template <int T>
-void launch_mmq(const MmqArgs& a) {
+template <int T, int NT>
+void launch_mmq_nt(const MmqArgs& a, unsigned gy) {
+    constexpr size_t smem = mmq_smem_bytes<NT, MQ_WARPS>();
+    if constexpr (smem > 48 * 1024) {
+        static bool allowed = false;
+        if (!allowed) {
+            check(cudaFuncSetAttribute(k_mmq<T, NT, MQ_WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                  "cudaFuncSetAttribute");
+            allowed = true;
+        }
+    }
     const unsigned gx = (unsigned)((a.rows + MQ_ROWS - 1) / MQ_ROWS);
-    if (a.ncols <= 16) launch_smem(k_mmq<T, 2>, dim3(gx, (a.ncols + 15) / 16), MQ_WARPS * 32, mmq_smem_bytes<2>(), a);
-    else if (a.ncols <= 32) launch_smem(k_mmq<T, 4>, dim3(gx, 1), MQ_WARPS * 32, mmq_smem_bytes<4>(), a);
-    else launch_smem(k_mmq<T, 8>, dim3(gx, (a.ncols + 63) / 64), MQ_WARPS * 32, mmq_smem_bytes<8>(), a);
+    launch_smem(k_mmq<T, NT, MQ_WARPS>, dim3(gx, gy), MQ_WARPS * 32, smem, a);
 }
 
-static_assert(mmq_smem_bytes<8>() <= 48 * 1024, "the largest instantiation fits without the opt-in");
+template <int T>
+void launch_mmq(const MmqArgs& a) {
+    if (a.ncols <= 16) launch_mmq_nt<T, 2>(a, (a.ncols + 15) / 16);
+    else if (a.ncols <= 32) launch_mmq_nt<T, 4>(a, 1);
+    else launch_mmq_nt<T, 8>(a, (a.ncols + 63) / 64);
+}
 
 int g_mmq_min_cols = 9;
 

@@ -63,30 +63,46 @@ __device__ __forceinline__ float fadd(float a, float b) { return __fadd_rn(a, b)
 __device__ __forceinline__ float half_lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFF))); }
 __device__ __forceinline__ float half_hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
 
+// The value functions come in two spellings: on the integer sums (the matvec, whose
+// __dp4a sums are ints) and on exact floats of them (the tensor-core matmul, k_mmq.cu,
+// whose sums come out as floats). The integer one converts and calls the float one, so
+// both run the same float operations and give the same bits wherever the conversions
+// are exact (integers below 2^24).
+
 // Legacy 32-element block: d (dm's low half) times the activation block's scale times
-// the integer s; Q4_1 / Q5_1 (kMin) add their min m (dm's high half) times d * sum(q).
+// the sum s; Q4_1 / Q5_1 (kMin) add their min m (dm's high half) times d * sum(q).
 template <bool kMin>
-__device__ __forceinline__ float val_q45(uint32_t dm, float2 ds, int s) {
-    float r = fmul(fmul(half_lo(dm), ds.x), (float)s);
+__device__ __forceinline__ float val_q45f(uint32_t dm, float2 ds, float s) {
+    float r = fmul(fmul(half_lo(dm), ds.x), s);
     if constexpr (kMin) r = fadd(r, fmul(half_hi(dm), ds.y));
     return r;
 }
+template <bool kMin>
+__device__ __forceinline__ float val_q45(uint32_t dm, float2 ds, int s) { return val_q45f<kMin>(dm, ds, (float)s); }
 
-__device__ __forceinline__ float val_q8_0(float d, float2 ds, int s) { return fmul(fmul(d, ds.x), (float)s); }
+__device__ __forceinline__ float val_q8_0f(float d, float2 ds, float s) { return fmul(fmul(d, ds.x), s); }
+__device__ __forceinline__ float val_q8_0(float d, float2 ds, int s) { return val_q8_0f(d, ds, (float)s); }
 
 // Q4_K / Q5_K half superblock: sub-blocks with 6-bit scales sc0, sc1 and mins m0, m1,
-// integers s0, s1 against activation blocks ds = (d0, d0 * sum0, d1, d1 * sum1); dd
-// holds the superblock's d (low half) and dmin (high half).
+// sums s0, s1 against activation blocks ds = (d0, d0 * sum0, d1, d1 * sum1); dd holds the
+// superblock's d (low half) and dmin (high half). The float spelling takes fs0 =
+// sc0 * s0, fm0 = m0, fs1 = sc1 * s1, fm1 = m1.
+__device__ __forceinline__ float val_k45f(float d, float dmin, float fs0, float fm0, float fs1, float fm1, float4 ds) {
+    const float fs = fadd(fmul(fs0, ds.x), fmul(fs1, ds.z));
+    const float fm = fadd(fmul(fm0, ds.y), fmul(fm1, ds.w));
+    return __fsub_rn(fmul(d, fs), fmul(dmin, fm));
+}
 __device__ __forceinline__ float val_k45(uint32_t dd, int sc0, int m0, int sc1, int m1, int s0, int s1, float4 ds) {
-    const float fs = fadd(fmul((float)(sc0 * s0), ds.x), fmul((float)(sc1 * s1), ds.z));
-    const float fm = fadd(fmul((float)m0, ds.y), fmul((float)m1, ds.w));
-    return __fsub_rn(fmul(half_lo(dd), fs), fmul(half_hi(dd), fm));
+    return val_k45f(half_lo(dd), half_hi(dd), (float)(sc0 * s0), (float)m0, (float)(sc1 * s1), (float)m1, ds);
 }
 
 // Q6_K unit: the scale-weighted integers of its two chunks (ia, ib) against their
 // activation scales (da, db), times the superblock's d.
+__device__ __forceinline__ float val_q6kf(float d, float ia, float ib, float da, float db) {
+    return fmul(d, fadd(fmul(da, ia), fmul(db, ib)));
+}
 __device__ __forceinline__ float val_q6k(float d, int ia, int ib, float da, float db) {
-    return fmul(d, fadd(fmul(da, (float)ia), fmul(db, (float)ib)));
+    return val_q6kf(d, (float)ia, (float)ib, da, db);
 }
 
 }  // namespace minfer::cuda::mvm
