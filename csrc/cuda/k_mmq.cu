@@ -191,8 +191,7 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
         const size_t ol0 = q6k_ql(u, 0) + 4 * t, ol1 = q6k_ql(u, 1) + 4 * t;
         const size_t oh0 = q6k_qh(ns, u, 0) + 4 * t, oh1 = q6k_qh(ns, u, 1) + 4 * t;
         uint32_t wa_[2][2], wb_[2][2];  // [half][row]: chunk ja's and chunk ja + 2's quants
-        int isc[2][4];
-        float fisc[2][4], d[2];
+        float fisc[2][4], d[2];  // per row: the four int8 scales, the superblock's d
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const uint8_t* w = r ? wb : wa;
@@ -202,12 +201,10 @@ __device__ __forceinline__ void unit(const MmqArgs& a, const uint8_t* wa, const 
             wb_[0][r] = centred<6>(((l0 >> 4) & NIB) | (((h0 >> (2 * k1 + 4)) & 0x03030303u) << 4));
             wb_[1][r] = centred<6>(((l1 >> 4) & NIB) | (((h1 >> (2 * k1 + 4)) & 0x03030303u) << 4));
             const uint4 sc = ld4(w + q6k_sc(ns, sb));
-            isc[r][0] = sbyte(sc, 8 * n + 2 * k1);
-            isc[r][1] = sbyte(sc, 8 * n + 2 * k1 + 1);
-            isc[r][2] = sbyte(sc, 8 * n + 2 * k1 + 4);
-            isc[r][3] = sbyte(sc, 8 * n + 2 * k1 + 5);
-#pragma unroll
-            for (int k = 0; k < 4; ++k) fisc[r][k] = (float)isc[r][k];
+            fisc[r][0] = (float)sbyte(sc, 8 * n + 2 * k1);
+            fisc[r][1] = (float)sbyte(sc, 8 * n + 2 * k1 + 1);
+            fisc[r][2] = (float)sbyte(sc, 8 * n + 2 * k1 + 4);
+            fisc[r][3] = (float)sbyte(sc, 8 * n + 2 * k1 + 5);
             d[r] = ldh(w + q6k_d(ns, sb));
         }
         const int c0 = 16 * sb + 2 * ja;
@@ -310,9 +307,9 @@ constexpr int log2i(int n) { return n <= 1 ? 0 : 1 + log2i(n / 2); }
 // finished classes' partial sums), indexed [level][pair][lane] so a warp's accesses never
 // conflict; afterwards each warp's first level takes its subtree's sum for the block's
 // last rounds (one level even where a warp has a single class and no stack).
-template <int NT, int W>
+template <int NT>
 constexpr size_t mmq_smem_bytes() {
-    constexpr int m = log2i(32 / W);
+    constexpr int W = MQ_WARPS, m = log2i(32 / W);
     return (size_t)W * (m > 0 ? m : 1) * 4 * NT * 32 * sizeof(float);
 }
 
@@ -324,10 +321,11 @@ __device__ __forceinline__ float subtrees(const float* p, size_t stride) {
     else return fadd(subtrees<B, 2 * S, N / 2>(p, stride), subtrees<B + S, 2 * S, N / 2>(p, stride));
 }
 
-template <int T, int NT, int W>
-__global__ void __launch_bounds__(W * 32) k_mmq(MmqArgs a) {
+template <int T, int NT>
+__global__ void __launch_bounds__(MQ_WARPS * 32) k_mmq(MmqArgs a) {
     extern __shared__ float mq_smem[];
     pdl_trigger();
+    constexpr int W = MQ_WARPS;
     constexpr int K = 32 / W, M = log2i(K), LV = M > 0 ? M : 1;  // classes a warp, stack levels
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * MQ_ROWS, col0 = blockIdx.y * 8 * NT;
@@ -392,17 +390,17 @@ __global__ void __launch_bounds__(W * 32) k_mmq(MmqArgs a) {
 
 template <int T, int NT>
 void launch_mmq_nt(const MmqArgs& a, unsigned gy) {
-    constexpr size_t smem = mmq_smem_bytes<NT, MQ_WARPS>();
+    constexpr size_t smem = mmq_smem_bytes<NT>();
     if constexpr (smem > 48 * 1024) {
         static bool allowed = false;
         if (!allowed) {
-            check(cudaFuncSetAttribute(k_mmq<T, NT, MQ_WARPS>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+            check(cudaFuncSetAttribute(k_mmq<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                   "cudaFuncSetAttribute");
             allowed = true;
         }
     }
     const unsigned gx = (unsigned)((a.rows + MQ_ROWS - 1) / MQ_ROWS);
-    launch_smem(k_mmq<T, NT, MQ_WARPS>, dim3(gx, gy), MQ_WARPS * 32, smem, a);
+    launch_smem(k_mmq<T, NT>, dim3(gx, gy), MQ_WARPS * 32, smem, a);
 }
 
 template <int T>
