@@ -237,6 +237,21 @@ void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float
 
 void free_aligned(void* p) { std::free(p); }
 
+// Decode streams every packed byte once per token. On 4 KiB pages one thread read
+// 24 GB/s on a Zen 4 VM where the same loop over 2 MiB pages read 33-35: each page
+// costs a TLB walk and the hardware prefetcher stops at page boundaries. So weights
+// start on a 2 MiB boundary and ask for transparent huge pages (a no-op where THP is
+// off); only whole huge pages are asked for, so the tail costs no extra memory.
+constexpr size_t kHuge = (size_t)2 << 20;
+
+void* alloc_weights(size_t bytes) {
+    void* mem = nullptr;
+    const size_t align = bytes >= kHuge ? kHuge : 64;
+    if (posix_memalign(&mem, align, bytes) != 0 || !mem) throw std::bad_alloc();
+    if (bytes >= kHuge) madvise(mem, bytes / kHuge * kHuge, MADV_HUGEPAGE);
+    return mem;
+}
+
 }  // namespace
 
 bool packable(int32_t type) {
@@ -274,8 +289,7 @@ std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64
     // Rounded to 64 bytes so every group (and so every vector load in it) is aligned.
     p->group_bytes = kq ? k::group_bytes(type, p->nb) : ((size_t)p->nb * (L.qs + L.qh + L.d) + 63) / 64 * 64;
     const size_t total = (p->bytes() + 63) / 64 * 64;
-    void* mem = std::aligned_alloc(64, total);
-    if (!mem) throw std::bad_alloc();
+    void* mem = alloc_weights(total);
     p->data = std::unique_ptr<uint8_t, void (*)(void*)>((uint8_t*)mem, free_aligned);
     const size_t blk = type_block_bytes(type), rb = (size_t)p->nb * blk;
     const int64_t groups = p->groups, nb = p->nb;
