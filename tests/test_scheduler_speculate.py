@@ -428,3 +428,71 @@ def test_a_waiting_prompt_gets_half_a_step_at_least(model):
     beside = [(d, n, w) for d, n, w in seen if n and d and w > n]
     assert all(n >= 3 for d, n, w in beside), seen
     assert sum(d == 3 for d, n, w in beside) >= 5, seen   # five decode, three of them step
+
+
+class _Walls:
+    """A BatchGate whose step walls are given (`ms(rows)`), not measured, and that
+    never probes: what the scheduler does with each verdict, independent of the clock."""
+
+    def __init__(self, ms):
+        from minfer.speculate import BatchGate
+
+        self.g = BatchGate()
+        self.g.PROBE_EVERY = 1 << 30
+        self.f = ms
+
+    def observe(self, rows, ms):
+        self.g.ms[rows] = self.f(rows)
+
+    def keep(self, *a):
+        return self.g.keep(*a)
+
+
+def test_batched_greedy_drafts_ride_only_where_the_step_walls_say_they_pay(model, oracle):
+    """Three greedy jobs with a drafter that is always right, batched: where each extra
+    row costs next to nothing the drafts ride; where a step's wall grows with the
+    square of its rows, the batched decode steps stop drafting once their walls are
+    known (what a lone step drafts before the others are admitted, and a row count
+    beyond every measured one, still rides). The text is plain greedy's either way."""
+    ps = prompts(3, seed=11)
+    for p in ps:
+        oracle.refs[tuple(p)] = alone(model, p, 48).ids
+    drafted, batched = {}, {}
+    for pays in (True, False):
+        with running(model, n_slots=3) as sched:
+            sched.engine.gate = _Walls((lambda rows: 1.0) if pays else (lambda rows: float(rows) ** 2))
+            rows = batched[pays] = []
+            real = sched.engine._launch_items
+
+            def spy(items, real=real, rows=rows):
+                if len(items) > 1 and all(not s.pending for s, _, _ in items):
+                    rows.append(sum(len(t) for _, t, _ in items) - len(items))
+                return real(items)
+
+            sched.engine._launch_items = spy
+            got = run_jobs(sched, [dict(prompt_ids=p, n_predict=48, speculate=SpecRequest("ngram", 4))
+                                   for p in ps])
+        for p, g in zip(ps, got):
+            assert g["ids"] == oracle.refs[tuple(p)]
+        drafted[pays] = sum(g["done"].usage["speculation"]["drafted"] for g in got)
+    # Drafts in the batched decode steps: most steps where they pay, and where they do
+    # not, only the steps that measured a row count no step had reached before.
+    assert sum(batched[True]) >= 2 * len(batched[True])
+    late = batched[False][len(batched[False]) // 2:]
+    assert late and sum(late) == 0, str(batched[False])
+    assert drafted[False] < drafted[True]
+
+
+def test_sampled_drafts_ride_whatever_the_step_walls_say(model):
+    """The gate never drops a sampled sequence's drafts: its seed's output depends on
+    what was drafted, so it must not depend on the clock."""
+    ps = prompts(2, seed=12)
+    sp = SamplingParams(temperature=0.9, top_k=5, seed=7)
+    jobs = [dict(prompt_ids=p, n_predict=24, sampling=sp, speculate=SpecRequest("ngram", 4)) for p in ps]
+    with running(model, n_slots=2) as sched:
+        sched.engine.gate = _Walls(lambda rows: float(rows) ** 2)
+        a = run_jobs(sched, [dict(j) for j in jobs])
+    with running(model, n_slots=2) as sched:
+        b = run_jobs(sched, [dict(j) for j in jobs])
+    assert [g["ids"] for g in a] == [g["ids"] for g in b]
+    assert sum(g["done"].usage["speculation"]["drafted"] for g in a) > 0

@@ -355,3 +355,26 @@ def test_policy_uses_each_block_size_measured_cost():
     assert p.depth(1, 8) == 7
     assert p.depth(1, 8, measured=False) == 8
     assert p.rel_cost(9, p.r) == pytest.approx(3.0) and p.rel_cost(5, p.r) == pytest.approx(1 + p.r * 4)
+
+
+def test_batch_gate_weighs_a_steps_drafts_by_its_measured_walls():
+    """A batch size runs plain first; a row count beyond every measured one is tried;
+    between measured ones the wall is interpolated; drafts that give fewer tokens per ms
+    than the plain step are dropped, except every PROBE_EVERY-th time (remeasured)."""
+    from minfer.speculate import BatchGate, expected_accepted
+
+    g = BatchGate()
+    assert not g.keep(16, 16, 40, 30)       # 16 rows never measured: plain first
+    g.observe(16, 2.0)
+    assert g.keep(16, 16, 40, 30)           # nothing at or above 40 rows yet: try it
+    g.observe(64, 8.0)
+    assert g.cost(40) == pytest.approx(2.0 + 6.0 * 24 / 48)
+    assert g.keep(16, 16, 40, 45)           # 45 / 5.0 ms beats 16 / 2.0 ms
+    for k in range(1, g.PROBE_EVERY):
+        assert not g.keep(16, 16, 40, 30)   # 30 / 5.0 ms does not
+    assert g.keep(16, 16, 40, 30)           # the probe
+    assert not g.keep(16, 16, 40, 30)
+    g.observe(16, 4.0)                      # walls follow the measurements (weighted)
+    assert g.ms[16] == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(0.0, 8) == 0.0

@@ -40,7 +40,7 @@ from minfer.kv_pool import place
 from minfer.logits_check import check_logits_finite
 from minfer.rows import DeviceRows
 from minfer.sampling import Sampler, SamplingParams, sample_rows, top_logprobs
-from minfer.speculate import NgramDrafter, Policy, accept_picks, verify
+from minfer.speculate import BatchGate, NgramDrafter, Policy, accept_picks, expected_accepted, verify
 
 # ----------------------------------------------------------------------------- results
 
@@ -331,6 +331,8 @@ class Engine:
         self._skip_rr = 0   # where the decode rows a waiting prompt displaces start (_batch)
         self.steps = 0
         self._used = [0.0] * len(self.slots)   # when each slot's sequence last ended (LRU of the KV pool)
+        self.gate = BatchGate()   # whether a batched step's greedy drafts pay (measured)
+        self._cycle: tuple | None = None   # the last batched decode launch: rows, start, builds
 
     # -- admission -----------------------------------------------------------------
     def free_slots(self) -> list[int]:
@@ -480,6 +482,8 @@ class Engine:
             self._collect(launch)
         if self.seqs and self._launch is None:   # (a lone sequence's may be out already)
             self._start_next()
+        if self._launch is None:
+            self._cycle = None   # idle until the next request: not a step's wall
         return bool(self.seqs) or self._launch is not None
 
     def run(self) -> None:
@@ -496,6 +500,7 @@ class Engine:
         launch = Launch(items=items, copy=self._copy_mode(items), runs=0, builds=self.ctx.builds,
                         t0=time.perf_counter())
         launch.draft_ms = self._draft_ms
+        self._time_cycle(items, launch.t0)
         s0 = items[0][0]
         launch.timed = (len(items) == 1 and s0.spec is not None and s0.spec.measured
                         and items[0][1][0] == s0.next_tok and not s0.pending and s0.picks > 0)
@@ -576,6 +581,8 @@ class Engine:
             else:
                 s.draft = s.spec.propose(limit)
                 spare -= len(s.draft)
+        if len(decoding) > 1:
+            self._gate_drafts(decoding)
         self._draft_ms = 0.0
         if want:
             t0 = time.perf_counter()
@@ -610,6 +617,34 @@ class Engine:
                 budget -= len(take)
                 items.append((s, take, 1))
         return items
+
+    def _gate_drafts(self, decoding: list) -> None:
+        """The greedy n-gram drafts of a batched step ride only where the measured step
+        walls say they pay (speculate.BatchGate); sampled sequences keep theirs."""
+        gated = [s for s in decoding if s.draft and s.spec.mode == "ngram" and s.sampling.plain_greedy]
+        if not gated:
+            return
+        others = [s for s in decoding if s.draft and s not in gated]
+        plain_rows = len(decoding) + sum(len(s.draft) for s in others)
+        plain_tokens = len(decoding) + sum(expected_accepted(s.spec.policy.rate(s.spec.bucket), len(s.draft))
+                                           for s in others)
+        rows = plain_rows + sum(len(s.draft) for s in gated)
+        tokens = plain_tokens + sum(expected_accepted(s.spec.policy.rate(s.spec.bucket), len(s.draft))
+                                    for s in gated)
+        if not self.gate.keep(plain_rows, plain_tokens, rows, tokens):
+            for s in gated:
+                s.draft = []
+
+    def _time_cycle(self, items, t0: float) -> None:
+        """The wall from one batched decode launch to the next, by its rows, for the
+        gate: the forward, the picks and whatever the host does per step in between (a
+        cycle in which a graph was built says nothing about the steps after it)."""
+        if self._cycle is not None:
+            rows, start, builds = self._cycle
+            if self.ctx.builds == builds:
+                self.gate.observe(rows, (t0 - start) * 1000)
+        decode_only = len(items) > 1 and all(not s.pending for s, _, _ in items)
+        self._cycle = (sum(len(t) for _, t, _ in items), t0, self.ctx.builds) if decode_only else None
 
     def _model_drafts(self, want: dict) -> None:
         """Greedy drafts of the draft model for the sequences in `want` (sequence ->
