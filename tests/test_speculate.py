@@ -374,7 +374,10 @@ def test_batch_gate_weighs_a_steps_drafts_by_its_measured_walls():
         assert not g.keep(16, 16, 40, 30)   # 30 / 5.0 ms does not
     assert g.keep(16, 16, 40, 30)           # the probe
     assert not g.keep(16, 16, 40, 30)
-    g.observe(16, 4.0)                      # walls follow the measurements (weighted)
-    assert g.ms[16] == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
+    g.observe(16, 9.0)                      # a wall that met a pause is not what 16 rows cost
+    assert g.ms[16] == 2.0
+    for _ in range(g.RECENT):
+        g.observe(16, 4.0)                  # walls that stay up are (the recent ones only)
+    assert g.ms[16] == 4.0
     assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
     assert expected_accepted(0.0, 8) == 0.0

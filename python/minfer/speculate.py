@@ -37,6 +37,7 @@ loss on text that does not repeat itself to a few percent.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -238,7 +239,7 @@ class BatchGate:
     comparison is the whole step: n decode rows alone, or n plus every draft. What a row
     costs there is the backend's (a GPU's batched matmul grows in steps with the rows)
     plus the host's per-token work, so both are measured: the wall from one batched
-    decode launch to the next, by its total rows (an average that follows drift), with
+    decode launch to the next, by its total rows (the least of the recent ones), with
     the host's picks and streaming inside it. On one H100, 16 concurrent code-editing
     requests of the default model ran 7,325 tok/s plain and 6,786 with every draft
     kept (0.93x): the 64-row steps cost more than their accepted drafts gave.
@@ -252,15 +253,20 @@ class BatchGate:
     that has gone stale (acceptance rising, load falling) is made again."""
 
     PROBE_EVERY = 16
-    WEIGHT = 0.3
+    RECENT = 8
 
     def __init__(self):
         self.ms: dict[int, float] = {}   # total rows -> wall of a batched decode step
+        self._seen: dict[int, deque] = {}
         self.skips = 0
 
     def observe(self, rows: int, ms: float) -> None:
-        c = self.ms.get(rows)
-        self.ms[rows] = ms if c is None else (1 - self.WEIGHT) * c + self.WEIGHT * ms
+        # The least of the recent walls: a step that met a pause (a collection, the
+        # event loop holding the interpreter) says nothing about what its rows cost,
+        # and one such wall averaged in could keep paying drafts out for many steps.
+        seen = self._seen.setdefault(rows, deque(maxlen=self.RECENT))
+        seen.append(ms)
+        self.ms[rows] = min(seen)
 
     def cost(self, rows: int) -> float | None:
         """The wall of a step of `rows` rows: measured, else interpolated between the
