@@ -625,12 +625,14 @@ class Engine:
         if not gated:
             return
         others = [s for s in decoding if s.draft and s not in gated]
+
+        def gain(group):   # expected accepted drafts of the group's sequences
+            return sum(expected_accepted(s.spec.policy.rate(s.spec.bucket), len(s.draft)) for s in group)
+
         plain_rows = len(decoding) + sum(len(s.draft) for s in others)
-        plain_tokens = len(decoding) + sum(expected_accepted(s.spec.policy.rate(s.spec.bucket), len(s.draft))
-                                           for s in others)
+        plain_tokens = len(decoding) + gain(others)
         rows = plain_rows + sum(len(s.draft) for s in gated)
-        tokens = plain_tokens + sum(expected_accepted(s.spec.policy.rate(s.spec.bucket), len(s.draft))
-                                    for s in gated)
+        tokens = plain_tokens + gain(gated)
         if not self.gate.keep(plain_rows, plain_tokens, rows, tokens):
             for s in gated:
                 s.draft = []

@@ -194,7 +194,7 @@ class Policy:
         a = min(self.rate(bucket), 0.999)
         best, best_gain = 0, 1.0
         for d in range(1, limit + 1):
-            gain = (1 - a ** (d + 1)) / (1 - a) / (self.rel_cost(d + 1, r, measured) + q * d)
+            gain = block_tokens(a, d) / (self.rel_cost(d + 1, r, measured) + q * d)
             if gain > best_gain * 1.02:
                 best, best_gain = d, gain
         if best == 0:
@@ -298,10 +298,15 @@ class BatchGate:
         return False
 
 
+def block_tokens(a: float, d: int) -> float:
+    """Tokens a verified block of d drafts yields (the target's own pick included), each
+    draft accepted with probability a < 1 while all before it were."""
+    return (1 - a ** (d + 1)) / (1 - a)
+
+
 def expected_accepted(a: float, d: int) -> float:
     """Drafts kept of d, each accepted with probability a while all before it were."""
-    a = min(max(a, 0.0), 0.999)
-    return a * (1 - a ** d) / (1 - a)
+    return block_tokens(min(max(a, 0.0), 0.999), d) - 1
 
 
 # ----------------------------------------------------------------------------- verification
