@@ -234,6 +234,26 @@ if [ -n "${NCU:-}" ]; then
     done
   fi
 fi
+# MOE=1: the whole Qwen3-30B-A3B shape (bench/moe_shape.py --fast, Qwen2's vocabulary from
+# bench_vocab/ or gpu_models/) into moe.txt: `minfer bench` pp512 / tg128, the per-kind
+# decode table by events (direct launches) and by stamps (inside the replay), and a
+# 512-token prefill's. MOE_STEPS: decode steps profiled (16); MOE_BENCH=0 leaves out
+# `minfer bench` (bench/cuda_side_by_side.sh measures it beside llama.cpp).
+if [ "${MOE:-0}" = 1 ]; then
+  t0=$SECONDS
+  mf=$models/qwen3-30b-a3b.gguf
+  voc=bench_vocab/ggml-vocab-qwen2.gguf
+  [ -f "$voc" ] || voc=gpu_models/ggml-vocab-qwen2.gguf
+  [ -f "$mf" ] || python3 bench/moe_shape.py "$mf" --preset qwen3-30b-a3b --fast --threads "$(nproc)" --vocab "$voc" >>"$OUT/moe.log" 2>&1
+  phase "moe shape rc $? in $((SECONDS - t0)) s"
+  {
+    [ "${MOE_BENCH:-1}" = 1 ] && python3 -m minfer.cli bench "$mf" --backend cuda -p 512 -n 128 -r "${REPS:-3}"
+    MINFER_CUDA_PROFILE=1 MINFER_NO_CUDA_GRAPH=1 python3 bench/cuda_profile.py "$mf" "${MOE_STEPS:-16}" --at 64
+    python3 bench/cuda_profile.py "$mf" "${MOE_STEPS:-16}" --at 64 --stamp
+    MINFER_CUDA_PROFILE=1 MINFER_NO_CUDA_GRAPH=1 python3 bench/cuda_profile.py "$mf" 2 --prefill 512
+  } >"$OUT/moe.txt" 2>&1
+  phase "moe profile rc $? in $((SECONDS - t0)) s -> moe.txt"
+fi
 if [ "${STEPS:-0}" = 1 ]; then
   for shape in ${STEPS_SHAPES:-0.5b 7b}; do
     python3 - "$models" "$shape" >>"$S" 2>&1 <<'EOF3'

@@ -302,6 +302,64 @@ def test_qkv_rope_store_tail_general_rope_bitwise(style, hd, n_rot, pos):
     assert np.array_equal(vc[cell], yv.astype(np.float16))
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in-place"])
+@pytest.mark.parametrize("nt", [1, 3])
+@pytest.mark.parametrize("style,hd,n_rot", [(0, 128, 128), (1, 64, 64), (0, 64, 48), (1, 256, 256), (0, 96, 96)])
+def test_qk_norm_rope_store_merge_bitwise(style, hd, n_rot, nt, in_place):
+    """Qwen3's and Gemma 3's attention inputs: qk_norm q, qk_norm k, rope q, rope k and the
+    KV store run as one launch (FUSE_QKV; one warp a head finds the norm's scale) and give
+    the bits of the five steps apart, direct and replayed, whether or not FUSE_ROPE is
+    also set (the q|k|v tail does not take the norms), and whether each rope writes a
+    buffer of its own or over its norm's output (as the allocator lays a model out). The
+    unfused result is float64's rope of float64's RMSNorm of the same inputs, within a
+    few float32 ulps."""
+    rng = np.random.default_rng(hd + n_rot + style + nt)
+    nh, nkv, n_ctx, eps = 4, 2, 16, 1e-6
+    qd, kd = nh * hd, nkv * hd
+    xq = (rng.standard_normal((nt, qd)) * 3).astype(np.float32)
+    xk = (rng.standard_normal((nt, kd)) * 3).astype(np.float32)
+    xv = rng.standard_normal((nt, kd)).astype(np.float32)
+    wq, wk = (rng.uniform(0.5, 1.5, hd).astype(np.float32) for _ in range(2))
+    pos, cells = [5 + 3 * t for t in range(nt)], [2 + t for t in range(nt)]
+    outs = {}
+    for flags in (0, 1, 1 | 32):
+        r = Pair()
+        hq, hk = r.weight("q_norm", wq, F32, hd, 1), r.weight("k_norm", wk, F32, hd, 1)
+        b = dict(xq=r.buf(xq), xk=r.buf(xk), xv=r.buf(xv), pos=r.buf(np.array(pos, np.int32)),
+                 cell=r.buf(np.array(cells, np.int32)), nq=r.out(nt * qd), nk=r.out(nt * kd), rq=r.out(nt * qd),
+                 rk=r.out(nt * kd), kc=r.out(n_ctx * kd, 2), vc=r.out(n_ctx * kd, 2))
+        if in_place:
+            b["rq"], b["rk"] = b["nq"], b["nk"]
+        steps = [("qk_norm", [b["nq"], b["xq"]], [hd, nt * nh], [eps], [hq]),
+                 ("qk_norm", [b["nk"], b["xk"]], [hd, nt * nkv], [eps], [hk]),
+                 ("rope", [b["rq"], b["nq"], b["pos"]], [nt, nh, hd, n_rot, style], [10000.0, 0.0, 0.0], [-1]),
+                 ("rope", [b["rk"], b["nk"], b["pos"]], [nt, nkv, hd, n_rot, style], [10000.0, 0.0, 0.0], [-1]),
+                 ("kv_store", [b["kc"], b["rk"], b["xv"], b["cell"], b["vc"]], [nt, kd, n_ctx, F16_KV], [], [])]
+        plan = r.gpu_plan(steps, flags)
+        assert _core.testing.cuda_plan_info(plan)["launches"] == {0: 5, 1: 1, 33: 1}[flags]
+        for _ in range(3):
+            r.run_gpu(plan)
+            got = [r.read_gpu(b["rq"], nt * qd).tobytes(), r.read_gpu(b["rk"], nt * kd).tobytes(),
+                   r.read_gpu(b["kc"], n_ctx * kd, "float16").tobytes(),
+                   r.read_gpu(b["vc"], n_ctx * kd, "float16").tobytes()]
+            assert outs.setdefault(flags, got) == got
+    for key, got in outs.items():
+        assert got == outs[0], f"flags {key}"
+
+    def norm64(x, w, n):
+        x = x.astype(np.float64).reshape(nt, n, hd)
+        return (x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * w.astype(np.float64)).reshape(nt, -1)
+
+    for x, w, n, got in ((xq, wq, nh, outs[0][0]), (xk, wk, nkv, outs[0][1])):
+        want = _rope64(norm64(x, w, n), pos, n, hd, n_rot, 10000.0, style)
+        np.testing.assert_allclose(np.frombuffer(got, np.float32).reshape(nt, -1), want, rtol=0,
+                                   atol=2e-6 * np.abs(want).max())
+    kc = np.frombuffer(outs[0][2], np.float16).reshape(n_ctx, kd)
+    vc = np.frombuffer(outs[0][3], np.float16).reshape(n_ctx, kd)
+    assert np.array_equal(kc[cells], np.frombuffer(outs[0][1], np.float32).reshape(nt, kd).astype(np.float16))
+    assert np.array_equal(vc[cells], xv.astype(np.float16))
+
+
 def test_rope_merges_take_only_ropes_that_agree():
     """q and k roped with different angles (q with frequency factors, k without) are not
     merged into one rope launch (nor into the q|k|v tail): the ropes and the store run as

@@ -53,7 +53,7 @@ KQUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 SUM_C = 8.0
 GEMM_REL = 2 * 2.0**-11
 ROW_EXACT = 64  # _core.CUDA_ROW_EXACT_MAX_TOKENS (read at run time, checked below)
-FUSE_QKV, FUSE_FFN, FUSE_RESIDUAL = 1, 2, 4  # cuda/executor.h PlanFlags
+FUSE_QKV, FUSE_FFN, FUSE_RESIDUAL, FUSE_QUANT = 1, 2, 4, 8  # cuda/executor.h PlanFlags
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -353,20 +353,27 @@ def launches(plan) -> int:
 
 
 @pytest.mark.parametrize("nt", [1, 4])
+@pytest.mark.parametrize("n_expert,k", [(8, 2), (16, 8)], ids=lambda v: str(v))
 @pytest.mark.parametrize("wtype", [Q.Q4_K, Q.Q8_0, Q.F16], ids=lambda t: t.name)
-def test_moe_step_merges_are_bitwise_the_steps(nt, wtype):
-    """Router top-k + weights (FUSE_QKV), gate|up MATMUL_IDs + SwiGLU (FUSE_FFN) and the
-    weighted sum + residual add (FUSE_RESIDUAL), each one launch, give the bits of their
-    steps launched apart; so does the whole decode-shaped MoE block."""
-    n_expert, k, d, ff = 8, 2, 256, 512
-    rng = np.random.default_rng(nt)
+def test_moe_step_merges_are_bitwise_the_steps(nt, wtype, n_expert, k):
+    """Router top-k + weights (FUSE_QKV), gate|up MATMUL_IDs + SwiGLU (FUSE_FFN), the down
+    MATMUL_ID + the weighted sum of its rows (FUSE_FFN; a block takes an output row for
+    all of a token's slots) and that sum + the residual add (FUSE_RESIDUAL): each merge
+    one launch, with the bits of the steps launched apart; so does the whole
+    decode-shaped MoE block, down's rows included, with down's int8 input written by the
+    gate|up launch (FUSE_QUANT) or made by down's own quantization."""
+    d, ff = 256, 512
+    rng = np.random.default_rng(nt + k)
     graw, _ = expert_weight(wtype, n_expert, d, ff)
     uraw, _ = make_weight(wtype, n_expert * ff, d, rng)
     draw, _ = expert_weight(wtype, n_expert, ff, d)
     h = rng.standard_normal((nt, d)).astype(np.float32)
     logits = (rng.standard_normal((nt, n_expert)) * 2).astype(np.float32)
     outs = {}
-    for flags in (0, FUSE_QKV | FUSE_FFN | FUSE_RESIDUAL):
+    all_flags = FUSE_QKV | FUSE_FFN | FUSE_RESIDUAL | FUSE_QUANT
+    no_quant = all_flags & ~FUSE_QUANT
+    nodes = {}
+    for flags in (0, FUSE_FFN, no_quant, all_flags):
         r = CudaRig()
         g = r.weight("gate", graw, wtype, d, n_expert * ff)
         u = r.weight("up", uraw, wtype, d, n_expert * ff)
@@ -384,13 +391,81 @@ def test_moe_step_merges_are_bitwise_the_steps(nt, wtype):
             ("moe_sum", [s, yd, w], [d, k, nt], [], []),
             ("add", [y, ih, s], [nt * d], [], [])]
         p = r.plan(steps, flags)
-        assert launches(p) == (4 if flags else 8), launches(p)
-        r.run(p)
-        outs[flags] = [r.read(b, n) for b, n in ((ids, nt * k), (w, nt * k), (act, nt * k * ff), (y, nt * d))]
+        assert launches(p) == {0: 8, FUSE_FFN: 5, no_quant: 3, all_flags: 3}[flags], launches(p)
+        for _ in range(3):  # direct, captured, replayed
+            r.run(p)
+        nodes[flags] = _core.testing.cuda_plan_info(p)["graph_nodes"]
+        outs[flags] = [r.read(b, n) for b, n in ((ids, nt * k), (w, nt * k), (act, nt * k * ff), (yd, nt * k * d),
+                                                  (s, nt * d), (y, nt * d))]
         if flags:
-            assert np.isfinite(outs[flags][3]).all()
-    for a, b, name in zip(outs[0], outs[FUSE_QKV | FUSE_FFN | FUSE_RESIDUAL], ("ids", "weights", "swiglu", "out")):
-        assert a.tobytes() == b.tobytes(), f"{name}: merged launches vs steps apart"
+            assert np.isfinite(outs[flags][5]).all()
+    # Quantized down weights: gate|up writes down's int8 input, one kernel fewer.
+    assert nodes[all_flags] == nodes[no_quant] - (wtype != Q.F16), nodes
+    names = ("ids", "weights", "swiglu", "down", "sum", "out")
+    for flags in (FUSE_FFN, no_quant, all_flags):
+        for a, b, name in zip(outs[0], outs[flags], names):
+            if flags & FUSE_RESIDUAL and name == "sum":
+                continue  # the residual merge does not write the sum apart
+            assert a.tobytes() == b.tobytes(), f"{name}: merged launches ({flags}) vs steps apart"
+
+
+def _softmax_route64(logits, ids, gating, norm, scale):
+    """MOE_WEIGHTS in float64 from given logits and picks (plan.h's gatings)."""
+    x = logits.astype(np.float64)
+    picked = np.take_along_axis(x, ids, axis=1)
+    if gating == 1:
+        w = np.take_along_axis(np.exp(x - x.max(axis=1, keepdims=True)), ids, axis=1)
+        w /= np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)
+    elif gating == 2:
+        w = 1 / (1 + np.exp(-picked))
+    else:
+        w = np.exp(picked - picked.max(axis=1, keepdims=True))
+        w /= w.sum(axis=1, keepdims=True)
+    if norm:
+        w /= w.sum(axis=1, keepdims=True)
+    return w * (scale if scale not in (0.0, 1.0) else 1.0)
+
+
+@pytest.mark.parametrize("rtype", [Q.F32, Q.F16, Q.Q8_0, Q.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_expert,k,nt", [(8, 2, 1), (60, 4, 7), (128, 8, 1), (128, 8, 64), (256, 8, 4)],
+                         ids=lambda v: str(v))
+def test_router_matvec_and_route_in_one_launch(rtype, n_expert, k, nt):
+    """A decode router (its MATMUL, then MOE_TOPK and MOE_WEIGHTS of the logits) is one
+    launch under FUSE_QKV for the router types llama.cpp writes (F32; F16 and Q8_0 too):
+    the logits are the matvec's bits, the last block to finish routes every token, and
+    ids and weights are bitwise those of the steps apart, in direct runs and graph
+    replays with new inputs (the ticket is back to zero after each). A Q4_K router stays
+    a matvec plus the route launch. The ids are NumPy's top-k of the logits; the weights
+    float64's from them."""
+    d = 256
+    rng = np.random.default_rng(n_expert + k + nt + int(rtype))
+    raw, _ = make_weight(rtype, n_expert, d, rng)
+    xs = [rng.standard_normal((nt, d)).astype(np.float32) * 4 for _ in range(3)]
+    for gating, norm, scale in ((1, True, 0.0), (2, False, 2.5), (3, False, 0.0)):
+        outs = {}
+        for flags in (0, FUSE_QKV):
+            r = CudaRig()
+            wr = r.weight("router", raw, rtype, d, n_expert)
+            ih, il, ids, w = r.buf(xs[0]), r.out(nt * n_expert), r.out(nt * k), r.out(nt * k)
+            p = r.plan([("matmul", [il, ih], [d, n_expert, nt], [], [wr, -1])] +
+                       route_steps(ids, w, il, n_expert, k, nt, gating, norm, scale), flags)
+            fused = flags and rtype != Q.Q4_K
+            assert launches(p) == (1 if fused else 2 if flags else 3), launches(p)
+            runs = []
+            for x in xs:
+                r.write(ih, x)
+                r.run(p)
+                runs.append((r.read(il, nt * n_expert), r.read(ids, nt * k, "int32"), r.read(w, nt * k)))
+            outs[flags] = runs
+        for (la, ia, wa), (lb, ib, wb) in zip(outs[0], outs[FUSE_QKV]):
+            assert la.tobytes() == lb.tobytes(), "logits: one launch vs the steps apart"
+            assert ia.tobytes() == ib.tobytes(), "ids"
+            assert wa.tobytes() == wb.tobytes(), "weights"
+            lg = lb.reshape(nt, n_expert)
+            want = np.argsort(-lg.astype(np.float64), axis=1, kind="stable")[:, :k]
+            assert np.array_equal(ib.reshape(nt, k), want)
+            np.testing.assert_allclose(wb.reshape(nt, k), _softmax_route64(lg, want, gating, norm, scale),
+                                       rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("nt", [3, 80])

@@ -80,6 +80,7 @@ struct CudaPlanState : PlanState {
     size_t xn_bytes = 0;
     int* rope_tk = nullptr;  // the q|k|v tail's head tickets: likewise
     size_t rope_tk_bytes = 0;
+    int* route_tk = nullptr;  // the decode router's ticket (L_MOE_ROUTER): likewise
     void* moe = nullptr;  // a prefill MATMUL_ID's grouping of slots by expert (kernels.h moe_group)
     size_t moe_bytes = 0;
     int direct_runs = 0;
@@ -127,6 +128,7 @@ struct CudaPlanState : PlanState {
         // and KV store steps, and each job's role (1 q, 2 k, 3 v).
         int rope[3] = {-1, -1, -1};
         int role[4] = {0, 0, 0, 0};
+        int qk_norm[2] = {-1, -1};  // L_ROPE_STORE: the QK_NORM steps of q and k it runs first, or none
         bool early_next = false;  // L_NORM_Q: the launch after it is a q|k|v matvec of one wave: it starts with the norm
         bool moe_grouped = false;  // a prefill MATMUL_ID whose slots the MATMUL_ID before grouped (moe scratch)
     };
@@ -160,6 +162,7 @@ struct CudaPlanState : PlanState {
         if (xq2) cudaFree(xq2);
         if (xn) cudaFree(xn);
         if (rope_tk) cudaFree(rope_tk);
+        if (route_tk) cudaFree(route_tk);
         if (moe) cudaFree(moe);
         if (stamps) cudaFree(stamps);
         if (rope_table) cudaFree(rope_table);
@@ -201,7 +204,7 @@ bool same_angles(const RopeCfg& a, const RopeCfg& b) {
 }
 
 enum LaunchKind { L_STEP = 0, L_MV, L_SWIGLU, L_MV_ADD, L_ROPE_STORE, L_NORM_Q, L_ARGMAX, L_MOE_ROUTE, L_MOE_FFN,
-                  L_MOE_SUM_ADD };
+                  L_MOE_SUM_ADD, L_MOE_ROUTER, L_MOE_DOWN_SUM };
 
 // Buffers a step reads / writes (plan.h's field contract).
 void step_io(const Step& s, int rd[6], int& nr, int wr[2], int& nw) {
@@ -253,12 +256,30 @@ bool is_gemm_deq(const Step& s, const WeightStore& ws) {
 // A MATMUL_ID of a decode-sized block: the expert matvec (matvec_id).
 bool is_mv_id(const Step& s) { return s.op == OP_MATMUL_ID && s.ip[5] <= kRowExactMaxTokens; }
 
+// MOE_TOPK and MOE_WEIGHTS of one router's logits at steps i, i + 1 (either order), into
+// buffers of their own: {topk step, weights step}, else empty.
+std::vector<int> moe_route_pair(const std::vector<Step>& S, size_t i) {
+    if (i + 1 >= S.size()) return {};
+    const Step &a = S[i], &b = S[i + 1];
+    const bool pair = (a.op == OP_MOE_TOPK && b.op == OP_MOE_WEIGHTS) || (a.op == OP_MOE_WEIGHTS && b.op == OP_MOE_TOPK);
+    if (!pair || a.buf[1] != b.buf[1] || a.ip[0] != b.ip[0] || a.ip[1] != b.ip[1] || a.ip[2] != b.ip[2] ||
+        a.buf[0] == b.buf[0] || a.buf[0] == a.buf[1] || b.buf[0] == b.buf[1])
+        return {};
+    const int t = a.op == OP_MOE_TOPK ? (int)i : (int)i + 1;
+    return {t, t == (int)i ? (int)i + 1 : (int)i};
+}
+
 // The mixture-of-experts step merges at step i (flags as for their dense counterparts),
 // pushed onto the program; returns the steps taken (0: none). Each launch computes
 // bitwise what its steps compute one by one.
 //   FUSE_FFN:      gate and up MATMUL_IDs (one input, one ids, one shape and type) + SWIGLU:
 //                  one expert matvec with the SwiGLU epilogue (L_MOE_FFN).
-//   FUSE_QKV:      MOE_TOPK and MOE_WEIGHTS of one router's logits: one launch (L_MOE_ROUTE).
+//   FUSE_QKV:      MOE_TOPK and MOE_WEIGHTS of one router's logits: one launch (L_MOE_ROUTE);
+//                  with the decode MATMUL that writes those logits before them, one
+//                  launch for the three (L_MOE_ROUTER, kernels.h matvec_route).
+//   FUSE_FFN:      a decode down MATMUL_ID + the MOE_SUM of its rows (+ with
+//                  FUSE_RESIDUAL the ADD of the sum): one launch (L_MOE_DOWN_SUM,
+//                  kernels.h matvec_id_sum).
 //   FUSE_RESIDUAL: MOE_SUM + the ADD of its output: the add in the sum (L_MOE_SUM_ADD).
 int moe_merge(const Plan& plan, const WeightStore& ws, size_t i, CudaPlanState& st) {
     const auto& S = plan.steps;
@@ -279,14 +300,48 @@ int moe_merge(const Plan& plan, const WeightStore& ws, size_t i, CudaPlanState& 
             return 3;
         }
     }
-    if ((f & FUSE_QKV) && i + 1 < S.size()) {
-        const Step &a = S[i], &b = S[i + 1];
-        const bool pair = (a.op == OP_MOE_TOPK && b.op == OP_MOE_WEIGHTS) || (a.op == OP_MOE_WEIGHTS && b.op == OP_MOE_TOPK);
-        if (pair && a.buf[1] == b.buf[1] && a.ip[0] == b.ip[0] && a.ip[1] == b.ip[1] && a.ip[2] == b.ip[2] &&
-            a.buf[0] != b.buf[0] && a.buf[0] != a.buf[1] && b.buf[0] != b.buf[1]) {
-            const int t = a.op == OP_MOE_TOPK ? (int)i : (int)i + 1;
-            st.program.push_back({L_MOE_ROUTE, {t, t == (int)i ? (int)i + 1 : (int)i, 0, 0}, 2});
+    if ((f & FUSE_QKV) && i + 2 < S.size() && is_rows_mv(S[i]) && S[i].w[1] < 0 && !moe_route_pair(S, i + 1).empty()) {
+        const Step &m = S[i], &a = S[i + 1];
+        // The logits are still written (later steps may read them); the routing reads
+        // them, never x; the ids and weights go elsewhere.
+        if (a.buf[1] == m.buf[0] && a.ip[0] == m.ip[1] && a.ip[2] == m.ip[2] &&
+            route_fusable(ws.get(m.w[0]).type, m.ip[1]) && a.ip[1] <= kRouteMaxK &&
+            S[i + 1].buf[0] != m.buf[1] && S[i + 2].buf[0] != m.buf[1]) {
+            const auto p = moe_route_pair(S, i + 1);
+            st.program.push_back({L_MOE_ROUTER, {(int)i, p[0], p[1], 0}, 3});
+            return 3;
+        }
+    }
+    if (f & FUSE_QKV) {
+        const auto p = moe_route_pair(S, i);
+        if (!p.empty()) {
+            st.program.push_back({L_MOE_ROUTE, {p[0], p[1], 0, 0}, 2});
             return 2;
+        }
+    }
+    if ((f & FUSE_FFN) && i + 1 < S.size() && is_mv_id(S[i]) && S[i + 1].op == OP_MOE_SUM) {
+        const Step &m = S[i], &sm = S[i + 1];
+        const int64_t out = m.ip[1], k = m.ip[4], nt = m.ip[5];
+        const int yd = m.buf[0], ys = sm.buf[0], w = sm.buf[2];
+        // Every block reads x, the ids and the weights while others write the rows and
+        // the sums: no output over an input, none over another.
+        const bool ok = sm.buf[1] == yd && sm.ip[0] == out && sm.ip[1] == k && sm.ip[2] == nt && k <= 32 &&
+                        yd != m.buf[1] && yd != m.buf[2] && yd != w && ys != yd && ys != m.buf[1] && ys != m.buf[2] &&
+                        ys != w;
+        if (ok) {
+            CudaPlanState::Launch L{L_MOE_DOWN_SUM, {(int)i, (int)i + 1, 0, 0}, 2};
+            if ((f & FUSE_RESIDUAL) && i + 2 < S.size() && S[i + 2].op == OP_ADD) {
+                const Step& ad = S[i + 2];
+                const bool one = (ad.buf[1] == ys) != (ad.buf[2] == ys);
+                const int resid = ad.buf[1] == ys ? ad.buf[2] : ad.buf[1];
+                if (one && ad.ip[0] == out * nt && resid != yd && ad.buf[0] != yd && ad.buf[0] != m.buf[1] &&
+                    ad.buf[0] != m.buf[2] && ad.buf[0] != w && dead_after(plan, i + 2, ys)) {
+                    L.s[2] = (int)i + 2;
+                    L.n = 3;
+                }
+            }
+            st.program.push_back(L);
+            return L.n;
         }
     }
     if ((f & FUSE_RESIDUAL) && i + 1 < S.size() && S[i].op == OP_MOE_SUM && S[i + 1].op == OP_ADD) {
@@ -326,6 +381,22 @@ void mark_moe_groups(const Plan& plan, CudaPlanState& st) {
         prev = &s;
         since = L.s[0];
     }
+}
+
+// Rope q, rope k and the KV store of the roped k at steps i .. i + 2, one launch's worth:
+// the ropes agree (one configuration for both) and no output clobbers an input. Sets
+// q and k to the two ropes' steps.
+bool rope_store_at(const std::vector<Step>& S, size_t i, int& q, int& k) {
+    if (i + 2 >= S.size() || S[i].op != OP_ROPE || S[i + 1].op != OP_ROPE || S[i + 2].op != OP_KV_STORE) return false;
+    const Step &a = S[i], &b = S[i + 1], &kv = S[i + 2];
+    const bool same = a.buf[2] == b.buf[2] && a.ip[0] == b.ip[0] && a.ip[2] == b.ip[2] && a.ip[3] == b.ip[3] &&
+                      a.ip[4] == b.ip[4] && a.fp[0] == b.fp[0] && a.fp[1] == b.fp[1] && a.fp[2] == b.fp[2] &&
+                      a.w[0] == b.w[0] && kv.ip[0] == a.ip[0];
+    q = k = -1;
+    if (kv.buf[1] == b.buf[0]) q = (int)i, k = (int)i + 1;
+    else if (kv.buf[1] == a.buf[0]) q = (int)i + 1, k = (int)i;
+    return same && q >= 0 && kv.ip[1] == S[k].ip[1] * S[k].ip[2] && S[q].buf[0] != S[k].buf[1] &&
+           S[k].buf[0] != S[q].buf[1] && kv.buf[2] != S[q].buf[0] && kv.buf[2] != S[k].buf[0];
 }
 
 void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
@@ -387,19 +458,39 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
                 continue;
             }
         }
+        // qk_norm q, qk_norm k, rope q, rope k, KV store of the roped k (Qwen3, Gemma 3)
+        if ((f & FUSE_QKV) && i + 4 < S.size() && S[i].op == OP_QK_NORM && S[i + 1].op == OP_QK_NORM) {
+            int q = -1, k = -1, nq = -1, nk = -1;
+            if (rope_store_at(S, i + 2, q, k)) {
+                for (int m : {(int)i, (int)i + 1}) {
+                    if (S[m].buf[0] == S[q].buf[1]) nq = m;
+                    else if (S[m].buf[0] == S[k].buf[1]) nk = m;
+                }
+            }
+            if (nq >= 0 && nk >= 0) {
+                const Step &a = S[nq], &b = S[nk], &rq = S[q], &rk = S[k], &kv = S[i + 4];
+                // The launch reads the norms' inputs and never writes their outputs: a
+                // norm's output feeds only its rope (which may write over it: RoPE
+                // aliases its input), and nothing written clobbers an input.
+                const bool q_gone = rq.buf[0] == a.buf[0] || dead_after(plan, i + 4, a.buf[0]);
+                const bool k_gone = rk.buf[0] == b.buf[0] || dead_after(plan, i + 4, b.buf[0]);
+                if (a.ip[0] == rq.ip[2] && a.ip[1] == rq.ip[0] * rq.ip[1] && b.ip[0] == rk.ip[2] &&
+                    b.ip[1] == rk.ip[0] * rk.ip[1] && a.buf[0] != b.buf[1] && b.buf[0] != a.buf[1] &&
+                    rq.buf[0] != b.buf[1] && rk.buf[0] != a.buf[1] && kv.buf[2] != a.buf[0] && kv.buf[2] != b.buf[0] &&
+                    q_gone && k_gone) {
+                    CudaPlanState::Launch L{L_ROPE_STORE, {q, k, (int)i + 4, 0}, 3};
+                    L.qk_norm[0] = nq;
+                    L.qk_norm[1] = nk;
+                    st.program.push_back(L);
+                    i += 5;
+                    continue;
+                }
+            }
+        }
         // rope q, rope k, KV store of the roped k
-        if ((f & FUSE_QKV) && i + 2 < S.size() && S[i].op == OP_ROPE && S[i + 1].op == OP_ROPE &&
-            S[i + 2].op == OP_KV_STORE) {
-            const Step &a = S[i], &b = S[i + 1], &kv = S[i + 2];
-            // One launch ropes both with one configuration: q's and k's must agree.
-            const bool same = a.buf[2] == b.buf[2] && a.ip[0] == b.ip[0] && a.ip[2] == b.ip[2] &&
-                              a.ip[3] == b.ip[3] && a.ip[4] == b.ip[4] && a.fp[0] == b.fp[0] &&
-                              a.fp[1] == b.fp[1] && a.fp[2] == b.fp[2] && a.w[0] == b.w[0] && kv.ip[0] == a.ip[0];
+        if (f & FUSE_QKV) {
             int q = -1, k = -1;
-            if (kv.buf[1] == b.buf[0]) q = (int)i, k = (int)i + 1;
-            else if (kv.buf[1] == a.buf[0]) q = (int)i + 1, k = (int)i;
-            if (same && q >= 0 && kv.ip[1] == S[k].ip[1] * S[k].ip[2] && S[q].buf[0] != S[k].buf[1] &&
-                S[k].buf[0] != S[q].buf[1] && kv.buf[2] != S[q].buf[0] && kv.buf[2] != S[k].buf[0]) {
+            if (rope_store_at(S, i, q, k)) {
                 st.program.push_back({L_ROPE_STORE, {q, k, (int)i + 2, 0}, 3});
                 i += 3;
                 continue;
@@ -417,6 +508,7 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         const Step& m = S[L.s[0]];
         // (A MATMUL_ID's ip[2] is its x rows: the norm's rows when its slots share them.)
         const bool reads_x = L.kind == L_MV || L.kind == L_SWIGLU || L.kind == L_MV_ADD || L.kind == L_MOE_FFN ||
+                             L.kind == L_MOE_ROUTER || L.kind == L_MOE_DOWN_SUM ||
                              (L.kind == L_STEP && m.op == OP_MATMUL && m.ip[2] <= kRowExactMaxTokens) ||
                              (L.kind == L_STEP && is_mv_id(m));
         if (cur >= 0 && reads_x && m.buf[1] == S[cur].buf[0] && m.ip[0] == S[cur].ip[0] && m.ip[2] == S[cur].ip[1]) {
@@ -439,12 +531,23 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
         }
     }
     // A one-token matvec's int8 input written by the launch producing it: attention (the
-    // o projection's input) or gate|up + SwiGLU (down's, into the second scratch).
+    // o projection's input) or gate|up + SwiGLU (down's, into the second scratch); so is
+    // a decode expert down's, by the experts' gate|up + SwiGLU (every slot's column).
     for (size_t k = 0; (f & FUSE_QUANT) && k + 1 < st.program.size(); ++k) {
         auto& L = st.program[k];
         auto& N = st.program[k + 1];
         if (N.kind == L_ROPE_STORE || N.kind == L_NORM_Q || N.norm_in >= 0) continue;
         const Step& m = S[N.s[0]];
+        if (L.kind == L_MOE_FFN && (N.kind == L_MOE_DOWN_SUM || (N.kind == L_STEP && is_mv_id(m)))) {
+            const Step& g = S[L.s[0]];
+            if (S[L.s[2]].buf[0] == m.buf[1] && g.ip[1] % 32 == 0 && m.ip[0] == g.ip[1] &&
+                m.ip[2] == g.ip[4] * g.ip[5] && ws.get(m.w[0]).type != T_F32 && ws.get(m.w[0]).type != T_F16) {
+                L.q_next = true;
+                N.xq_ready = true;
+                N.slot = 1;
+            }
+            continue;
+        }
         if (!is_mv(m)) continue;
         const Step& p = S[L.s[0]];
         if (L.kind == L_STEP && p.op == OP_ATTN && p.ip[0] == 1 && m.buf[1] == p.buf[0] &&
@@ -506,7 +609,7 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     for (size_t k = 0; (f & FUSE_ROPE) && k + 1 < st.program.size(); ++k) {
         auto& L = st.program[k];
         const auto& N = st.program[k + 1];
-        if (L.kind != L_MV || N.kind != L_ROPE_STORE) continue;
+        if (L.kind != L_MV || N.kind != L_ROPE_STORE || N.qk_norm[0] >= 0) continue;
         const Step &q = S[N.s[0]], &kk = S[N.s[1]], &kv = S[N.s[2]];
         const int64_t hd = q.ip[2];
         if (q.ip[0] != 1 || hd % 4 || kv.ip[1] % hd) continue;
@@ -545,14 +648,15 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     }
 }
 
-// The angle table of the program's first q|k|v tail, filled once here, stream-ordered
+// The angle table of the program's first q|k|v tail or rope + KV-store launch, filled once here, stream-ordered
 // before any run. Positions run up to the KV cells (n_ctx, every sequence's). (Every
 // block working its angles out in double measured slower: 0.5B tg128 1,565 / 1,564 /
 // 1,561 against 1,588 / 1,606 / 1,599 with the table, 862161d.)
 void build_rope_table(const Plan& plan, const DevWeights& dw, CudaPlanState& st) {
     for (const auto& L : st.program) {
-        if (L.kind != L_MV || L.rope[0] < 0) continue;
-        const Step &q = plan.steps[L.rope[0]], &kv = plan.steps[L.rope[2]];
+        const bool tail = L.kind == L_MV && L.rope[0] >= 0;
+        if (!tail && L.kind != L_ROPE_STORE) continue;
+        const Step &q = plan.steps[tail ? L.rope[0] : L.s[0]], &kv = plan.steps[tail ? L.rope[2] : L.s[2]];
         const int64_t rows = kv.ip[2];
         const int n_rot = (int)q.ip[3];
         const RopeCfg cfg = rope_cfg(q, dw);
@@ -626,7 +730,12 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
                 if (s.w[1] >= 0) dw.ensure(ws, s.w[1]);
                 break;
             }
-            case OP_SIGMOID: case OP_MOE_TOPK: case OP_MOE_WEIGHTS: case OP_MOE_SUM:
+            case OP_MOE_TOPK: case OP_MOE_WEIGHTS:
+                if (ip[1] > kRouteMaxK || ip[0] > kRouteMaxExperts)
+                    fail(s, "CUDA routes at most " + std::to_string(kRouteMaxK) + " of at most " +
+                                std::to_string(kRouteMaxExperts) + " experts");
+                break;
+            case OP_SIGMOID: case OP_MOE_SUM:
                 break;
             case OP_MATMUL_ID: {
                 const Weight& w = need_weight(s, ws, 0);
@@ -692,6 +801,10 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
         grow(m, st.rope_tk_bytes, ropetk);
         MC_CHECK(cudaMemsetAsync(m, 0, ropetk, ctx().stream));
         st.rope_tk = (int*)m;
+    }
+    if (!st.route_tk) {
+        st.route_tk = (int*)dev_alloc(sizeof(int));
+        MC_CHECK(cudaMemsetAsync(st.route_tk, 0, sizeof(int), ctx().stream));
     }
     void* a = st.attn;
     grow(a, st.attn_bytes, attn);
@@ -808,29 +921,40 @@ void side_dequant(const WeightStore& ws, const DevWeights& dw, CudaPlanState& st
     MC_CHECK(cudaEventRecord(st.ev_deq[b], c.side));
 }
 
+// A decode MATMUL_ID's expert matvec (with up: gate|up + SwiGLU) into y.
+MvIdJob id_job(const Step& s, const Step* up, float* y, DevPool& pool, const WeightStore& ws, const DevWeights& dw) {
+    MvIdJob j;
+    j.W = (const uint8_t*)dw.get(s.w[0]);
+    j.W2 = up ? (const uint8_t*)dw.get(up->w[0]) : nullptr;
+    j.row_bytes = dw.stride(s.w[0]);
+    j.type = ws.get(s.w[0]).type;
+    j.out = (int)s.ip[1];
+    j.n_expert = (int)s.ip[3];
+    j.k = (int)s.ip[4];
+    j.nt = (int)s.ip[5];
+    j.x_rows = s.ip[2];
+    j.ids = (const int32_t*)pool.data(s.buf[2]);
+    j.y = y;
+    return j;
+}
+
 // MATMUL_ID into y: decode-sized blocks run the expert matvec (with up, gate|up + SwiGLU),
 // xq_ready / xq / in_norm as for a matvec; larger ones group their slots by expert on the
 // device (unless grouped: the MATMUL_ID before left this grouping in st.moe) and run the
 // tiled expert matmul. Neither reads the ids on the host.
 void run_matmul_id(const Step& s, const Step* up, float* y, DevPool& pool, const WeightStore& ws,
-                   const DevWeights& dw, CudaPlanState& st, bool xq_ready, void* xq, bool in_norm, bool grouped) {
+                   const DevWeights& dw, CudaPlanState& st, bool xq_ready, void* xq, bool in_norm, bool grouped,
+                   bool q_next = false) {
     const int64_t* ip = s.ip;
     const int32_t type = ws.get(s.w[0]).type;
     const float* x = (const float*)pool.data(s.buf[1]);
     const int32_t* ids = (const int32_t*)pool.data(s.buf[2]);
     if (is_mv_id(s)) {
-        MvIdJob j;
-        j.W = (const uint8_t*)dw.get(s.w[0]);
-        j.W2 = up ? (const uint8_t*)dw.get(up->w[0]) : nullptr;
-        j.row_bytes = dw.stride(s.w[0]);
-        j.type = type;
-        j.out = (int)ip[1];
-        j.n_expert = (int)ip[3];
-        j.k = (int)ip[4];
-        j.nt = (int)ip[5];
-        j.x_rows = ip[2];
-        j.ids = ids;
-        j.y = y;
+        MvIdJob j = id_job(s, up, y, pool, ws, dw);
+        if (q_next) {  // the next launch's input: every slot's column, in the second scratch
+            j.q_out = (int8_t*)st.xq2;
+            j.ds_out = (float2*)((uint8_t*)st.xq2 + (size_t)ip[4] * ip[5] * ip[1]);
+        }
         matvec_id(j, ip[0], x, xq ? xq : st.xq, xq_ready, in_norm);
         return;
     }
@@ -1043,6 +1167,16 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             RopeStoreArgs a;
             a.xq = F(q, 1); a.yq = F(q, 0); a.nhq = q.ip[1];
             a.xk = F(k, 1); a.yk = F(k, 0); a.nhk = k.ip[1];
+            if (L.qk_norm[0] >= 0) {
+                const Step &nq = S[L.qk_norm[0]], &nk = S[L.qk_norm[1]];
+                a.norm = true;
+                a.xq = F(nq, 1);
+                a.xk = F(nk, 1);
+                a.wq = nq.w[0] >= 0 ? (const float*)dw.get(nq.w[0]) : nullptr;
+                a.wk = nk.w[0] >= 0 ? (const float*)dw.get(nk.w[0]) : nullptr;
+                a.eps_q = nq.fp[0];
+                a.eps_k = nk.fp[0];
+            }
             a.v = F(kv, 2);
             a.pos = (const int32_t*)pool.data(q.buf[2]);
             a.cells = (const int32_t*)pool.data(kv.buf[3]);
@@ -1051,6 +1185,10 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             a.kc = pool.data(kv.buf[0]);
             a.vc = pool.data(kv.buf[4]);
             a.err = ctx().err_dev;
+            if (st.rope_table && st.rope_nrot == a.n_rot && same_angles(st.rope_cfg, a.cfg)) {
+                a.cs_table = st.rope_table;
+                a.cs_rows = st.rope_rows;
+            }
             rope2_store(a);
             break;
         }
@@ -1061,8 +1199,41 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
                       (int)wt.ip[4], wt.fp[0]);
             break;
         }
+        case L_MOE_ROUTER: {
+            const Step &m = S[L.s[0]], &tk = S[L.s[1]], &wt = S[L.s[2]];
+            MvRouteJob j;
+            j.W = (const uint8_t*)dw.get(m.w[0]);
+            j.row_bytes = dw.stride(m.w[0]);
+            j.type = ws.get(m.w[0]).type;
+            j.n_expert = (int)m.ip[1];
+            j.nt = (int)m.ip[2];
+            j.logits = F(m, 0);
+            j.ticket = st.route_tk;
+            j.ids = (int32_t*)pool.data(tk.buf[0]);
+            j.w = F(wt, 0);
+            j.k = (int)tk.ip[1];
+            j.gating = (int)wt.ip[3];
+            j.norm = (int)wt.ip[4];
+            j.scale = wt.fp[0];
+            matvec_route(j, m.ip[0], F(m, 1), xq, L.xq_ready, in_norm);
+            break;
+        }
+        case L_MOE_DOWN_SUM: {
+            const Step &m = S[L.s[0]], &sm = S[L.s[1]];
+            const float* resid = nullptr;
+            float* y = F(sm, 0);
+            if (L.n == 3) {
+                const Step& ad = S[L.s[2]];
+                resid = F(ad, ad.buf[1] == sm.buf[0] ? 2 : 1);
+                y = F(ad, 0);
+            }
+            matvec_id_sum(id_job(m, nullptr, F(m, 0), pool, ws, dw), m.ip[0], F(m, 1), xq, L.xq_ready, in_norm, F(sm, 2),
+                          resid, y);
+            break;
+        }
         case L_MOE_FFN:
-            run_matmul_id(S[L.s[0]], &S[L.s[1]], F(S[L.s[2]], 0), pool, ws, dw, st, L.xq_ready, xq, in_norm, false);
+            run_matmul_id(S[L.s[0]], &S[L.s[1]], F(S[L.s[2]], 0), pool, ws, dw, st, L.xq_ready, xq, in_norm, false,
+                          L.q_next);
             break;
         case L_MOE_SUM_ADD: {
             const Step &m = S[L.s[0]], &ad = S[L.s[1]];
@@ -1077,10 +1248,12 @@ const char* launch_name(const CudaPlanState::Launch& L, const Plan& plan) {
         case L_MV: return L.rope[0] >= 0 ? "fused_qkv_rope_store" : "fused_matvec";
         case L_SWIGLU: return "fused_ffn_swiglu";
         case L_MV_ADD: return "matvec_residual";
-        case L_ROPE_STORE: return "fused_rope_kv_store";
+        case L_ROPE_STORE: return L.qk_norm[0] >= 0 ? "fused_norm_rope_kv_store" : "fused_rope_kv_store";
         case L_NORM_Q: return "rms_norm_copy";
         case L_ARGMAX: return "argmax";
         case L_MOE_ROUTE: return "moe_route";
+        case L_MOE_ROUTER: return "moe_router";
+        case L_MOE_DOWN_SUM: return L.n == 3 ? "moe_down_sum_residual" : "moe_down_sum";
         case L_MOE_FFN: return "moe_ffn_swiglu";
         case L_MOE_SUM_ADD: return "moe_sum_residual";
         default: {
@@ -1399,6 +1572,8 @@ std::vector<LaunchInfo> run_launches(const Plan& plan, DevPool& pool, const Weig
         out[k].name = launch_name(L, plan);
         for (int j = 0; j < L.n; ++j) out[k].steps.push_back(L.s[j]);
         for (int r : L.rope)  // the q|k|v tail's folded rope and KV store steps
+            if (r >= 0) out[k].steps.push_back(r);
+        for (int r : L.qk_norm)  // the rope launch's folded q and k norms
             if (r >= 0) out[k].steps.push_back(r);
         std::sort(out[k].steps.begin(), out[k].steps.end());
         for (int s : out[k].steps) covered[s] = 1;

@@ -10,6 +10,7 @@
 #include "cuda/quant.cuh"
 #include "cuda/norm.cuh"
 #include "cuda/rope.cuh"
+#include "cuda/route.cuh"
 #include "cuda/silu.cuh"
 #include "cuda/timeline.cuh"
 
@@ -598,14 +599,7 @@ __device__ __forceinline__ void prefetch_job_row(const MvJob& jb, int row, int l
 
 // Pair k's angle at the step's position: from the table when it holds the position.
 __device__ __forceinline__ void rope_cs_of(const MvRopeStore& r, int k, float& c, float& s) {
-    const int32_t p = r.pos[0];
-    if (r.cs_table && p >= 0 && p < r.cs_rows) {
-        const float2 v = r.cs_table[(int64_t)p * (r.n_rot / 2) + k];
-        c = v.x;
-        s = v.y;
-    } else {
-        rope_cs(k, r.n_rot, p, r.cfg, c, s);
-    }
+    rope_cs_at(r.cs_table, r.cs_rows, k, r.n_rot, r.pos[0], r.cfg, c, s);
 }
 
 // A warp computes one row (with a.prefetch, requested into L2 before pdl_wait()).
@@ -1547,13 +1541,14 @@ __device__ __forceinline__ float id_row_dot(const uint8_t* __restrict__ row, con
 }
 
 // W2: gate|up + SwiGLU, y = silu(gate row) * (up row), the epilogue mv_store applies.
-// A slot whose id is outside [0, n_expert) gets a zero row, as on the CPU.
-template <int T, bool W2>
-__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_id(MvIdArgs p) {
+// A slot whose id is outside [0, n_expert) gets a zero row, as on the CPU. QO: blocks of
+// 32 rows (32 * G threads) that also write those rows' int8 copy (j.q_out).
+template <int T, bool W2, bool QO>
+__global__ void __launch_bounds__(QO ? 1024 : MV_WARPS * 32) k_matvec_id(MvIdArgs p) {
     pdl_trigger();
     const MvIdJob& j = p.j;
     const int lane = threadIdx.x & 31, G = p.lanes, gl = lane & (G - 1);
-    const int64_t gr = ((int64_t)blockIdx.x * MV_WARPS + (threadIdx.x >> 5)) * (32 / G) + lane / G;
+    const int64_t gr = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * (32 / G) + lane / G;
     pdl_wait();
     float acc = 0.0f, acc2 = 0.0f;
     bool ok = false;
@@ -1573,52 +1568,214 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_id(MvIdArgs p) {
         acc = fadd(acc, __shfl_xor_sync(0xffffffffu, acc, o));
         if constexpr (W2) acc2 = fadd(acc2, __shfl_xor_sync(0xffffffffu, acc2, o));
     }
-    if (gl != 0 || gr >= p.rows) return;
     float v = 0.0f;
-    if (ok) {
-        if (p.a.xscale && quantized(T)) {  // a norm's deferred copy: its row's scale
-            const float rs = __ldg(p.a.xscale + xr);
-            acc = fmul(acc, rs);
-            if constexpr (W2) acc2 = fmul(acc2, rs);
+    if (gl == 0 && gr < p.rows) {
+        if (ok) {
+            if (p.a.xscale && quantized(T)) {  // a norm's deferred copy: its row's scale
+                const float rs = __ldg(p.a.xscale + xr);
+                acc = fmul(acc, rs);
+                if constexpr (W2) acc2 = fmul(acc2, rs);
+            }
+            v = acc;
+            if constexpr (W2) v = silu_f(acc) * acc2;
         }
-        v = acc;
-        if constexpr (W2) v = silu_f(acc) * acc2;
+        j.y[gr] = v;
     }
-    j.y[gr] = v;
+    if constexpr (QO) {  // the block's 32 rows (of one slot: out % 32 == 0), quantized by warp 0
+        __shared__ float rows[32];
+        if (gl == 0) rows[threadIdx.x / G] = v;
+        __syncthreads();
+        if (threadIdx.x >= 32) return;
+        const int64_t r0 = (int64_t)blockIdx.x * 32, slot = r0 / j.out, e0 = r0 - slot * j.out;
+        quant_block_q8(rows[lane], lane, j.q_out + slot * j.out, (int)e0, j.out, j.ds_out + r0 / 32);
+    }
+}
+
+// kernels.h matvec_id_sum: block b is output row r = b % out of token t = b / out; group
+// g of G lanes takes slot t * k + g (k * G lanes, rounded up to whole warps), as
+// k_matvec_id's rows; thread 0 then adds the slots' rows as k_moe_sum does.
+struct MvIdSumArgs {
+    MvIdArgs p;
+    const float* w;
+    const float* resid;
+    float* y;
+};
+
+template <int T>
+__global__ void k_matvec_id_sum(MvIdSumArgs s) {
+    pdl_trigger();
+    const MvIdArgs& p = s.p;
+    const MvIdJob& j = p.j;
+    __shared__ float rows[32];  // k <= 32: a block holds k * G <= 1024 lanes
+    const int G = p.lanes, g = threadIdx.x / G, gl = threadIdx.x & (G - 1);
+    const int64_t t = blockIdx.x / j.out, r = blockIdx.x - t * j.out;
+    pdl_wait();
+    float acc = 0.0f;
+    bool ok = false;
+    int xr = 0;
+    const int64_t slot = t * j.k + g;
+    if (g < j.k) {
+        const int32_t e = j.ids[slot];
+        xr = (int)(j.x_rows == j.nt ? t : slot);
+        ok = e >= 0 && e < j.n_expert;
+        if (ok) acc = id_row_dot<T>(j.W + ((size_t)e * j.out + r) * j.row_bytes, p.a, xr, gl, G);
+    }
+    for (int o = G / 2; o > 0; o >>= 1) acc = fadd(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+    if (g < j.k && gl == 0) {
+        float v = 0.0f;
+        if (ok) {
+            if (p.a.xscale && quantized(T)) acc = fmul(acc, __ldg(p.a.xscale + xr));
+            v = acc;
+        }
+        j.y[slot * j.out + r] = v;
+        rows[g] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const float* wt = s.w + t * j.k;
+    float sum = __fmul_rn(wt[0], rows[0]);
+    for (int q = 1; q < j.k; ++q) sum = __fadd_rn(sum, __fmul_rn(wt[q], rows[q]));
+    const int64_t i = t * j.out + r;
+    if (s.resid) sum = __fadd_rn(s.resid[i], sum);  // resid may be y: read before the write
+    s.y[i] = sum;
+}
+
+// The decode router (kernels.h matvec_route): token t's logit e is row e against x row t,
+// one row a warp as k_matvec_id's 32-lane rows (so the plain matvec's bits); then the
+// block that draws the last ticket routes every token (route.cuh: one token by the whole
+// block, several a warp each) from the logits the others wrote, and puts the ticket back
+// to zero.
+struct MvRouteArgs {
+    MvArgs a;
+    const uint8_t* W;
+    size_t row_bytes;
+    int n_expert, nt;
+    float* logits;
+    int* ticket;
+    RouteArgs r;
+};
+
+template <int T, int NPL>
+__global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_route(MvRouteArgs p) {
+    pdl_trigger();
+    const int lane = threadIdx.x & 31;
+    const int64_t gr = (int64_t)blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
+    pdl_wait();
+    if (gr < (int64_t)p.nt * p.n_expert) {
+        const int64_t t = gr / p.n_expert, e = gr - t * p.n_expert;
+        float acc = id_row_dot<T>(p.W + e * p.row_bytes, p.a, (int)t, lane, 32);
+        for (int o = 16; o > 0; o >>= 1) acc = fadd(acc, __shfl_xor_sync(0xffffffffu, acc, o));
+        if (lane == 0) {
+            if (p.a.xscale && quantized(T)) acc = fmul(acc, __ldg(p.a.xscale + t));
+            p.logits[gr] = acc;
+        }
+    }
+    __shared__ bool s_last;
+    __threadfence();  // this block's logits before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(p.ticket, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();  // every block's logits (read through L2) after the last ticket
+    if (threadIdx.x == 0) *p.ticket = 0;
+    if (p.nt == 1) {  // the decode step: the block's warps rank the experts together
+        route_token_block<NPL>(p.r, 0);
+        return;
+    }
+    for (int64_t t = threadIdx.x >> 5; t < p.nt; t += MV_WARPS) route_token<NPL>(p.r, t, lane);
 }
 
 }  // namespace
+
+// The activations of an expert or router matvec (x_rows rows of in_dim): the int8 copy in
+// scratch, made here by a quantization launch unless the launch before made it
+// (xq_ready), or a norm's deferred copy (in_norm).
+MvArgs rows_activations(const char* who, int type, int64_t in_dim, int64_t x_rows, const float* x, void* scratch,
+                        bool xq_ready, bool in_norm) {
+    const bool quant = quantized(type);
+    if (quant && !scratch) throw std::invalid_argument(std::string(who) + ": quantized weights need the activation scratch");
+    if (in_norm && (!xq_ready || in_dim > kNormCopyMaxRow))
+        throw std::invalid_argument(std::string(who) + ": a norm's deferred copy is made before, rows of <= 4096");
+    MvArgs a{};
+    a.x = x;
+    a.in_dim = (int)in_dim;
+    a.nb = (int)(in_dim / 32);
+    a.xq = (const int8_t*)scratch;
+    a.xds = scratch ? (const float2*)((uint8_t*)scratch + (size_t)x_rows * in_dim) : nullptr;
+    a.xscale = in_norm ? norm_copy_scale(scratch, in_dim, x_rows) : nullptr;
+    if (quant && !xq_ready) {
+        const int n = a.nb * (int)x_rows;
+        launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int)in_dim, (int8_t*)a.xq, (float2*)a.xds);
+    }
+    return a;
+}
+
+void matvec_route(const MvRouteJob& j, int64_t in_dim, const float* x, void* scratch, bool xq_ready, bool in_norm) {
+    if (in_dim % 32 || j.nt < 1 || j.nt > kRowExactMaxTokens || j.k < 1 || j.k > j.n_expert || j.k > kRouteMaxK ||
+        j.n_expert > kRouteMaxExperts || !j.ticket || (j.w && (j.gating < 1 || j.gating > 3)))
+        throw std::invalid_argument("matvec_route: rows of a multiple of 32, 1 <= nt <= 64, 1 <= k <= n_expert, k <= 32, "
+                                    "n_expert <= 1024, a ticket, gating 1..3");
+    MvRouteArgs p{};
+    p.a = rows_activations("matvec_route", j.type, in_dim, j.nt, x, scratch, xq_ready, in_norm);
+    p.W = j.W;
+    p.row_bytes = j.row_bytes;
+    p.n_expert = j.n_expert;
+    p.nt = j.nt;
+    p.logits = j.logits;
+    p.ticket = j.ticket;
+    p.r = RouteArgs{j.logits, j.ids, j.w, j.n_expert, j.k, j.nt, j.gating, j.norm, j.scale};
+    if (!route_fusable(j.type, j.n_expert))
+        throw std::invalid_argument("matvec_route: router weights F32, F16 or Q8_0 of at most 256 experts");
+    const unsigned blocks = (unsigned)(((int64_t)j.nt * j.n_expert + MV_WARPS - 1) / MV_WARPS);
+    auto go = [&]<int T>() {
+        dispatch_route(j.n_expert, [&]<int NPL>() {
+            if constexpr (NPL <= 8) launch(k_matvec_route<T, NPL>, blocks, MV_WARPS * 32, p);
+        });
+    };
+    if (j.type == T_F32) go.template operator()<T_F32>();
+    else if (j.type == T_F16) go.template operator()<T_F16>();
+    else go.template operator()<T_Q8_0>();
+}
+
+void matvec_id_sum(const MvIdJob& j, int64_t in_dim, const float* x, void* scratch, bool xq_ready, bool in_norm,
+                   const float* w, const float* resid, float* y_sum) {
+    if (in_dim % 32 || j.out < 1 || j.k < 1 || j.k > 32 || j.nt < 1 || j.n_expert < j.k || j.W2 ||
+        (j.x_rows != j.nt && j.x_rows != (int64_t)j.nt * j.k))
+        throw std::invalid_argument("matvec_id_sum: rows of a multiple of 32, 1 <= k <= min(n_expert, 32), no W2, "
+                                    "x_rows nt or nt * k");
+    MvIdSumArgs s{};
+    s.p.a = rows_activations("matvec_id_sum", j.type, in_dim, j.x_rows, x, scratch, xq_ready, in_norm);
+    s.p.j = j;
+    const int nu = row_units(j.type, (int)(in_dim / 32));
+    s.p.lanes = nu <= 8 ? 8 : nu <= 16 ? 16 : 32;
+    s.w = w;
+    s.resid = resid;
+    s.y = y_sum;
+    const unsigned threads = (unsigned)((j.k * s.p.lanes + 31) / 32 * 32);
+    const unsigned blocks = (unsigned)((int64_t)j.nt * j.out);
+    const bool ok = dispatch_type(j.type, [&]<int T>() { launch(k_matvec_id_sum<T>, blocks, threads, s); });
+    if (!ok) throw std::invalid_argument("matvec_id_sum: weight type " + std::to_string(j.type) + " has no CUDA kernel");
+}
 
 void matvec_id(const MvIdJob& j, int64_t in_dim, const float* x, void* scratch, bool xq_ready, bool in_norm) {
     if (in_dim % 32 || j.out < 1 || j.k < 1 || j.nt < 1 || j.n_expert < j.k ||
         (j.x_rows != j.nt && j.x_rows != (int64_t)j.nt * j.k))
         throw std::invalid_argument("matvec_id: rows of a multiple of 32, 1 <= k <= n_expert, x_rows nt or nt * k");
     const int nb = (int)(in_dim / 32);
-    const bool quant = quantized(j.type);
-    if (quant && !scratch) throw std::invalid_argument("matvec_id: quantized weights need the activation scratch");
-    if (in_norm && (!xq_ready || in_dim > kNormCopyMaxRow))
-        throw std::invalid_argument("matvec_id: a norm's deferred copy is made before, rows of <= 4096");
     MvIdArgs p{};
-    MvArgs& a = p.a;
-    a.x = x;
-    a.in_dim = (int)in_dim;
-    a.nb = nb;
-    a.xq = (const int8_t*)scratch;
-    a.xds = scratch ? (const float2*)((uint8_t*)scratch + (size_t)j.x_rows * in_dim) : nullptr;
-    a.xscale = in_norm ? norm_copy_scale(scratch, in_dim, j.x_rows) : nullptr;
-    if (quant && !xq_ready) {
-        const int n = nb * (int)j.x_rows;
-        launch(k_quant_q8, (unsigned)((n * 32 + 255) / 256), 256, x, n, (int)in_dim, (int8_t*)a.xq, (float2*)a.xds);
-    }
+    p.a = rows_activations("matvec_id", j.type, in_dim, j.x_rows, x, scratch, xq_ready, in_norm);
     p.j = j;
     const int nu = row_units(j.type, nb);
     p.lanes = nu <= 8 ? 8 : nu <= 16 ? 16 : 32;
     p.rows = (int64_t)j.nt * j.k * j.out;
+    if (j.q_out && (!j.W2 || j.out % 32))
+        throw std::invalid_argument("matvec_id: an int8 copy of the output needs gate|up rows of a multiple of 32");
     const int64_t per_block = (int64_t)MV_WARPS * (32 / p.lanes);
     const unsigned blocks = (unsigned)((p.rows + per_block - 1) / per_block);
     const bool ok = dispatch_type(j.type, [&]<int T>() {
-        if (j.W2) launch(k_matvec_id<T, true>, blocks, MV_WARPS * 32, p);
-        else launch(k_matvec_id<T, false>, blocks, MV_WARPS * 32, p);
+        if (j.q_out) launch(k_matvec_id<T, true, true>, (unsigned)(p.rows / 32), 32 * p.lanes, p);
+        else if (j.W2) launch(k_matvec_id<T, true, false>, blocks, MV_WARPS * 32, p);
+        else launch(k_matvec_id<T, false, false>, blocks, MV_WARPS * 32, p);
     });
     if (!ok) throw std::invalid_argument("matvec_id: weight type " + std::to_string(j.type) + " has no CUDA kernel");
 }

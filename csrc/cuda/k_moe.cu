@@ -23,6 +23,7 @@
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
 #include "cuda/quant.cuh"
+#include "cuda/route.cuh"
 
 namespace minfer::cuda {
 
@@ -64,95 +65,16 @@ __global__ void k_moe_sum(const float* __restrict__ x, const float* __restrict__
 
 // ---- the router -------------------------------------------------------------------------
 
-// cpu/moe.cpp's ranking: NaN below every number, so a broken router still picks k
-// distinct ids. Order: the larger key first, equal keys by the lower id.
-__device__ __forceinline__ float rank_key(float v) { return isnan(v) ? -INFINITY : v; }
-__device__ __forceinline__ bool ranks_before(float ka, int ia, float kb, int ib) {
-    return ka > kb || (ka == kb && ia < ib);
-}
-
-struct RouteArgs {
-    const float* logits;  // [nt][n_expert]
-    int32_t* ids;         // [nt][k] or null
-    float* w;             // [nt][k] or null
-    int n_expert, k, nt, gating, norm;
-    float scale;
-};
-
 constexpr int ROUTE_WARPS = 4;
 
-// One warp per token. Pick j is the best (rank order) of the logits ranked after pick
-// j - 1: a lane's best of its strided share, then a butterfly that keeps the better of
-// two (a strict total order, so every lane ends with the same pick). These are exactly
-// the CPU's insertion selection's k ids, in its order. Lane 0 writes the ids and the
-// weights and, for gating 3, normalisation and scale, finishes them in slot order as the
-// CPU does; gating 1's softmax denominator is a warp sum.
+// One warp per token (route.cuh).
+template <int NPL>
 __global__ void __launch_bounds__(ROUTE_WARPS * 32) k_moe_route(RouteArgs a) {
     pdl_wait();
     pdl_trigger();
-    const int lane = threadIdx.x & 31;
     const int64_t t = (int64_t)blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
     if (t >= a.nt) return;  // the whole warp: t is the warp's
-    const float* x = a.logits + t * a.n_expert;
-    const int n = a.n_expert;
-    float mx = -INFINITY, sum = 0.0f;
-    if (a.w && a.gating == 1) {
-        for (int e = lane; e < n; e += 32) mx = fmaxf(mx, x[e]);  // NaN skipped, as std::max keeps mx
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
-        for (int e = lane; e < n; e += 32) sum = __fadd_rn(sum, expf(__fsub_rn(x[e], mx)));
-        for (int o = 16; o > 0; o >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(kFull, sum, o));
-    }
-    constexpr int kNone = 0x7fffffff;
-    float pk = INFINITY;  // the previous pick's key and id: (+inf, -1) ranks before everything
-    int pi = -1;
-    float* wt = a.w ? a.w + t * a.k : nullptr;
-    for (int j = 0; j < a.k; ++j) {
-        float bk = 0.0f;
-        int bi = kNone;
-        for (int e = lane; e < n; e += 32) {
-            const float ke = rank_key(x[e]);
-            if (ranks_before(pk, pi, ke, e) && (bi == kNone || ranks_before(ke, e, bk, bi))) {
-                bk = ke;
-                bi = e;
-            }
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ok = __shfl_xor_sync(kFull, bk, o);
-            const int oi = __shfl_xor_sync(kFull, bi, o);
-            if (oi != kNone && (bi == kNone || ranks_before(ok, oi, bk, bi))) {
-                bk = ok;
-                bi = oi;
-            }
-        }
-        pk = bk;
-        pi = bi;  // k <= n_expert: there is always one
-        if (lane == 0) {
-            if (a.ids) a.ids[t * a.k + j] = bi;
-            if (wt) {
-                const float v = x[bi];
-                wt[j] = a.gating == 1 ? expf(__fsub_rn(v, mx)) / sum
-                        : a.gating == 2 ? 1.0f / (1.0f + expf(-v))
-                                        : v;  // gating 3: the logit, finished below
-            }
-        }
-    }
-    if (lane != 0 || !wt) return;
-    const int k = a.k;
-    if (a.gating == 3) {  // softmax over the picked logits, in slot order
-        float m = -INFINITY, s = 0.0f;
-        for (int j = 0; j < k; ++j) m = fmaxf(m, wt[j]);
-        for (int j = 0; j < k; ++j) s = __fadd_rn(s, wt[j] = expf(__fsub_rn(wt[j], m)));
-        for (int j = 0; j < k; ++j) wt[j] = wt[j] / s;
-    }
-    if (a.norm) {
-        float s = 0.0f;
-        for (int j = 0; j < k; ++j) s = __fadd_rn(s, wt[j]);
-        constexpr float kMin = 6.103515625e-5f;  // llama.cpp's clamp: the smallest normal f16
-        s = s < kMin ? kMin : s;                  // as std::max(s, kMin): a NaN sum stays NaN
-        for (int j = 0; j < k; ++j) wt[j] = wt[j] / s;
-    }
-    if (a.scale != 0.0f && a.scale != 1.0f)
-        for (int j = 0; j < k; ++j) wt[j] = __fmul_rn(wt[j], a.scale);
+    route_token<NPL>(a, t, threadIdx.x & 31);
 }
 
 // ---- prefill MATMUL_ID: grouping ------------------------------------------------------
@@ -413,10 +335,11 @@ void sigmoid(const float* x, float* y, int64_t n) {
 
 void moe_route(const float* logits, int32_t* ids, float* w, int64_t n_expert, int64_t k, int64_t nt, int gating,
                int norm, float scale) {
-    if (n_expert < 1 || k < 1 || k > n_expert || nt < 1 || (w && (gating < 1 || gating > 3)))
-        throw std::invalid_argument("moe_route: 1 <= k <= n_expert, gating 1..3");
+    if (n_expert < 1 || k < 1 || k > n_expert || nt < 1 || (w && (gating < 1 || gating > 3)) ||
+        k > kRouteMaxK || n_expert > kRouteMaxExperts)
+        throw std::invalid_argument("moe_route: 1 <= k <= n_expert, k <= 32, n_expert <= 1024, gating 1..3");
     RouteArgs a{logits, ids, w, (int)n_expert, (int)k, (int)nt, gating, norm, scale};
-    launch(k_moe_route, blocks_for(nt, ROUTE_WARPS), ROUTE_WARPS * 32, a);
+    dispatch_route((int)n_expert, [&]<int NPL>() { launch(k_moe_route<NPL>, blocks_for(nt, ROUTE_WARPS), ROUTE_WARPS * 32, a); });
 }
 
 void moe_sum(const float* x, const float* w, float* y, int64_t d, int64_t k, int64_t nt, const float* resid) {

@@ -111,6 +111,24 @@ __global__ void k_rope(const float* __restrict__ x, float* __restrict__ y, const
     y[r * hd + i1] = y1;
 }
 
+// Pair k's angle at position p, from the table when it holds the position.
+__device__ __forceinline__ void rope_store_cs(const RopeStoreArgs& a, int64_t k, int32_t p, float& c, float& s) {
+    rope_cs_at(a.cs_table, a.cs_rows, k, a.n_rot, p, a.cfg, c, s);
+}
+
+// Element i of the launch's v rows (nt rows of kv_dim) into the f16 cache row of its
+// token's cell.
+__device__ __forceinline__ void store_v_elem(const RopeStoreArgs& a, int64_t i, int64_t kv_dim) {
+    if (i >= a.nt * kv_dim) return;
+    const int64_t t = i / kv_dim, e = i % kv_dim;
+    const int32_t c = a.cells[t];
+    if (c < 0 || c >= a.n_ctx) {
+        *a.err = 3;
+        return;
+    }
+    ((__half*)a.vc)[(int64_t)c * kv_dim + e] = __float2half_rn(a.v[t * kv_dim + e]);
+}
+
 // Fused decode tail of attention's inputs: rope q, rope k, and store the roped k and
 // v rows into the f16 cache, in one launch. Every value is computed by rope_elem and
 // converted by __float2half_rn exactly as the separate kernels do.
@@ -124,8 +142,9 @@ __global__ void k_rope2_store(RopeStoreArgs a) {
     if (i < nq) {
         const int64_t r = i / per_row, k = i % per_row;
         int64_t i0, i1;
-        float y0, y1;
-        rope_elem(a.xq + r * a.hd, k, half, a.n_rot, a.pos[r / a.nhq], a.cfg, i0, y0, i1, y1);
+        float y0, y1, c = 0.0f, s = 0.0f;
+        if (k < half) rope_store_cs(a, k, a.pos[r / a.nhq], c, s);
+        rope_apply(a.xq + r * a.hd, a.cfg.style, k, half, a.n_rot, c, s, i0, y0, i1, y1);
         a.yq[r * a.hd + i0] = y0;
         a.yq[r * a.hd + i1] = y1;
         return;
@@ -135,8 +154,9 @@ __global__ void k_rope2_store(RopeStoreArgs a) {
         const int64_t r = i / per_row, k = i % per_row;
         const int64_t t = r / a.nhk, h = r % a.nhk;
         int64_t i0, i1;
-        float y0, y1;
-        rope_elem(a.xk + r * a.hd, k, half, a.n_rot, a.pos[t], a.cfg, i0, y0, i1, y1);
+        float y0, y1, cs = 0.0f, sn = 0.0f;
+        if (k < half) rope_store_cs(a, k, a.pos[t], cs, sn);
+        rope_apply(a.xk + r * a.hd, a.cfg.style, k, half, a.n_rot, cs, sn, i0, y0, i1, y1);
         a.yk[r * a.hd + i0] = y0;
         a.yk[r * a.hd + i1] = y1;
         const int32_t c = a.cells[t];
@@ -149,16 +169,52 @@ __global__ void k_rope2_store(RopeStoreArgs a) {
         kr[i1] = __float2half_rn(y1);
         return;
     }
-    i -= nk;
-    if (i < a.nt * kv_dim) {
-        const int64_t t = i / kv_dim, e = i % kv_dim;
-        const int32_t c = a.cells[t];
-        if (c < 0 || c >= a.n_ctx) {
-            *a.err = 3;
-            return;
+    store_v_elem(a, i - nk, kv_dim);
+}
+
+// k_rope2_store after QK_NORM of q and k (a.norm): one warp per q or k head row finds
+// its scale (warp_rms_inv, rms_norm's tree), then ropes the normalized elements
+// (rms_elem, as the norm would have written them) and stores k; then one thread per v
+// element. The same values as qk_norm, qk_norm, rope2_store.
+__global__ void k_norm_rope2_store(RopeStoreArgs a) {
+    pdl_wait();
+    pdl_trigger();
+    const int lane = threadIdx.x & 31;
+    const int64_t half = a.n_rot / 2, per_row = a.hd - half;
+    const int64_t nq = a.nt * a.nhq, nk = a.nt * a.nhk, kv_dim = a.nhk * a.hd;
+    const int64_t wi = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (wi < nq + nk) {
+        const bool is_q = wi < nq;
+        const int64_t r = is_q ? wi : wi - nq, nh = is_q ? a.nhq : a.nhk;
+        const float* xr = (is_q ? a.xq : a.xk) + r * a.hd;
+        const float* w = is_q ? a.wq : a.wk;
+        const float scale = warp_rms_inv(xr, a.hd, is_q ? a.eps_q : a.eps_k, lane);
+        const int64_t t = r / nh, h = r % nh;
+        const int32_t p = a.pos[t];
+        float* yr = (is_q ? a.yq : a.yk) + r * a.hd;
+        __half* kr = nullptr;
+        if (!is_q) {
+            const int32_t c = a.cells[t];
+            if (c >= 0 && c < a.n_ctx) kr = (__half*)a.kc + (int64_t)c * kv_dim + h * a.hd;
+            else if (lane == 0) *a.err = 3;
         }
-        ((__half*)a.vc)[(int64_t)c * kv_dim + e] = __float2half_rn(a.v[t * kv_dim + e]);
+        for (int64_t k = lane; k < per_row; k += 32) {
+            float c = 0.0f, sn = 0.0f;
+            if (k < half) rope_store_cs(a, k, p, c, sn);
+            int64_t i0, i1;
+            float y0, y1;
+            rope_apply_at([&](int64_t i) { return rms_elem(xr, w, i, scale); }, a.cfg.style, k, half, a.n_rot, c, sn,
+                          i0, y0, i1, y1);
+            yr[i0] = y0;
+            yr[i1] = y1;
+            if (kr) {
+                kr[i0] = __float2half_rn(y0);
+                kr[i1] = __float2half_rn(y1);
+            }
+        }
+        return;
     }
+    store_v_elem(a, (int64_t)blockIdx.x * blockDim.x + threadIdx.x - (nq + nk) * 32, kv_dim);
 }
 
 __global__ void k_get_rows_f32(const float* __restrict__ x, int64_t d, const int32_t* __restrict__ ids, int64_t n_src,
@@ -332,6 +388,11 @@ void rope(const float* x, float* y, const int32_t* pos, int64_t nt, int64_t nh, 
     launch(k_rope, blocks_for(n, 128), 128, x, y, pos, nt, nh, hd, n_rot, cfg, err);
 }
 void rope2_store(const RopeStoreArgs& a) {
+    if (a.norm) {
+        const int64_t n = a.nt * (a.nhq + a.nhk) * 32 + a.nt * a.nhk * a.hd;
+        launch(k_norm_rope2_store, blocks_for(n, 128), 128, a);
+        return;
+    }
     const int64_t per_row = a.hd - a.n_rot / 2;
     const int64_t n = a.nt * (a.nhq + a.nhk) * per_row + a.nt * a.nhk * a.hd;
     launch(k_rope2_store, blocks_for(n, 128), 128, a);

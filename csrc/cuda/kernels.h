@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/ggml_types.h"
+
 namespace minfer::cuda {
 
 bool matvec_type_supported(int32_t wtype);
@@ -162,9 +164,19 @@ struct RopeStoreArgs {
     RopeCfg cfg;
     void* kc; void* vc;
     int* err;
+    // With norm: q and k are first RMS-normalized per head (QK_NORM: weights wq / wk of
+    // hd, eps_q / eps_k), one warp a head, bitwise rms_norm's rows.
+    bool norm = false;
+    const float* wq = nullptr;
+    const float* wk = nullptr;
+    float eps_q = 0.0f, eps_k = 0.0f;
+    // Pair angles by position (rope_table, for this cfg and n_rot), or null: the same
+    // values rope_cs gives.
+    const float2* cs_table = nullptr;
+    int64_t cs_rows = 0;
 };
 // rope(q), rope(k), and the KV store of roped k and v, in one launch (bitwise the same
-// as rope twice and kv_store_f16).
+// as rope twice and kv_store_f16; with norm, as qk_norm twice before them).
 void rope2_store(const RopeStoreArgs& a);
 void get_rows_w(int32_t wtype, const void* table, size_t row_bytes, int64_t d, const int32_t* ids, int64_t n,
                 int64_t n_rows, float* y, int* err);
@@ -268,14 +280,54 @@ struct MvIdJob {
     int64_t x_rows = 0;
     const int32_t* ids = nullptr;  // [nt][k]
     float* y = nullptr;            // [nt * k][out]
+    // With W2 and out % 32 == 0: also y's int8 copy (the down matvec's input, a column
+    // per slot, laid out as its scratch), made inside this launch: a block takes 32 rows
+    // of one slot and quantizes them with quant_block_q8 as k_quant_q8 would.
+    int8_t* q_out = nullptr;
+    float2* ds_out = nullptr;
 };
 void matvec_id(const MvIdJob& j, int64_t in_dim, const float* x, void* scratch, bool xq_ready = false,
                bool in_norm = false);
+// The same expert matvec (no W2) followed by MOE_SUM of its rows (rows of j.out, weights
+// w [nt][k]) into y_sum, plus resid after the sum when set (resid may be y_sum), in one
+// launch: a block takes one output row of one token for all its k slots, each slot's
+// row as matvec_id computes it (j.y still receives them), then the weighted sum in slot
+// order as moe_sum does. Bitwise matvec_id then moe_sum.
+void matvec_id_sum(const MvIdJob& j, int64_t in_dim, const float* x, void* scratch, bool xq_ready, bool in_norm,
+                   const float* w, const float* resid, float* y_sum);
+
+// The decode router: the router's MATMUL (nt <= kRowExactMaxTokens rows of in_dim, no
+// bias) writing its logits, and MOE_TOPK / MOE_WEIGHTS of those logits, in one launch:
+// each row is the plain matvec's bits, and the block that finishes last (an integer
+// ticket, zero before and after) routes every token as moe_route does. Same scratch,
+// xq_ready and in_norm contract as matvec_id.
+struct MvRouteJob {
+    const uint8_t* W = nullptr;
+    size_t row_bytes = 0;
+    int type = 0;
+    int n_expert = 0, nt = 0;
+    float* logits = nullptr;  // [nt][n_expert]
+    int* ticket = nullptr;
+    int32_t* ids = nullptr;   // [nt][k] or null
+    float* w = nullptr;       // [nt][k] or null
+    int k = 0, gating = 0, norm = 0;
+    float scale = 0.0f;
+};
+void matvec_route(const MvRouteJob& j, int64_t in_dim, const float* x, void* scratch, bool xq_ready = false,
+                  bool in_norm = false);
+// The routers matvec_route takes: the types routers come in (llama.cpp keeps them F32),
+// up to 256 experts. Others run as their steps.
+inline bool route_fusable(int type, int64_t n_expert) {
+    return (type == T_F32 || type == T_F16 || type == T_Q8_0) && n_expert <= 256;
+}
 
 // k_moe.cu. SIGMOID: y = 1 / (1 + exp(-x)).
 void sigmoid(const float* x, float* y, int64_t n);
 // MOE_TOPK (ids) and / or MOE_WEIGHTS (w; gating 1..3, norm, scale) of nt rows of
 // n_expert router logits, in one launch: either output may be null.
+// k <= kRouteMaxK, n_expert <= kRouteMaxExperts (one warp holds a token's logits).
+constexpr int64_t kRouteMaxK = 32;
+constexpr int64_t kRouteMaxExperts = 1024;
 void moe_route(const float* logits, int32_t* ids, float* w, int64_t n_expert, int64_t k, int64_t nt, int gating,
                int norm, float scale);
 // MOE_SUM: y[t] = sum over j in order of w[t][j] * x[t * k + j] (rows of d); with resid,

@@ -58,6 +58,19 @@ __device__ __forceinline__ float rms_inv(const float* __restrict__ xr, int64_t d
     return sc;
 }
 
+// The same scale by one warp (every lane gets it): group g's sum of squares, then lane l
+// adds groups l, l + 32, ... in order, as rms_inv's block does.
+__device__ __forceinline__ float warp_rms_inv(const float* __restrict__ xr, int64_t d, float eps, int lane) {
+    const int64_t ng = (d + 31) / 32;
+    double s = 0.0;
+    for (int64_t g = 0; g < ng; ++g) {
+        const int64_t i = g * 32 + lane;
+        const double ss = group_ss(i < d ? __ldcg(xr + i) : 0.0f);
+        if ((g & 31) == lane) s = __dadd_rn(s, ss);
+    }
+    return rms_scale(s, d, eps);
+}
+
 __device__ __forceinline__ float rms_elem(const float* __restrict__ xr, const float* __restrict__ w, int64_t i,
                                           float scale) {
     const float v = __fmul_rn(__ldcg(xr + i), scale);
