@@ -1,4 +1,4 @@
-"""The repacked K-quant matmul (csrc/cpu/repack_k.cpp: Q4_K / Q6_K weights interleaved in
+"""The repacked K-quant matmul (csrc/cpu/repack_k.cpp: Q4_K / Q5_K / Q6_K weights interleaved in
 16-row groups, VNNI int8 dots against Q8_K activations) through one-step MATMUL plans.
 
 References are independent of the kernel: gguf's dequantization of the weight in float64,
@@ -20,7 +20,7 @@ from minfer import _core
 from test_quant_kernels import check_against_references, make_weight, run_matmul
 
 Q = gguf.GGMLQuantizationType
-KTYPES = [Q.Q4_K, Q.Q6_K]
+KTYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 IN_DIM = 768  # three super-blocks
 
 
@@ -35,7 +35,6 @@ def test_k_quants_are_packed_on_x86_simd_builds():
     f = _core.testing.cpu_features()
     for qtype in KTYPES:
         assert _core.testing.repack_packable(int(qtype)) == (f["simd_path"] in ("avx2", "avx512"))
-    assert not _core.testing.repack_packable(int(Q.Q5_K))
 
 
 @pytest.mark.parametrize("qtype", KTYPES, ids=lambda t: t.name)
@@ -74,7 +73,7 @@ def extreme_blocks(qtype, rows, rng):
     that come closest to int32 (and the maddubs int16 pairs on AVX2) are exercised."""
     raw, _ = make_weight(qtype, rows, IN_DIM, rng)
     blocks = raw.reshape(rows, IN_DIM // 256, -1)
-    if qtype == Q.Q4_K:
+    if qtype in (Q.Q4_K, Q.Q5_K):  # (Q5_K: its qh bytes too, so codes 31 and 0)
         blocks[0, :, 4:] = 0xFF  # scales = mins = 63, codes 15
         blocks[1, :, 4:16] = 0xFF  # scales = mins = 63, codes 0
         blocks[1, :, 16:] = 0

@@ -348,7 +348,7 @@ void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* 
     r1 = std::min(r1, p.out);
     if (r0 >= r1 || nt <= 0) return;
     switch (p.type) {
-        case T_Q4_K: case T_Q6_K: return k::matmul(p, act, arb, nt, y, ldy, r0, r1, meta);
+        case T_Q4_K: case T_Q5_K: case T_Q6_K: return k::matmul(p, act, arb, nt, y, ldy, r0, r1, meta);
         case T_Q4_0: return matmul_t<T_Q4_0>(p, act, arb, nt, y, ldy, r0, r1, meta);
         case T_Q5_0: return matmul_t<T_Q5_0>(p, act, arb, nt, y, ldy, r0, r1, meta);
 #if defined(RP_VNNI)

@@ -1,14 +1,17 @@
-// Interleaved 16-row groups for Q4_K / Q6_K weights and their VNNI matmul kernel. See
-// repack_k.h for the rounding contract and repack.h for why rows are interleaved.
+// Interleaved 16-row groups for Q4_K / Q5_K / Q6_K weights and their VNNI matmul kernel.
+// See repack_k.h for the rounding contract and repack.h for why rows are interleaved.
 //
 // A group is nb records, one per super-block (256 elements), each 64-byte aligned:
 //   Q4_K (2368 bytes): qs [8 sub-blocks][256] | sc [8][16] | mn [4][16][2] | d [16] f16 | dmin [16] f16
+//   Q5_K (2880 bytes): 8 sub-blocks of [qs [256] | qh [64]] | then as Q4_K from sc
 //   Q6_K (3392 bytes): 4 chunk pairs of [qs [2][256] | qh [2][2][64] | sc [4][16] int8] (832 bytes
 //   each) | d [16] f16 | pad 32
 // qs: 32 codes per row in the nibble layout of repack.cpp (chunk t, lane r, byte b: low
 // nibble = code[8t + b], high = code[8t + 4 + b]), so step s (s < 8) of a 32-element
 // block pairs codes 4s..4s+3 of all 16 rows with one broadcast 4-byte activation load.
-// Q4_K codes are its 4-bit values (sub-block = 32 elements, scale sc, min mn); Q6_K
+// Q4_K codes are its 4-bit values (sub-block = 32 elements, scale sc, min mn); Q5_K's are
+// 5-bit, the low 4 in qs and the fifth in qh (bit k of lane r byte b is that of code
+// 4k + b: one vector per sub-block, beside its codes so decode reads one stream); Q6_K
 // keeps the low 4 bits there and the top 2 bits in qh (vector v of a chunk holds steps
 // 4v..4v+3: bits 2k..2k+1 of lane r byte b are those of code[4(4v + k) + b]); its 6-bit
 // codes stay unsigned (0..63) and the -32 offset is applied exactly as -32 * the
@@ -46,9 +49,13 @@ namespace minfer::cpu::repack::k {
 namespace {
 
 constexpr int G = 16;
-constexpr size_t kQ4Rec = 2368, kQ6Rec = 3392;
+constexpr size_t kQ4Rec = 2368, kQ5Rec = 2880, kQ6Rec = 3392;
 // Offsets inside a record.
 constexpr size_t kQ4Sc = 2048, kQ4Mn = 2176, kQ4D = 2304, kQ4Dmin = 2336;
+// Q5_K: sub-block j's codes and fifth bits, then the Q4_K tail shifted by 512 bytes.
+constexpr size_t q5_qs(int j) { return 320 * (size_t)j; }
+constexpr size_t q5_qh(int j) { return 320 * (size_t)j + 256; }
+constexpr size_t kQ5Tail = 512;  // the eight qh vectors move the Q4_K tail back by this
 constexpr size_t kQ6D = 3328;
 // A Q6_K record keeps each chunk's codes, high bits and scales within 832 bytes of each
 // other, so decode reads it front to back. With the three in planes of their own
@@ -59,7 +66,13 @@ constexpr size_t q6_qs(int c) { return 832 * (size_t)(c / 2) + 256 * (size_t)(c 
 constexpr size_t q6_qh(int c) { return 832 * (size_t)(c / 2) + 512 + 128 * (size_t)(c & 1); }
 constexpr size_t q6_sc(int c) { return 832 * (size_t)(c / 2) + 768 + 32 * (size_t)(c & 1); }
 
-size_t rec_bytes(int32_t type) { return type == T_Q4_K ? kQ4Rec : kQ6Rec; }
+size_t rec_bytes(int32_t type) { return type == T_Q4_K ? kQ4Rec : type == T_Q5_K ? kQ5Rec : kQ6Rec; }
+
+// Q4_K and Q5_K share the record's tail (scales, mins, d, dmin) at these offsets.
+template <int32_t T>
+constexpr size_t k4_tail(size_t q4_off) { return T == T_Q5_K ? q4_off + kQ5Tail : q4_off; }
+template <int32_t T>
+constexpr size_t k4_qs(int j) { return T == T_Q5_K ? q5_qs(j) : 256 * (size_t)j; }
 
 // ggml's get_scale_min_k4: 6-bit scale and min of sub-block j from the 12 packed bytes.
 void scale_min_k4(int j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
@@ -72,8 +85,17 @@ void scale_min_k4(int j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
     }
 }
 
-// The 256 unsigned codes of one super-block (Q4_K: 0..15, Q6_K: 0..63).
+// The 256 unsigned codes of one super-block (Q4_K: 0..15, Q5_K: 0..31, Q6_K: 0..63).
 void codes_of(int32_t type, const uint8_t* blk, uint8_t code[256]) {
+    if (type == T_Q5_K) {  // ggml's dequantize_row_q5_K: qh bit 2c (2c + 1) is bit 4 of the pair's low (high) codes
+        const block_q5_K& b = *(const block_q5_K*)blk;
+        for (int c = 0; c < 4; ++c)
+            for (int l = 0; l < 32; ++l) {
+                code[64 * c + l] = (uint8_t)((b.qs[32 * c + l] & 15) | (((b.qh[l] >> (2 * c)) & 1) << 4));
+                code[64 * c + 32 + l] = (uint8_t)((b.qs[32 * c + l] >> 4) | (((b.qh[l] >> (2 * c + 1)) & 1) << 4));
+            }
+        return;
+    }
     if (type == T_Q4_K) {
         const block_q4_K& b = *(const block_q4_K*)blk;
         for (int c = 0; c < 4; ++c)
@@ -112,17 +134,26 @@ void pack_record(int32_t type, const uint8_t* const rows[G], int64_t ib, uint8_t
         const uint8_t* blk = rows[r] + ib * bb;
         uint8_t code[256];
         codes_of(type, blk, code);
-        for (int c = 0; c < 8; ++c) put_nibbles(rec + (type == T_Q4_K ? 256 * c : q6_qs(c)), r, code + 32 * c);
-        if (type == T_Q4_K) {
+        for (int c = 0; c < 8; ++c)
+            put_nibbles(rec + (type == T_Q4_K ? 256 * c : type == T_Q5_K ? q5_qs(c) : q6_qs(c)), r, code + 32 * c);
+        if (type == T_Q4_K || type == T_Q5_K) {
+            // block_q5_K begins as block_q4_K does: d, dmin, the 12 scale bytes.
             const block_q4_K& b = *(const block_q4_K*)blk;
+            const size_t tail = type == T_Q5_K ? kQ5Tail : 0;
             for (int j = 0; j < 8; ++j) {
                 uint8_t sc, m;
                 scale_min_k4(j, b.scales, sc, m);
-                rec[kQ4Sc + 16 * j + r] = sc;
-                rec[kQ4Mn + 32 * (j / 2) + 2 * r + (j & 1)] = m;
+                rec[tail + kQ4Sc + 16 * j + r] = sc;
+                rec[tail + kQ4Mn + 32 * (j / 2) + 2 * r + (j & 1)] = m;
+                if (type == T_Q5_K)
+                    for (int b4 = 0; b4 < 4; ++b4) {
+                        uint8_t h = 0;
+                        for (int k = 0; k < 8; ++k) h |= (uint8_t)(((code[32 * j + 4 * k + b4] >> 4) & 1) << k);
+                        rec[q5_qh(j) + 4 * r + b4] = h;
+                    }
             }
-            std::memcpy(rec + kQ4D + 2 * r, &b.d, 2);
-            std::memcpy(rec + kQ4Dmin + 2 * r, &b.dmin, 2);
+            std::memcpy(rec + tail + kQ4D + 2 * r, &b.d, 2);
+            std::memcpy(rec + tail + kQ4Dmin + 2 * r, &b.dmin, 2);
         } else {
             const block_q6_K& b = *(const block_q6_K*)blk;
             for (int c = 0; c < 8; ++c)
@@ -188,7 +219,7 @@ void group_kernel(const uint8_t* g, int64_t nb, int lane0, const uint8_t* act, s
                   float* y, int64_t ldy, int lo, int hi) {
     using I = typename V::I;
     using F = typename V::F;
-    constexpr size_t rec = T == T_Q4_K ? kQ4Rec : kQ6Rec;
+    constexpr size_t rec = T == T_Q4_K ? kQ4Rec : T == T_Q5_K ? kQ5Rec : kQ6Rec;
     F acc[NA][H];
     RP_UNROLL
     for (int a = 0; a < NA; ++a)
@@ -202,25 +233,41 @@ void group_kernel(const uint8_t* g, int64_t nb, int lane0, const uint8_t* act, s
         RP_UNROLL
         for (int a = 0; a < NA; ++a)
             for (int h = 0; h < H; ++h) isum[a][h] = V::zero_i();
-        if constexpr (T == T_Q4_K) {
+        if constexpr (T == T_Q4_K || T == T_Q5_K) {
             for (int j = 0; j < 8; ++j) {
                 if constexpr (NA <= kPfMaxNA) prefetch_eighth<rec>(R, j);
                 for (int h = 0; h < H; ++h) {
                     const int ln = lane0 + h * V::N;
                     I w[8];
-                    nibbles<V>(R + 256 * j + 4 * ln, w);
-                    const I sc = V::u8_32(R + kQ4Sc + 16 * j + ln);
+                    nibbles<V>(R + k4_qs<T>(j) + 4 * ln, w);
+                    if constexpr (T == T_Q5_K) {  // bit k of the qh vector is step k's fifth bit
+                        const I hb = V::load(R + q5_qh(j) + 4 * ln), m10 = V::set8(0x10);
+                        w[0] = V::or_and(w[0], V::template sll16<4>(hb), m10);
+                        w[1] = V::or_and(w[1], V::template sll16<3>(hb), m10);
+                        w[2] = V::or_and(w[2], V::template sll16<2>(hb), m10);
+                        w[3] = V::or_and(w[3], V::template sll16<1>(hb), m10);
+                        w[4] = V::or_and(w[4], hb, m10);
+                        w[5] = V::or_and(w[5], V::template srl16<1>(hb), m10);
+                        w[6] = V::or_and(w[6], V::template srl16<2>(hb), m10);
+                        w[7] = V::or_and(w[7], V::template srl16<3>(hb), m10);
+                    }
+                    const I sc = V::u8_32(R + k4_tail<T>(kQ4Sc) + 16 * j + ln);
                     RP_UNROLL
                     for (int a = 0; a < NA; ++a) {
                         const uint8_t* qa = (const uint8_t*)q[a] + 32 * j;
                         if constexpr (V::kMaddubs) {
                             // Codes <= 15: the 8 steps' 16-bit sums stay below 8 * 2 * 15 * 128 < 2^15,
                             // so they add in 16 bits, and one madd by the 6-bit scale widens and
-                            // scales them (the same integers as mullo of the 32-bit sum).
-                            I s16 = V::zero_i();
+                            // scales them (the same integers as mullo of the 32-bit sum). Q5_K's
+                            // codes <= 31 take two madds of four steps (4 * 2 * 31 * 128 < 2^15).
+                            constexpr int kRun = T == T_Q5_K ? 4 : 8;
                             RP_UNROLL
-                            for (int k = 0; k < 8; ++k) s16 = V::dot16(s16, w[k], load_u32(qa + 4 * k));
-                            isum[a][h] = V::widen16_mul(isum[a][h], s16, V::dup16(sc));
+                            for (int k0 = 0; k0 < 8; k0 += kRun) {
+                                I s16 = V::zero_i();
+                                RP_UNROLL
+                                for (int k = k0; k < k0 + kRun; ++k) s16 = V::dot16(s16, w[k], load_u32(qa + 4 * k));
+                                isum[a][h] = V::widen16_mul(isum[a][h], s16, V::dup16(sc));
+                            }
                         } else {
                             I s = V::zero_i();
                             RP_UNROLL
@@ -232,11 +279,11 @@ void group_kernel(const uint8_t* g, int64_t nb, int lane0, const uint8_t* act, s
             }
             for (int h = 0; h < H; ++h) {
                 const int ln = lane0 + h * V::N;
-                const F dw = V::loadh((const half*)(R + kQ4D) + ln);
-                const F dm = V::loadh((const half*)(R + kQ4Dmin) + ln);
+                const F dw = V::loadh((const half*)(R + k4_tail<T>(kQ4D)) + ln);
+                const F dm = V::loadh((const half*)(R + k4_tail<T>(kQ4Dmin)) + ln);
                 I mn[4];
                 RP_UNROLL
-                for (int k = 0; k < 4; ++k) mn[k] = V::u8_16(R + kQ4Mn + 32 * k + 2 * ln);
+                for (int k = 0; k < 4; ++k) mn[k] = V::u8_16(R + k4_tail<T>(kQ4Mn) + 32 * k + 2 * ln);
                 RP_UNROLL
                 for (int a = 0; a < NA; ++a) {
                     const KMeta& m = meta[a * nb + ib];
@@ -530,7 +577,7 @@ void set_amx(bool on) {
 
 bool handles(int32_t type) {
 #if defined(RP_AVX2)
-    return type == T_Q4_K || type == T_Q6_K;
+    return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
 #else
     (void)type;
     return false;
@@ -538,7 +585,8 @@ bool handles(int32_t type) {
 }
 
 size_t group_bytes(int32_t type, int64_t nb) {
-    if (type != T_Q4_K && type != T_Q6_K) throw std::invalid_argument("repack: unsupported K type " + std::to_string(type));
+    if (type != T_Q4_K && type != T_Q5_K && type != T_Q6_K)
+        throw std::invalid_argument("repack: unsupported K type " + std::to_string(type));
     return (size_t)nb * rec_bytes(type);
 }
 
@@ -560,6 +608,7 @@ void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* 
 #if defined(RP_AVX2)
     switch (p.type) {
         case T_Q4_K: return matmul_t<T_Q4_K>(p, act, arb, nt, y, ldy, r0, r1, meta);
+        case T_Q5_K: return matmul_t<T_Q5_K>(p, act, arb, nt, y, ldy, r0, r1, meta);
         case T_Q6_K: return matmul_t<T_Q6_K>(p, act, arb, nt, y, ldy, r0, r1, meta);
         default: break;
     }

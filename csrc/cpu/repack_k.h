@@ -1,8 +1,8 @@
-// K-quant weights (Q4_K, Q6_K) in interleaved 16-row groups: the layout and matmul of
+// K-quant weights (Q4_K, Q5_K, Q6_K) in interleaved 16-row groups: the layout and matmul of
 // cpu/repack.h for the 256-element super-blocks, against Q8_K activations.
 //
 // Each (row, token) result is, over super-blocks in order,
-//   Q4_K: acc = fma(d * d_a, (float)S, acc);  acc = fma(-(dmin * d_a), (float)M, acc)
+//   Q4_K, Q5_K: acc = fma(d * d_a, (float)S, acc);  acc = fma(-(dmin * d_a), (float)M, acc)
 //   Q6_K: acc = fma(d * d_a, (float)S, acc)
 // with S = sum over sub-blocks of scale * (exact integer sub-block dot) and M = sum of
 // min * (activation sub-block sum), both exact in int32. So, as for the 32-element
@@ -16,7 +16,7 @@
 
 namespace minfer::cpu::repack::k {
 
-// Q4_K and Q6_K, in builds with AVX2 or wider.
+// Q4_K, Q5_K and Q6_K, in builds with AVX2 or wider.
 bool handles(int32_t type);
 // Q4_K blocks of 16 tokens and more run on the AMX tiles where the build targets them
 // and the OS grants the tile state (bitwise the vector kernel's results). set_amx(false)
