@@ -1,15 +1,16 @@
-// Interleaved 16-row groups for Q4_0 / Q5_0 / Q8_0 weights and their matmul kernel.
-// See repack.h for the layout's purpose and the rounding contract.
+// Interleaved 16-row groups for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights and their matmul
+// kernel. See repack.h for the layout's purpose and the rounding contract.
 //
 // Layout of one group (16 rows, nb blocks), in planes so every vector load is aligned
 // to its own size within the group:
-//   qs plane  nb x 256 bytes (Q4_0, Q5_0) or nb x 512 (Q8_0), block ib at ib * size.
-//             Q4_0/Q5_0: chunk t (64 bytes, t < 4), lane r (bytes 4r..4r+3), byte b:
+//   qs plane  nb x 256 bytes (Q4_0/1, Q5_0/1) or nb x 512 (Q8_0), block ib at ib * size.
+//             Q4_x/Q5_x: chunk t (64 bytes, t < 4), lane r (bytes 4r..4r+3), byte b:
 //             low nibble = low 4 bits of code[8t + b], high nibble = of code[8t + 4 + b].
 //             Q8_0: chunk s (s < 8), lane r, byte b = (uint8)(q[4s + b] + 128).
-//   qh plane  (Q5_0) nb x 64 bytes: lane r byte b: bit t = bit 4 of code[8t + b],
+//   qh plane  (Q5_0, Q5_1) nb x 64 bytes: lane r byte b: bit t = bit 4 of code[8t + b],
 //             bit 4 + t = bit 4 of code[8t + 4 + b].
 //   d plane   nb x 16 f16 (row r's block scale in lane r).
+//   m plane   (Q4_1, Q5_1) nb x 16 f16: row r's block min (element = d * code + m).
 // So step s (s < 8) of a block pairs codes 4s..4s+3 of every row with activation bytes
 // 4s..4s+3, which one broadcast 32-bit load provides.
 #include "cpu/repack.h"
@@ -39,33 +40,40 @@ namespace {
 constexpr int G = 16;  // rows per group
 
 struct Layout {
-    size_t qs, qh, d;  // bytes per block of each plane (0 = absent)
-    int off;           // code offset: stored code = signed code + off
+    size_t qs, qh, d, m;  // bytes per block of each plane (0 = absent)
+    int off;              // code offset: stored code = signed code + off
 };
 
-// Stored code = signed code + offset (unsigned for vpdpbusd).
-constexpr int code_offset(int32_t type) { return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 128; }
+// Stored code = signed code + offset (unsigned for vpdpbusd). Q4_1 / Q5_1 codes are
+// unsigned already: their blocks carry a min instead.
+constexpr int code_offset(int32_t type) {
+    return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : type == T_Q8_0 ? 128 : 0;
+}
+constexpr bool has_min(int32_t type) { return type == T_Q4_1 || type == T_Q5_1; }
+constexpr bool has_qh(int32_t type) { return type == T_Q5_0 || type == T_Q5_1; }
 
 Layout layout_of(int32_t type) {
     switch (type) {
-        case T_Q4_0: return {256, 0, 32, code_offset(T_Q4_0)};
-        case T_Q5_0: return {256, 64, 32, code_offset(T_Q5_0)};
-        case T_Q8_0: return {512, 0, 32, code_offset(T_Q8_0)};
+        case T_Q4_0: case T_Q4_1: case T_Q5_0: case T_Q5_1:
+            return {256, has_qh(type) ? 64u : 0u, 32, has_min(type) ? 32u : 0u, code_offset(type)};
+        case T_Q8_0: return {512, 0, 32, 0, code_offset(T_Q8_0)};
         default: throw std::invalid_argument("repack: unsupported type " + std::to_string(type));
     }
 }
 
-// Unsigned codes (signed code + offset) and scale of one block of one row.
-void codes_of(int32_t type, const uint8_t* blk, uint8_t code[32], half& d) {
+// Unsigned codes (signed code + offset), scale and (Q4_1, Q5_1) min of one block of one row.
+void codes_of(int32_t type, const uint8_t* blk, uint8_t code[32], half& d, half& m) {
     std::memcpy(&d, blk, 2);
     if (type == T_Q8_0) {
         const int8_t* q = (const int8_t*)(blk + 2);
         for (int i = 0; i < 32; ++i) code[i] = (uint8_t)(q[i] + 128);
         return;
     }
-    const bool q5 = type == T_Q5_0;
-    const uint8_t* qs = blk + (q5 ? 6 : 2);
-    const uint32_t qh = q5 ? load_u32(blk + 2) : 0;
+    const size_t head = has_min(type) ? 4 : 2;  // d, then m for the _1 types
+    if (has_min(type)) std::memcpy(&m, blk + 2, 2);
+    const bool q5 = has_qh(type);
+    const uint8_t* qs = blk + head + (q5 ? 4 : 0);
+    const uint32_t qh = q5 ? load_u32(blk + head) : 0;
     for (int j = 0; j < 16; ++j) {
         code[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
         code[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
@@ -77,12 +85,14 @@ void pack_block(int32_t type, const Layout& L, const uint8_t* const rows[G], siz
     uint8_t* qs = g + ib * L.qs;
     uint8_t* qh = L.qh ? g + nb * L.qs + ib * L.qh : nullptr;
     half* dp = (half*)(g + nb * (L.qs + L.qh) + ib * L.d);
+    half* mp = L.m ? (half*)(g + nb * (L.qs + L.qh + L.d) + ib * L.m) : nullptr;
     for (int r = 0; r < G; ++r) {
         uint8_t code[32];
-        half d = 0;
-        if (rows[r]) codes_of(type, rows[r] + ib * blk_bytes, code, d);
+        half d = 0, m = 0;
+        if (rows[r]) codes_of(type, rows[r] + ib * blk_bytes, code, d, m);
         else std::memset(code, type == T_Q8_0 ? 128 : 0, 32);  // padding rows: zero weights
         dp[r] = rows[r] ? d : (half)0;
+        if (mp) mp[r] = rows[r] ? m : (half)0;
         if (type == T_Q8_0) {
             for (int s = 0; s < 8; ++s)
                 for (int b = 0; b < 4; ++b) qs[64 * s + 4 * r + b] = code[4 * s + b];
@@ -133,7 +143,7 @@ inline void unpack(const uint8_t* g, int64_t nb, int64_t ib, int lane0, typename
         for (int s = 0; s < 8; ++s) w[s] = V::load(qs + 64 * s);
     } else {
         nibbles<V>(g + ib * 256 + bo, w);
-        if constexpr (T == T_Q5_0) {
+        if constexpr (has_qh(T)) {
             const I h = V::load(g + nb * 256 + ib * 64 + bo), m10 = V::set8(0x10);
             // Bit t (low half of chunk t) and bit 4 + t (high half) moved to bit 4.
             w[0] = V::or_and(w[0], V::template sll16<4>(h), m10);
@@ -159,9 +169,10 @@ void group_kernel(const uint8_t* g, int64_t nb, size_t dplane, int lane0, const 
     for (int j = 0; j < NA; ++j)
         for (int h = 0; h < H; ++h) acc[j][h] = V::zero();
     const half* dp = (const half*)(g + dplane);
+    const half* mp = dp + nb * G;  // the mins (Q4_1, Q5_1) follow the scales
     constexpr size_t QS = T == T_Q8_0 ? 512 : 256;
-    // A block's bytes over the group's planes (codes, high bits, scales), and the group's.
-    constexpr size_t BB = QS + (T == T_Q5_0 ? 64 : 0) + 32;
+    // A block's bytes over the group's planes (codes, high bits, scales, mins), and the group's.
+    constexpr size_t BB = QS + (has_qh(T) ? 64 : 0) + 32 + (has_min(T) ? 32 : 0);
     const size_t gbytes = ((size_t)nb * BB + 63) / 64 * 64;
     for (int64_t ib = 0; ib < nb; ++ib) {
         // Decode streams the weights from DRAM. A group reads its three planes side by
@@ -182,6 +193,8 @@ void group_kernel(const uint8_t* g, int64_t nb, size_t dplane, int lane0, const 
             I w[8];
             unpack<V, T>(g, nb, ib, ln, w);
             const F dw = V::loadh(dp + ib * G + ln);
+            [[maybe_unused]] F mw;
+            if constexpr (has_min(T)) mw = V::loadh(mp + ib * G + ln);
             RP_UNROLL
             for (int j = 0; j < NA; ++j) {
                 const Meta m = meta[j * nb + ib];
@@ -190,6 +203,8 @@ void group_kernel(const uint8_t* g, int64_t nb, size_t dplane, int lane0, const 
                 RP_UNROLL
                 for (int k = 0; k < 8; ++k) s = V::dot(s, w[k], load_u32(q + 4 * k));
                 acc[j][h] = V::fma(V::scale(dw, m.d), s, acc[j][h]);
+                // The min times the activation block: m * d_a * (exact sum of its codes).
+                if constexpr (has_min(T)) acc[j][h] = V::fma(V::scale(mw, m.d), V::bcast(m.sum), acc[j][h]);
             }
         }
     }
@@ -257,7 +272,7 @@ void* alloc_weights(size_t bytes) {
 bool packable(int32_t type) {
     if (k::handles(type)) return true;
 #if defined(RP_AVX2)
-    if (type == T_Q4_0 || type == T_Q5_0) return true;
+    if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1) return true;
 #if defined(RP_VNNI)
     if (type == T_Q8_0) return true;
 #endif
@@ -287,7 +302,7 @@ std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64
     p->nb = in / be;
     p->groups = (out + G - 1) / G;
     // Rounded to 64 bytes so every group (and so every vector load in it) is aligned.
-    p->group_bytes = kq ? k::group_bytes(type, p->nb) : ((size_t)p->nb * (L.qs + L.qh + L.d) + 63) / 64 * 64;
+    p->group_bytes = kq ? k::group_bytes(type, p->nb) : ((size_t)p->nb * (L.qs + L.qh + L.d + L.m) + 63) / 64 * 64;
     const size_t total = (p->bytes() + 63) / 64 * 64;
     void* mem = alloc_weights(total);
     p->data = std::unique_ptr<uint8_t, void (*)(void*)>((uint8_t*)mem, free_aligned);
@@ -350,7 +365,9 @@ void matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* 
     switch (p.type) {
         case T_Q4_K: case T_Q5_K: case T_Q6_K: return k::matmul(p, act, arb, nt, y, ldy, r0, r1, meta);
         case T_Q4_0: return matmul_t<T_Q4_0>(p, act, arb, nt, y, ldy, r0, r1, meta);
+        case T_Q4_1: return matmul_t<T_Q4_1>(p, act, arb, nt, y, ldy, r0, r1, meta);
         case T_Q5_0: return matmul_t<T_Q5_0>(p, act, arb, nt, y, ldy, r0, r1, meta);
+        case T_Q5_1: return matmul_t<T_Q5_1>(p, act, arb, nt, y, ldy, r0, r1, meta);
 #if defined(RP_VNNI)
         case T_Q8_0: return matmul_t<T_Q8_0>(p, act, arb, nt, y, ldy, r0, r1, meta);
 #endif

@@ -13,6 +13,8 @@
 //
 // Rounding: each (row, token) result is  sum over blocks, in order, of
 //   fma(d_w * d_a, (float)exact_int_block_dot, acc)
+// followed, for Q4_1 and Q5_1 (whose elements are d * code + m), by
+//   fma(m_w * d_a, (float)exact_activation_block_sum, acc)
 // whatever the tile, the thread split or the number of tokens, so prefill, decode and
 // every thread count agree bitwise. It differs from the unpacked SIMD kernel (which
 // keeps 8 float partial sums per block and adds them at the end) only in summation
@@ -24,9 +26,9 @@
 
 namespace minfer::cpu::repack {
 
-// Whether this build repacks weights of type t (AVX2 or AVX-512 builds: Q4_0, Q5_0, Q4_K
-// and Q6_K (cpu/repack_k.h); Q8_0 also where vpdpbusd exists, since maddubs would
-// saturate on code + 128).
+// Whether this build repacks weights of type t (AVX2 or AVX-512 builds: Q4_0, Q4_1, Q5_0,
+// Q5_1, Q4_K, Q5_K and Q6_K (cpu/repack_k.h); Q8_0 also where vpdpbusd exists, since
+// maddubs would saturate on code + 128).
 bool packable(int32_t type);
 
 struct Packed {
