@@ -20,7 +20,7 @@ from minfer.errors import MinferError
 LLAMA_BENCH_JSON_FIELDS = [
     "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename",
     "model_type", "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads",
-    "type_k", "type_v", "n_gpu_layers", "flash_attn", "n_prompt", "n_gen", "test_time",
+    "type_k", "type_v", "n_gpu_layers", "flash_attn", "n_prompt", "n_gen", "n_depth", "test_time",
     "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
 ]
 
@@ -68,6 +68,7 @@ def test_test_names():
     assert _result(n_prompt=512, n_gen=0).test_name == "pp512"
     assert _result(n_prompt=0, n_gen=128).test_name == "tg128"
     assert _result(n_prompt=16, n_gen=4).test_name == "pp16+tg4"
+    assert _result(n_prompt=0, n_gen=128, n_depth=4096).test_name == "tg128 @ d4096"
 
 
 # ------------------------------------------------------------------ formats
@@ -227,6 +228,37 @@ def test_run_bench_structure_with_fake_engine(tmp_path):
     assert tg[:3] == [("reset", 0), ("fwd", 1), ("fwd", 1)]
     assert tg[3:] == ([("reset", 0), ("fwd", 1)] + [("fwd", 1)] * 5) * 3
     assert any("warm-up" in ln for ln in lines) and any("run 3/3" in ln for ln in lines)
+
+
+def test_run_bench_at_depth_prefills_untimed_first(tmp_path):
+    """-d (llama-bench's n_depth): each test starts after an untimed forward of d tokens;
+    the context holds the deepest test; the rows say their depth."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    engines: list[FakeEngine] = []
+    seen_ctx = []
+
+    def loader(path, *, n_ctx, n_threads, backends):
+        seen_ctx.append(n_ctx)
+        engines.append(FakeEngine(n_threads))
+        return engines[-1]
+
+    rs = run_bench(model, n_prompt=[8], n_gen=[5], reps=2, threads=[1], n_depth=[0, 32],
+                   mem_bandwidth=False, engine_loader=loader)
+    assert [(r.test_name, r.n_depth) for r in rs] == [("pp8", 0), ("pp8 @ d32", 32), ("tg5", 0), ("tg5 @ d32", 32)]
+    assert seen_ctx == [32 + 8]
+    calls = engines[0].calls
+    # pp8 at depth 0: warm-up + 2 reps of (reset, 8); at depth 32: (reset, 32, 8) each.
+    assert calls[:6] == [("reset", 0), ("fwd", 8)] * 3
+    assert calls[6:15] == [("reset", 0), ("fwd", 32), ("fwd", 8)] * 3
+    # tg5 at depth 32: the depth and the first token in one untimed forward, then steps.
+    tail = calls[-(3 + 7 * 2):]
+    assert tail[:3] == [("reset", 0), ("fwd", 33), ("fwd", 1)]
+    assert tail[3:] == ([("reset", 0), ("fwd", 33)] + [("fwd", 1)] * 5) * 2
+    data = json.loads(format_results(rs, "json"))
+    assert [d["n_depth"] for d in data] == [0, 32, 0, 32]
+    with pytest.raises(BenchArgumentError):
+        run_bench(model, [8], [0], reps=1, threads=[1], n_depth=[-1], mem_bandwidth=False, engine_loader=loader)
 
 
 def test_run_bench_rejects_bad_arguments(tmp_path):

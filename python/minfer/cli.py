@@ -427,6 +427,7 @@ def bench(
     model: ModelArg = None,
     n_prompt: Annotated[str, typer.Option("-p", "--n-prompt", help="Prompt sizes, comma list.")] = "512",
     n_gen: Annotated[str, typer.Option("-n", "--n-gen", help="Generation lengths, comma list.")] = "128",
+    n_depth: Annotated[str, typer.Option("-d", "--n-depth", help="Tokens already in the context when each test starts (prefilled, untimed), comma list.")] = "0",
     reps: Annotated[int, typer.Option("-r", "--repetitions", help="Repetitions per test.")] = 5,
     threads: Annotated[Optional[str], typer.Option("-t", "--threads", help="Thread counts, comma list, each >= 1 (capped at the logical CPUs with a warning).")] = None,
     backend: BackendOpt = None,
@@ -445,7 +446,7 @@ def bench(
     from minfer.backends import default_threads
 
     try:
-        pp, tg = parse_int_list(n_prompt), parse_int_list(n_gen)
+        pp, tg, depth = parse_int_list(n_prompt), parse_int_list(n_gen), parse_int_list(n_depth)
     except ValueError as e:
         raise click_exc.UsageError(str(e)) from None
     try:
@@ -471,7 +472,7 @@ def bench(
                                  progress=lambda s: typer.echo(s, err=True))
         typer.echo(format_results(results, output))
         return
-    results = run_bench(path, n_prompt=pp, n_gen=tg, reps=reps, threads=th,
+    results = run_bench(path, n_prompt=pp, n_gen=tg, reps=reps, threads=th, n_depth=depth,
                         backends=names, progress=lambda s: typer.echo(s, err=True), kv_type=kv_type)
     typer.echo(format_results(results, output))
 

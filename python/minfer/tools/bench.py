@@ -53,7 +53,7 @@ LLAMA_FIELDS = [
     "build_commit", "build_number", "cpu_info", "gpu_info", "backends",
     "model_filename", "model_type", "model_size", "model_n_params", "n_batch",
     "n_ubatch", "n_threads", "type_k", "type_v", "n_gpu_layers", "flash_attn",
-    "n_prompt", "n_gen", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
+    "n_prompt", "n_gen", "n_depth", "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
 ]
 EXTRA_FIELDS = ["peak_rss_bytes", "mem_bw_frac", "mem_bw_bytes_per_s", "weight_bytes_per_token",
                 "speculate", "drafted", "accepted"]
@@ -111,6 +111,7 @@ class BenchResult:
     n_prompt: int
     n_gen: int
     samples_ns: list[int]
+    n_depth: int = 0  # tokens already in the context when the test starts (llama-bench's -d)
     n_batch: int = 0
     n_ubatch: int = 0
     type_k: str = "f16"  # the KV element type the session ran with (--kv-type)
@@ -140,10 +141,12 @@ class BenchResult:
         if self.test:
             return self.test
         if self.n_prompt > 0 and self.n_gen == 0:
-            return f"pp{self.n_prompt}"
-        if self.n_gen > 0 and self.n_prompt == 0:
-            return f"tg{self.n_gen}"
-        return f"pp{self.n_prompt}+tg{self.n_gen}"
+            name = f"pp{self.n_prompt}"
+        elif self.n_gen > 0 and self.n_prompt == 0:
+            name = f"tg{self.n_gen}"
+        else:
+            name = f"pp{self.n_prompt}+tg{self.n_gen}"
+        return f"{name} @ d{self.n_depth}" if self.n_depth else name
 
     @property
     def samples_ts(self) -> list[float]:
@@ -376,8 +379,10 @@ def run_bench(
     mem_bandwidth: float | bool | None = None,
     engine_loader: Callable | None = None,
     kv_type: str = "f16",
+    n_depth: Sequence[int] = (0,),
 ) -> list[BenchResult]:
-    """Runs every pp test in n_prompt and tg test in n_gen for each thread count.
+    """Runs every pp test in n_prompt and tg test in n_gen for each thread count, at each
+    depth of n_depth (tokens prefilled, untimed, before the test: llama-bench's -d).
 
     Zeros in n_prompt / n_gen are skipped. threads=None uses the engine's default.
     backends is passed to Session.open as is (None = automatic choice).
@@ -387,6 +392,7 @@ def run_bench(
     model_path = Path(model_path)
     pps = [p for p in parse_int_list(list(n_prompt)) if p > 0]
     tgs = [n for n in parse_int_list(list(n_gen)) if n > 0]
+    depths = parse_int_list(list(n_depth)) or [0]
     if threads is None:
         from minfer.backends import default_threads
         threads = [default_threads()]
@@ -414,14 +420,15 @@ def run_bench(
     else:
         bw = float(mem_bandwidth)
 
-    # Room for the biggest prompt, and for the 1-token prefill plus every decode step.
-    need_ctx = max([*pps, *(n + 1 for n in tgs), 1])
+    # Room for the deepest context plus the biggest prompt, or the 1-token prefill plus
+    # every decode step.
+    need_ctx = max(depths) + max([*pps, *(n + 1 for n in tgs), 1])
     ctx = n_ctx if n_ctx is not None else need_ctx
     if ctx < need_ctx:
         raise BenchArgumentError(f"n_ctx {ctx} is smaller than the largest test needs ({need_ctx})")
 
     commit, build_number = build_info()
-    total = len(ths) * (len(pps) + len(tgs))
+    total = len(ths) * len(depths) * (len(pps) + len(tgs))
     idx = 0
     results: list[BenchResult] = []
     for n_threads in ths:
@@ -444,21 +451,23 @@ def run_bench(
                 mem_bw_bytes_per_s=bw,
                 weight_bytes_per_token=int(info["weight_bytes_per_token"]),
             )
-            for kind, n in [("pp", p) for p in pps] + [("tg", g) for g in tgs]:
+            tests = [(d, "pp", p) for d in depths for p in pps] + [(d, "tg", g) for d in depths for g in tgs]
+            for depth, kind, n in tests:
                 idx += 1
-                tag = f"minfer bench: {idx}/{total} {kind}{n} t={n_threads}"
+                tag = f"minfer bench: {idx}/{total} {kind}{n}{f' @ d{depth}' if depth else ''} t={n_threads}"
+                pre = random_tokens(n_vocab, depth, seed + 1)
                 toks = random_tokens(n_vocab, n + 1, seed)
                 if kind == "pp":
                     def one() -> int:
-                        return time_pp(eng, toks[:n])
+                        return time_pp(eng, toks[:n], pre)
                     warm = one
                 else:
                     def one() -> int:
-                        return time_tg(eng, toks, n)
+                        return time_tg(eng, toks, n, pre)
 
                     def warm() -> int:
                         # As llama-bench's tg warm-up: exercise the decode path once.
-                        return time_tg(eng, toks, 1)
+                        return time_tg(eng, toks, 1, pre)
                 if warmup:
                     say(f"{tag}: warm-up")
                     warm()
@@ -470,6 +479,7 @@ def run_bench(
                     **base,
                     n_prompt=n if kind == "pp" else 0,
                     n_gen=n if kind == "tg" else 0,
+                    n_depth=depth,
                     n_batch=n if kind == "pp" else 1,
                     n_ubatch=n if kind == "pp" else 1,
                     samples_ns=samples,
@@ -487,23 +497,27 @@ def run_bench(
     return results
 
 
-def time_pp(eng, toks: Sequence[int]) -> int:
-    """ns for one forward of toks from an empty KV (the reset is not timed)."""
+def time_pp(eng, toks: Sequence[int], pre: Sequence[int] = ()) -> int:
+    """ns for one forward of toks after an empty KV and an untimed forward of pre (the
+    depth)."""
     eng.reset()
+    if pre:
+        eng.forward(list(pre), n_out=1, copy=False)
     t0 = time.perf_counter_ns()
     eng.forward(list(toks), n_out=1, copy=False)
     return time.perf_counter_ns() - t0
 
 
-def time_tg(eng, toks: Sequence[int], n: int) -> int:
-    """ns for n single-token decode steps after an untimed 1-token prefill.
+def time_tg(eng, toks: Sequence[int], n: int, pre: Sequence[int] = ()) -> int:
+    """ns for n single-token decode steps after an untimed prefill of pre (the depth) and
+    one token.
 
     toks needs n + 1 ids: toks[0] is the prefill, toks[1..n] are fed one by one."""
     if len(toks) < n + 1:
         raise BenchArgumentError(f"tg{n} needs {n + 1} token ids, got {len(toks)}")
     eng.reset()
     fwd = eng.forward
-    fwd([toks[0]], n_out=1, copy=False)
+    fwd([*pre, toks[0]], n_out=1, copy=False)
     steps = [[t] for t in toks[1:n + 1]]
     t0 = time.perf_counter_ns()
     for step in steps:
