@@ -198,17 +198,24 @@ class FakeEngine:
         return np.zeros((n_out, 50), np.float32)
 
 
-def test_run_bench_structure_with_fake_engine(tmp_path):
+def fake_run(tmp_path):
+    """A model file, and an engine loader that records each FakeEngine it makes and the
+    context it was asked for: (model, engines, seen_ctx, loader)."""
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x")
     engines: list[FakeEngine] = []
-    seen_ctx = []
+    seen_ctx: list[int] = []
 
     def loader(path, *, n_ctx, n_threads, backends):
         seen_ctx.append(n_ctx)
         engines.append(FakeEngine(n_threads))
         return engines[-1]
 
+    return model, engines, seen_ctx, loader
+
+
+def test_run_bench_structure_with_fake_engine(tmp_path):
+    model, engines, seen_ctx, loader = fake_run(tmp_path)
     lines: list[str] = []
     rs = run_bench(model, n_prompt=[8, 0], n_gen=[5], reps=3, threads=[1, 2],
                    progress=lines.append, mem_bandwidth=1e9, engine_loader=loader)
@@ -233,16 +240,7 @@ def test_run_bench_structure_with_fake_engine(tmp_path):
 def test_run_bench_at_depth_prefills_untimed_first(tmp_path):
     """-d (llama-bench's n_depth): each test starts after an untimed forward of d tokens;
     the context holds the deepest test; the rows say their depth."""
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"x")
-    engines: list[FakeEngine] = []
-    seen_ctx = []
-
-    def loader(path, *, n_ctx, n_threads, backends):
-        seen_ctx.append(n_ctx)
-        engines.append(FakeEngine(n_threads))
-        return engines[-1]
-
+    model, engines, seen_ctx, loader = fake_run(tmp_path)
     rs = run_bench(model, n_prompt=[8], n_gen=[5], reps=2, threads=[1], n_depth=[0, 32],
                    mem_bandwidth=False, engine_loader=loader)
     assert [(r.test_name, r.n_depth) for r in rs] == [("pp8", 0), ("pp8 @ d32", 32), ("tg5", 0), ("tg5 @ d32", 32)]

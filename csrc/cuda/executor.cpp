@@ -300,14 +300,14 @@ int moe_merge(const Plan& plan, const WeightStore& ws, size_t i, CudaPlanState& 
             return 3;
         }
     }
-    if ((f & FUSE_QKV) && i + 2 < S.size() && is_rows_mv(S[i]) && S[i].w[1] < 0 && !moe_route_pair(S, i + 1).empty()) {
+    if ((f & FUSE_QKV) && i + 2 < S.size() && is_rows_mv(S[i]) && S[i].w[1] < 0) {
         const Step &m = S[i], &a = S[i + 1];
+        const auto p = moe_route_pair(S, i + 1);
         // The logits are still written (later steps may read them); the routing reads
         // them, never x; the ids and weights go elsewhere.
-        if (a.buf[1] == m.buf[0] && a.ip[0] == m.ip[1] && a.ip[2] == m.ip[2] &&
+        if (!p.empty() && a.buf[1] == m.buf[0] && a.ip[0] == m.ip[1] && a.ip[2] == m.ip[2] &&
             route_fusable(ws.get(m.w[0]).type, m.ip[1]) && a.ip[1] <= kRouteMaxK &&
             S[i + 1].buf[0] != m.buf[1] && S[i + 2].buf[0] != m.buf[1]) {
-            const auto p = moe_route_pair(S, i + 1);
             st.program.push_back({L_MOE_ROUTER, {(int)i, p[0], p[1], 0}, 3});
             return 3;
         }
@@ -1095,6 +1095,14 @@ MvJob job_of(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeigh
     return j;
 }
 
+// The plan's angle table when it was filled for these angles (n_rot, cfg), with its
+// positions in rows; else null (the launch works its angles out).
+const float2* angle_table(const CudaPlanState& st, int n_rot, const RopeCfg& cfg, int64_t& rows) {
+    if (!st.rope_table || st.rope_nrot != n_rot || !same_angles(st.rope_cfg, cfg)) return nullptr;
+    rows = st.rope_rows;
+    return st.rope_table;
+}
+
 void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& pool, const WeightStore& ws,
                    const DevWeights& dw, CudaPlanState& st) {
     const auto& S = plan.steps;
@@ -1131,10 +1139,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             r.cfg = rope_cfg(q, dw);
             r.tickets = st.rope_tk;
             r.err = ctx().err_dev;
-            if (st.rope_table && st.rope_nrot == r.n_rot && same_angles(st.rope_cfg, r.cfg)) {
-                r.cs_table = st.rope_table;
-                r.cs_rows = st.rope_rows;
-            }
+            r.cs_table = angle_table(st, r.n_rot, r.cfg, r.cs_rows);
             matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, &r, in_norm);
             break;
         }
@@ -1185,10 +1190,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             a.kc = pool.data(kv.buf[0]);
             a.vc = pool.data(kv.buf[4]);
             a.err = ctx().err_dev;
-            if (st.rope_table && st.rope_nrot == a.n_rot && same_angles(st.rope_cfg, a.cfg)) {
-                a.cs_table = st.rope_table;
-                a.cs_rows = st.rope_rows;
-            }
+            a.cs_table = angle_table(st, (int)a.n_rot, a.cfg, a.cs_rows);
             rope2_store(a);
             break;
         }

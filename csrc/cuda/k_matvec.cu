@@ -1649,10 +1649,9 @@ struct MvRouteArgs {
     MvArgs a;
     const uint8_t* W;
     size_t row_bytes;
-    int n_expert, nt;
-    float* logits;
+    float* logits;  // written here; r reads them back
     int* ticket;
-    RouteArgs r;
+    RouteArgs r;    // n_expert, nt and the route
 };
 
 template <int T, int NPL>
@@ -1660,9 +1659,10 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_route(MvRouteArgs p) {
     pdl_trigger();
     const int lane = threadIdx.x & 31;
     const int64_t gr = (int64_t)blockIdx.x * MV_WARPS + (threadIdx.x >> 5);
+    const int n_expert = p.r.n_expert, nt = p.r.nt;
     pdl_wait();
-    if (gr < (int64_t)p.nt * p.n_expert) {
-        const int64_t t = gr / p.n_expert, e = gr - t * p.n_expert;
+    if (gr < (int64_t)nt * n_expert) {
+        const int64_t t = gr / n_expert, e = gr - t * n_expert;
         float acc = id_row_dot<T>(p.W + e * p.row_bytes, p.a, (int)t, lane, 32);
         for (int o = 16; o > 0; o >>= 1) acc = fadd(acc, __shfl_xor_sync(0xffffffffu, acc, o));
         if (lane == 0) {
@@ -1678,20 +1678,27 @@ __global__ void __launch_bounds__(MV_WARPS * 32) k_matvec_route(MvRouteArgs p) {
     if (!s_last) return;
     __threadfence();  // every block's logits (read through L2) after the last ticket
     if (threadIdx.x == 0) *p.ticket = 0;
-    if (p.nt == 1) {  // the decode step: the block's warps rank the experts together
+    if (nt == 1) {  // the decode step: the block's warps rank the experts together
         route_token_block<NPL>(p.r, 0);
         return;
     }
-    for (int64_t t = threadIdx.x >> 5; t < p.nt; t += MV_WARPS) route_token<NPL>(p.r, t, lane);
+    for (int64_t t = threadIdx.x >> 5; t < nt; t += MV_WARPS) route_token<NPL>(p.r, t, lane);
 }
 
 }  // namespace
 
+// Lanes that take one row of an expert matvec: the fewest of 8, 16 or 32 that cover its
+// units (k_matvec_id).
+static int id_lanes(int type, int64_t in_dim) {
+    const int nu = row_units(type, (int)(in_dim / 32));
+    return nu <= 8 ? 8 : nu <= 16 ? 16 : 32;
+}
+
 // The activations of an expert or router matvec (x_rows rows of in_dim): the int8 copy in
 // scratch, made here by a quantization launch unless the launch before made it
 // (xq_ready), or a norm's deferred copy (in_norm).
-MvArgs rows_activations(const char* who, int type, int64_t in_dim, int64_t x_rows, const float* x, void* scratch,
-                        bool xq_ready, bool in_norm) {
+static MvArgs rows_activations(const char* who, int type, int64_t in_dim, int64_t x_rows, const float* x, void* scratch,
+                               bool xq_ready, bool in_norm) {
     const bool quant = quantized(type);
     if (quant && !scratch) throw std::invalid_argument(std::string(who) + ": quantized weights need the activation scratch");
     if (in_norm && (!xq_ready || in_dim > kNormCopyMaxRow))
@@ -1712,20 +1719,16 @@ MvArgs rows_activations(const char* who, int type, int64_t in_dim, int64_t x_row
 
 void matvec_route(const MvRouteJob& j, int64_t in_dim, const float* x, void* scratch, bool xq_ready, bool in_norm) {
     if (in_dim % 32 || j.nt < 1 || j.nt > kRowExactMaxTokens || j.k < 1 || j.k > j.n_expert || j.k > kRouteMaxK ||
-        j.n_expert > kRouteMaxExperts || !j.ticket || (j.w && (j.gating < 1 || j.gating > 3)))
+        !route_fusable(j.type, j.n_expert) || !j.ticket || (j.w && (j.gating < 1 || j.gating > 3)))
         throw std::invalid_argument("matvec_route: rows of a multiple of 32, 1 <= nt <= 64, 1 <= k <= n_expert, k <= 32, "
-                                    "n_expert <= 1024, a ticket, gating 1..3");
+                                    "router weights F32, F16 or Q8_0 of at most 256 experts, a ticket, gating 1..3");
     MvRouteArgs p{};
     p.a = rows_activations("matvec_route", j.type, in_dim, j.nt, x, scratch, xq_ready, in_norm);
     p.W = j.W;
     p.row_bytes = j.row_bytes;
-    p.n_expert = j.n_expert;
-    p.nt = j.nt;
     p.logits = j.logits;
     p.ticket = j.ticket;
     p.r = RouteArgs{j.logits, j.ids, j.w, j.n_expert, j.k, j.nt, j.gating, j.norm, j.scale};
-    if (!route_fusable(j.type, j.n_expert))
-        throw std::invalid_argument("matvec_route: router weights F32, F16 or Q8_0 of at most 256 experts");
     const unsigned blocks = (unsigned)(((int64_t)j.nt * j.n_expert + MV_WARPS - 1) / MV_WARPS);
     auto go = [&]<int T>() {
         dispatch_route(j.n_expert, [&]<int NPL>() {
@@ -1746,8 +1749,7 @@ void matvec_id_sum(const MvIdJob& j, int64_t in_dim, const float* x, void* scrat
     MvIdSumArgs s{};
     s.p.a = rows_activations("matvec_id_sum", j.type, in_dim, j.x_rows, x, scratch, xq_ready, in_norm);
     s.p.j = j;
-    const int nu = row_units(j.type, (int)(in_dim / 32));
-    s.p.lanes = nu <= 8 ? 8 : nu <= 16 ? 16 : 32;
+    s.p.lanes = id_lanes(j.type, in_dim);
     s.w = w;
     s.resid = resid;
     s.y = y_sum;
@@ -1761,12 +1763,10 @@ void matvec_id(const MvIdJob& j, int64_t in_dim, const float* x, void* scratch, 
     if (in_dim % 32 || j.out < 1 || j.k < 1 || j.nt < 1 || j.n_expert < j.k ||
         (j.x_rows != j.nt && j.x_rows != (int64_t)j.nt * j.k))
         throw std::invalid_argument("matvec_id: rows of a multiple of 32, 1 <= k <= n_expert, x_rows nt or nt * k");
-    const int nb = (int)(in_dim / 32);
     MvIdArgs p{};
     p.a = rows_activations("matvec_id", j.type, in_dim, j.x_rows, x, scratch, xq_ready, in_norm);
     p.j = j;
-    const int nu = row_units(j.type, nb);
-    p.lanes = nu <= 8 ? 8 : nu <= 16 ? 16 : 32;
+    p.lanes = id_lanes(j.type, in_dim);
     p.rows = (int64_t)j.nt * j.k * j.out;
     if (j.q_out && (!j.W2 || j.out % 32))
         throw std::invalid_argument("matvec_id: an int8 copy of the output needs gate|up rows of a multiple of 32");
