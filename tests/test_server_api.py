@@ -487,6 +487,23 @@ def test_models_dir_loads_on_demand_and_unloads_the_least_recent(tmp_path):
     assert "Traceback" not in err, err
 
 
+def test_one_file_named_twice_is_served_once_and_two_files_of_one_name_are_refused(tmp_path):
+    """A MODEL that --models-dir also lists is one model; two files of one name are two
+    models a request could not tell apart: refused by name before serving."""
+    from minfer.errors import MinferError
+    from minfer.server.runner import ServeConfig, build
+
+    d = tmp_path / "models"
+    d.mkdir()
+    write_model(d / "alpha.gguf", n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=1)
+    _, pool, _ = build(None, ServeConfig(models=[d / "alpha.gguf", d / ".." / "models" / "alpha.gguf"]))
+    assert pool.names() == ["alpha.gguf"]
+    (tmp_path / "other").mkdir()
+    write_model(tmp_path / "other" / "alpha.gguf", n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=2)
+    with pytest.raises(MinferError, match="two models are named alpha.gguf"):
+        build(None, ServeConfig(models=[d / "alpha.gguf", tmp_path / "other" / "alpha.gguf"]))
+
+
 # -- another family end to end: a Llama 3 model (llama3 tool format) ------------------------------
 
 

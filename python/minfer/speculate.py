@@ -82,6 +82,7 @@ class Speculation:
             # The target's own Model class: this module sits below model.py's layer.
             dm = type(target).open(draft_model_path, backends=getattr(target, "backends", None),
                                    n_threads=getattr(target, "n_threads", None))
+            check_same_vocab(target, dm)   # refused before any stream, not at its first draft
         return cls(mode, draft_max=draft_max, draft_model=dm, **kw)
 
     def drafter(self, session) -> "Drafter":

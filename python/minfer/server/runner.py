@@ -157,6 +157,8 @@ def build(model, cfg: ServeConfig):
         for p in cfg.models:
             p = Path(p)
             if p.name in paths:
+                if paths[p.name].resolve() == p.resolve():   # one file named twice (a MODEL inside --models-dir)
+                    continue
                 raise MinferError(f"two models are named {p.name} ({paths[p.name]} and {p})")
             paths[p.name] = p
 
