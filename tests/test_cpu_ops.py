@@ -355,22 +355,31 @@ def test_get_rows_f32():
 # ---------------------------------------------------------------- KV store + attention
 
 
-def attn64(q, K, V, nh, nkv, hd, ranges, scale, softcap=0.0):
-    """q [nt][nh*hd]; K, V [n_ctx][nkv*hd]; ranges[t] = (lo, hi) visible cells; softcap
-    > 0: every scaled score s becomes softcap * tanh(s / softcap) (the CUDA suite's
-    reference too)."""
+def span_cells(span, window=0) -> np.ndarray:
+    """The cells a row reads, in order: (lo, hi) its own, or (lo, hi, plo, phi) a shared
+    prefix's [plo, phi) first; a window keeps the last `window` of them."""
+    lo, hi = span[0], span[1]
+    plo, phi = (span[2], span[3]) if len(span) > 2 else (0, 0)
+    cells = np.concatenate([np.arange(plo, max(plo, phi)), np.arange(lo, max(lo, hi))]).astype(np.int64)
+    return cells[-window:] if window > 0 else cells
+
+
+def attn64(q, K, V, nh, nkv, hd, ranges, scale, softcap=0.0, window=0):
+    """q [nt][nh*hd]; K, V [n_ctx][nkv*hd]; ranges[t]: a span_cells span of row t;
+    softcap > 0: every scaled score s becomes softcap * tanh(s / softcap) (the CUDA
+    suite's reference too)."""
     nt = q.shape[0]
     out = np.zeros((nt, nh * hd))
     r = nh // nkv
     for t in range(nt):
-        lo, hi = ranges[t]
-        if hi <= lo:
+        cells = span_cells(ranges[t], window)
+        if not len(cells):
             continue
         for h in range(nh):
             g = h // r
             qh = q[t, h * hd:(h + 1) * hd].astype(np.float64)
-            k = K[lo:hi, g * hd:(g + 1) * hd].astype(np.float64)
-            v = V[lo:hi, g * hd:(g + 1) * hd].astype(np.float64)
+            k = K[cells, g * hd:(g + 1) * hd].astype(np.float64)
+            v = V[cells, g * hd:(g + 1) * hd].astype(np.float64)
             s = k @ qh * scale
             if softcap > 0:
                 s = softcap * np.tanh(s / softcap)
@@ -415,7 +424,9 @@ class KvRig(Rig):
         qbuf[:, self.nh * self.hd:] = 1e9  # padding that must never be read as q
         iq, ik, iv = self.buf(qbuf), self.buf(k), self.buf(v)
         ic, ipos = self.buf(np.asarray(cells, np.int32)), self.buf(np.asarray(pos, np.int32))
-        ispan = self.buf(np.asarray(span, np.int32).reshape(-1)) if span is not None else -1
+        # Rows given as (lo, hi) read no shared prefix.
+        span4 = None if span is None else [tuple(r) + (0, 0) if len(r) == 2 else tuple(r) for r in span]
+        ispan = self.buf(np.asarray(span4, np.int32).reshape(-1)) if span is not None else -1
         iy = self.out(nt * self.nh * self.hd)
         scale = 1.0 / np.sqrt(self.hd) if scale is None else scale
         self.run([
@@ -509,6 +520,50 @@ def test_attention_explicit_span(kernel_path, kv_type):
         np.testing.assert_array_equal(outs[0], o)
 
 
+@pytest.mark.parametrize("window", [0, 24, 8])
+def test_attention_reads_a_shared_prefix_in_place(kernel_path, kv_type, window):
+    """Sequence B borrows the first 40 positions of sequence A (cells 0..39) and keeps
+    its own from cell 140 (its cells 100..139 are never written): each of its rows reads
+    A's cells, then its own, as one softmax; a window cuts the prefix first (24 cuts
+    into it for the early rows, 8 cuts it all). Rows without a prefix beside them."""
+    nh, nkv, hd, n_ctx = 8, 2, 64, 200
+    rng = np.random.default_rng(78)
+    qa, ka, va = _qkv(rng, 70, nh, nkv, hd, peak=2.0)
+    nb = 30
+    q, k, v = _qkv(rng, nb + 2, nh, nkv, hd, peak=2.0)
+    cells = np.concatenate([140 + np.arange(nb), [180, 190]]).astype(np.int32)
+    pos = np.concatenate([40 + np.arange(nb), [0, 5]]).astype(np.int32)
+    spans = [(140, 140 + i + 1, 0, 40) for i in range(nb)] + [(180, 181, 0, 0), (185, 191, 0, 0)]
+    spans[3] = (140, 140, 0, 40)   # the prefix alone (its own cells still to come)
+    outs = []
+    for nth in (1, 3):
+        rig = KvRig(nh, nkv, hd, n_ctx, q_extra=64, kv_type=kv_type)
+        rig.forward(qa, ka, va, cells=np.arange(70), pos=np.arange(70), span=[(0, t + 1) for t in range(70)])
+        outs.append(_attn_windowed(rig, q, k, v, cells, pos, spans, window, nth))
+    ref = attn64(q, rig.K_host, rig.V_host, nh, nkv, hd, spans, 1.0 / np.sqrt(hd), window=window)
+    np.testing.assert_allclose(outs[0], ref, rtol=1e-5, atol=ATOL)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def _attn_windowed(rig, q, k, v, cells, pos, spans, window, n_threads):
+    """KvRig.forward with a sliding window on the attention step."""
+    if not window:
+        return rig.forward(q, k, v, cells=cells, pos=pos, span=spans, n_threads=n_threads)
+    orig = rig.run
+
+    def run(steps, n):
+        op, bufs, ip, fp, w = steps[1]
+        ip = list(ip) + [0] * (8 - len(ip))
+        ip[7] = window
+        return orig([steps[0], (op, bufs, ip, fp, w)], n)
+
+    rig.run = run
+    try:
+        return rig.forward(q, k, v, cells=cells, pos=pos, span=spans, n_threads=n_threads)
+    finally:
+        rig.run = orig
+
+
 def test_attention_rejects_bad_positions_and_spans():
     kv = KvRig(4, 2, 64, n_ctx=16)
     rng = np.random.default_rng(0)
@@ -517,6 +572,10 @@ def test_attention_rejects_bad_positions_and_spans():
         kv.forward(q, k, v, cells=[0, 1], pos=[0, 16])
     with pytest.raises(ValueError, match="span"):
         kv.forward(q, k, v, cells=[0, 1], pos=[0, 1], span=[(0, 1), (3, 2)])
+    with pytest.raises(ValueError, match="span"):
+        kv.forward(q, k, v, cells=[0, 1], pos=[0, 1], span=[(0, 1), (1, 2, 3, 2)])
+    with pytest.raises(ValueError, match="span"):
+        kv.forward(q, k, v, cells=[0, 1], pos=[0, 1], span=[(0, 1), (1, 2, 0, 17)])
     with pytest.raises(ValueError, match="KV cell"):
         kv.forward(q, k, v, cells=[0, 16], pos=[0, 1])
 

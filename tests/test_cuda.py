@@ -755,16 +755,19 @@ def test_elementwise():
 
 
 def _attn64(q, K, V, pos, nh, nkv, hd, span=None):
-    """float64 causal GQA attention over f16-rounded K/V rows."""
+    """float64 causal GQA attention over f16-rounded K/V rows (span: rows of four ints,
+    common/attn_span.h)."""
+    from test_cpu_ops import span_cells
+
     nt = q.shape[0]
     out = np.zeros((nt, nh * hd))
     g = nh // nkv
     for t in range(nt):
-        lo, hi = (0, pos[t] + 1) if span is None else (span[t, 0], span[t, 1])
+        cells = np.arange(pos[t] + 1) if span is None else span_cells(tuple(span[t]))
         for h in range(nh):
             kh = h // g
-            k = K[lo:hi, kh * hd:(kh + 1) * hd].astype(np.float64)
-            v = V[lo:hi, kh * hd:(kh + 1) * hd].astype(np.float64)
+            k = K[cells, kh * hd:(kh + 1) * hd].astype(np.float64)
+            v = V[cells, kh * hd:(kh + 1) * hd].astype(np.float64)
             s = k @ q[t, h * hd:(h + 1) * hd].astype(np.float64) / np.sqrt(hd)
             p = np.exp(s - s.max())
             out[t, h * hd:(h + 1) * hd] = p @ v / p.sum()
@@ -869,7 +872,8 @@ def test_kv_store_and_attention(nt, start, nh, nkv, hd, n_ctx):
 
 @pytest.mark.parametrize("nt,hd", [(3, 64), (70, 64), (90, 128), (20, 32)])
 def test_attention_explicit_span(nt, hd):
-    """Per-row spans (several sequences in one block): empty, one cell, disjoint, ragged."""
+    """Per-row spans (several sequences in one block): empty, one cell, disjoint, ragged,
+    and every other row after a shared prefix read in place (anywhere in the arena)."""
     rng = np.random.default_rng(5 + nt)
     nh, nkv, n_ctx = 4, 2, 160
     K = rng.standard_normal((n_ctx, nkv * hd)).astype(np.float16)
@@ -878,22 +882,54 @@ def test_attention_explicit_span(nt, hd):
     pos = np.arange(10, 10 + nt, dtype=np.int32)
     lo = rng.integers(0, n_ctx, nt)
     hi = np.minimum(n_ctx, lo + rng.integers(0, 90, nt))
-    span = np.stack([lo, hi], 1).astype(np.int32)
-    span[0] = [0, 11]
-    span[1 % nt] = [12, 13]
+    plo = rng.integers(0, n_ctx, nt)
+    phi = np.where(np.arange(nt) % 2 == 1, np.minimum(n_ctx, plo + rng.integers(1, 70, nt)), plo)
+    span = np.stack([lo, hi, plo, phi], 1).astype(np.int32)
+    span[0] = [0, 11, 0, 0]
+    span[1 % nt] = [12, 13, 100, 140]
     if nt > 2:
-        span[2] = [7, 7]  # no cell: output zeros
+        span[2] = [7, 7, 3, 3]  # no cell: output zeros
     r = Rig()
     Ki, Vi, qi, pi, si, yi = r.buf(K), r.buf(V), r.buf(q), r.buf(pos), r.buf(span), r.out(nt * nh * hd)
     r.run(r.plan([("attn", [yi, qi, Ki, Vi, pi, si], [nt, nh, nkv, hd, n_ctx, nh * hd, F16_KV], [hd**-0.5], [])]))
     got = r.read(yi, nt * nh * hd).reshape(nt, -1)
     tc = _tensor_core_attention(nt, hd)
     want = np.zeros((nt, nh * hd))
-    ok = span[:, 1] > span[:, 0]
+    ok = (span[:, 1] > span[:, 0]) | (span[:, 3] > span[:, 2])
     want[ok] = _attn64((q.astype(np.float16) if tc else q)[ok], K.astype(np.float32), V.astype(np.float32),
                        pos[ok], nh, nkv, hd, span=span[ok])
     np.testing.assert_allclose(got, want, rtol=0, atol=TC_ATTN_ATOL if tc else 2e-5)
     assert not got[~ok].any()
+
+
+@pytest.mark.parametrize("nt,hd,window", [(1, 64, 0), (5, 128, 0), (7, 64, 700), (3, 256, 0), (40, 96, 0)])
+def test_a_prefix_read_in_place_gives_the_bits_of_the_same_cells_copied(nt, hd, window):
+    """The row-exact decode kernel (up to 64 rows, split over a 2048-cell context): a
+    row whose first cells are another sequence's, read in place, gets bitwise what it
+    gets with those cells copied in front of its own, whatever the split lengths, and
+    a window cutting into the prefix cuts the same cells."""
+    rng = np.random.default_rng(31 + nt + hd)
+    nh, nkv, n_ctx, n_pre = 4, 2, 2048, 900
+    K = rng.standard_normal((n_ctx, nkv * hd)).astype(np.float16)
+    V = rng.standard_normal((n_ctx, nkv * hd)).astype(np.float16)
+    q = rng.standard_normal((nt, nh * hd)).astype(np.float32)
+    own = 1000 + n_pre + 10 * np.arange(nt)          # each row's own cells: [1000 + n_pre, own + 1)
+    K[1000:1000 + n_pre], V[1000:1000 + n_pre] = K[:n_pre], V[:n_pre]   # the prefix, copied in front
+    pos = (own - 1000).astype(np.int32)
+    shared = np.stack([np.full(nt, 1000 + n_pre), own + 1, np.zeros(nt), np.full(nt, n_pre)], 1).astype(np.int32)
+    copied = np.stack([np.full(nt, 1000), own + 1, np.zeros(nt), np.zeros(nt)], 1).astype(np.int32)
+    outs = []
+    for span in (shared, copied):
+        r = Rig()
+        Ki, Vi, qi, pi, si, yi = r.buf(K), r.buf(V), r.buf(q), r.buf(pos), r.buf(span), r.out(nt * nh * hd)
+        r.run(r.plan([("attn", [yi, qi, Ki, Vi, pi, si], [nt, nh, nkv, hd, n_ctx, nh * hd, F16_KV, window, n_ctx],
+                       [hd**-0.5], [])]))
+        outs.append(r.read(yi, nt * nh * hd).reshape(nt, -1))
+    assert outs[0].tobytes() == outs[1].tobytes()
+    want = _attn64(q, K.astype(np.float32), V.astype(np.float32), pos, nh, nkv, hd,
+                   span=np.stack([np.maximum(1000, own + 1 - window) if window else np.full(nt, 1000), own + 1,
+                                  np.zeros(nt), np.zeros(nt)], 1))
+    np.testing.assert_allclose(outs[0], want, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("nt,nh,nkv,hd", [(1, 14, 2, 64), (4, 28, 4, 128), (1, 8, 8, 32)])

@@ -457,18 +457,21 @@ def test_attention_window_and_softcap_vs_float64_and_cpu(nt, start, nh, nkv, hd,
 @pytest.mark.parametrize("nt,hd", [(3, 64), (70, 64), (20, 96), (5, 256), (80, 128)])
 def test_attention_window_over_explicit_spans(nt, hd):
     """Several sequences in one block (explicit per-row spans: empty, one cell, ragged)
-    with a sliding window of 6 and a soft-cap: the window cuts each row's own span."""
+    with a sliding window of 6 and a soft-cap: the window cuts each row's cells, a
+    shared prefix's first."""
     rng = np.random.default_rng(17 + nt + hd)
     nh, nkv, n_ctx, window, softcap = 4, 2, 160, 6, 2.5
     r = Pair()
     K, V, q, pos = _attn_case(nt, 10, nh, nkv, hd, n_ctx, rng)
     lo = rng.integers(0, n_ctx, nt)
     hi = np.minimum(n_ctx, lo + rng.integers(0, 40, nt))
-    span = np.stack([lo, hi], 1).astype(np.int32)
-    span[0] = [0, 11]
-    span[1 % nt] = [12, 13]
+    plo = rng.integers(0, n_ctx, nt)   # every third row after a shared prefix, which the window may cut
+    phi = np.where(np.arange(nt) % 3 == 1, np.minimum(n_ctx, plo + rng.integers(1, 12, nt)), plo)
+    span = np.stack([lo, hi, plo, phi], 1).astype(np.int32)
+    span[0] = [0, 11, 0, 0]
+    span[1 % nt] = [12, 13, 20, 30]
     if nt > 2:
-        span[2] = [7, 7]
+        span[2] = [7, 7, 0, 0]
     Ki, Vi, qi, pi, si, yi = r.buf(K), r.buf(V), r.buf(q), r.buf(pos), r.buf(span), r.out(nt * nh * hd)
     scale = hd ** -0.5
     steps = [("attn", [yi, qi, Ki, Vi, pi, si], [nt, nh, nkv, hd, n_ctx, nh * hd, F16_KV, window],
@@ -476,13 +479,12 @@ def test_attention_window_over_explicit_spans(nt, hd):
     r.run_cpu(steps)
     r.run_gpu(r.gpu_plan(steps))
     cpu, gpu = (a.reshape(nt, -1) for a in r.read(yi, nt * nh * hd))
-    lo_hi = [(max(int(a), int(b) - window), int(b)) for a, b in span]
     tc = _tensor_cores(nt, hd)
     want = attn64(q.astype(np.float16) if tc else q, K.astype(np.float32), V.astype(np.float32), nh, nkv, hd,
-                  lo_hi, scale, softcap)
+                  [tuple(int(x) for x in row) for row in span], scale, softcap, window=window)
     np.testing.assert_allclose(gpu, want, rtol=0, atol=TC_ATTN_ATOL if tc else ATTN_ATOL)
     np.testing.assert_allclose(gpu, cpu, rtol=0, atol=2 * (TC_ATTN_ATOL if tc else ATTN_ATOL))
-    ok = span[:, 1] > span[:, 0]
+    ok = (span[:, 1] > span[:, 0]) | (span[:, 3] > span[:, 2])
     assert not gpu[~ok].any()
 
 

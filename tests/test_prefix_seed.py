@@ -1,7 +1,8 @@
 """A prompt prefix another slot already holds seeds a new sequence's KV (Engine.add):
-the cells are copied where the KV lives instead of being prefilled again, only cells
-whose forward has finished are taken, a short shared prefix is not worth a copy, and
-the output is the output without the copy."""
+it is read where it lies (Context.lend: no copy, no second prefill), only cells whose
+forward has finished are taken, a short shared prefix is not worth sharing, a lender
+that is about to change its cells first copies what its borrowers read, and the output
+is the output alone."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def alone(model, prompt: list[int], n: int = 12) -> list[int]:
     return s.ids
 
 
-def test_a_held_prefix_is_copied_not_prefilled(model):
+def test_a_held_prefix_is_read_in_place_not_prefilled(model):
     eng = engine(model)
     a = Sequence(P + TAIL_A, 12, GREEDY, stop_at_eog=False)
     eng.add(a, 0)
@@ -88,3 +89,141 @@ def test_an_idle_slots_conversation_seeds_a_new_one(model):
     eng.run()
     assert eng.slots[1].tokens[:len(P) + len(TAIL_B)] == P + TAIL_B
     assert b.ids == alone(model, P + TAIL_B, 6)
+
+
+def copies(ctx) -> list:
+    """Record the context's cell copies (src, dst, n) from now on."""
+    seen: list = []
+    orig = ctx.copy_cells
+
+    def rec(src: int, dst: int, n: int) -> None:
+        seen.append((src, dst, n))
+        orig(src, dst, n)
+
+    ctx.copy_cells = rec
+    return seen
+
+
+def test_a_shared_prefix_is_borrowed_with_no_copy(model):
+    """B reads A's cells of the prefix in place: nothing is copied, B's own cells of it
+    stay unwritten (B's attention span starts its own cells after them), and both
+    outputs are their outputs alone."""
+    eng = engine(model)
+    a = Sequence(P + TAIL_A, 12, GREEDY, stop_at_eog=False)
+    eng.add(a, 0)
+    while a.picks < 2:
+        eng.step()
+    seen = copies(eng.ctx)
+    b = Sequence(P + TAIL_B, 12, GREEDY, stop_at_eog=False)
+    eng.add(b, 1)
+    assert eng.ctx.borrowed[1] == (0, len(P)) and b.timings.cached_tokens == len(P)
+    lo, plo, phi = eng.ctx.span_head(1)
+    assert (lo, plo, phi) == (eng.slots[1].base + len(P), eng.slots[0].base, eng.slots[0].base + len(P))
+    eng.run()
+    assert seen == []
+    assert b.ids == alone(model, P + TAIL_B) and a.ids == alone(model, P + TAIL_A)
+
+
+def test_a_borrowers_prefix_is_borrowed_from_its_lender_and_the_rest_copied(model):
+    """C starts with all that B holds (A's prefix, which B borrows, and B's own tail):
+    C borrows the prefix from A, never from B, and only B's own tail is copied."""
+    eng = engine(model)
+    a = Sequence(P + TAIL_A, 4, GREEDY, stop_at_eog=False)
+    eng.add(a, 0)
+    eng.run()
+    b = Sequence(P + ids(5, 20), 4, GREEDY, stop_at_eog=False)
+    eng.add(b, 1)
+    eng.run()
+    assert eng.ctx.borrowed[1] == (0, len(P))
+    seen = copies(eng.ctx)
+    c_prompt = b.prompt_ids + b.ids[:2] + [11, 12]
+    c = Sequence(c_prompt, 6, GREEDY, stop_at_eog=False)
+    eng.add(c, 2)
+    held = len(b.prompt_ids) + 2
+    assert eng.ctx.borrowed[2] == (0, len(P)) and c.timings.cached_tokens == held
+    base1, base2 = eng.slots[1].base, eng.slots[2].base
+    assert seen == [(base1 + len(P), base2 + len(P), held - len(P))]
+    eng.run()
+    assert c.ids == alone(model, c_prompt, 6)
+
+
+def test_a_lender_that_moves_on_first_gives_its_borrowers_their_copies(model):
+    """A's slot takes an unrelated prompt while B reads A's prefix: before A's new
+    prompt overwrites those cells, B gets them copied into its own and stops borrowing;
+    B's output is still its output alone, and so is B's next turn."""
+    eng = engine(model, 2)
+    a = Sequence(P + TAIL_A, 4, GREEDY, stop_at_eog=False)
+    eng.add(a, 0)
+    eng.run()
+    b = Sequence(P + TAIL_B, 8, GREEDY, stop_at_eog=False)
+    eng.add(b, 1)
+    assert eng.ctx.borrowed[1] == (0, len(P))
+    seen = copies(eng.ctx)
+    other = Sequence(ids(9, 30), 8, GREEDY, stop_at_eog=False)
+    eng.add(other, 0, reuse_prefix=False)
+    assert eng.ctx.borrowed[1] is None
+    assert seen == [(eng.slots[0].base, eng.slots[1].base, len(P))]
+    eng.run()
+    assert b.ids == alone(model, P + TAIL_B, 8) and other.ids == alone(model, ids(9, 30), 8)
+    turn2 = P + TAIL_B + b.ids + [5, 6, 7]
+    b2 = Sequence(turn2, 6, GREEDY, stop_at_eog=False)
+    eng.add(b2, 1)
+    eng.run()
+    assert b2.ids == alone(model, turn2, 6)
+
+
+def test_a_lender_truncated_inside_the_prefix_gives_the_rest_over(model):
+    """A's next turn keeps only part of what B borrows: B keeps borrowing that part and
+    gets the rest copied, before A writes over it."""
+    eng = engine(model, 2)
+    a = Sequence(P + TAIL_A, 4, GREEDY, stop_at_eog=False)
+    eng.add(a, 0)
+    eng.run()
+    b = Sequence(P + TAIL_B, 8, GREEDY, stop_at_eog=False)
+    eng.add(b, 1)
+    seen = copies(eng.ctx)
+    a2 = Sequence(P[:30] + ids(10, 12), 6, GREEDY, stop_at_eog=False)
+    eng.add(a2, 0)
+    assert eng.ctx.borrowed[1] == (0, 30)
+    assert seen == [(eng.slots[0].base + 30, eng.slots[1].base + 30, len(P) - 30)]
+    eng.run()
+    assert b.ids == alone(model, P + TAIL_B, 8) and a2.ids == alone(model, P[:30] + ids(10, 12), 6)
+
+
+def test_an_evicted_lender_in_a_pool_gives_its_borrowers_their_copies(model):
+    """A pooled context short of cells forgets an idle lender (least recently used):
+    its borrower gets the cells it reads first, and keeps its output alone."""
+    ctx = Context(model, n_ctx=96, n_seq=3, n_cells=182)   # A 58 cells, B 74, a free 50
+    eng = Engine(ctx, [ctx.session(i) for i in range(3)], chunk=16)
+    a = Sequence(P + TAIL_A, 4, GREEDY, stop_at_eog=False)
+    eng.add(a, 0)
+    eng.run()                                     # A idle, holding its cells
+    b = Sequence(P + TAIL_B, 20, GREEDY, stop_at_eog=False)
+    eng.add(b, 1)
+    assert ctx.borrowed[1] == (0, len(P))
+    c = Sequence(ids(11, 30), 28, GREEDY, stop_at_eog=False)
+    eng.add(c, 2)                                 # only A's room fits its 58
+    assert ctx.ranges[0] == (0, 0) and ctx.borrowed[1] is None
+    eng.run()
+    assert b.ids == alone(model, P + TAIL_B, 20) and c.ids == alone(model, ids(11, 30), 28)
+
+
+def test_a_saved_borrower_holds_its_whole_kv(model, tmp_path):
+    """Saving a sequence that borrows its prefix writes the prefix's KV too: restored in
+    a context of its own, its continuation is the one it gets in place."""
+    from minfer.session import Session
+
+    eng = engine(model, 2)
+    a = Sequence(P + TAIL_A, 4, GREEDY, stop_at_eog=False)
+    eng.add(a, 0)
+    eng.run()
+    b = Sequence(P + TAIL_B, 4, GREEDY, stop_at_eog=False)
+    eng.add(b, 1)
+    eng.run()
+    assert eng.ctx.borrowed[1] == (0, len(P))
+    eng.slots[1].save(tmp_path / "b.session")
+    assert eng.ctx.borrowed[1] is None
+    loaded = Session.load(model, tmp_path / "b.session", n_ctx=160)
+    nxt = [3, 4, 5]
+    want = eng.slots[1].generate_ids(list(eng.slots[1].tokens) + nxt, 6)
+    assert loaded.generate_ids(list(loaded.tokens) + nxt, 6) == want

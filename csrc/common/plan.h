@@ -39,8 +39,10 @@ namespace minfer {
 // i + n_rot/2), 1 = normal (pairs 2i, 2i+1); the angle of pair i at position p is
 // p * freq_scale * freq_base^(-2i/n_rot) / factors[i] (factors: f32[n_rot/2], or none),
 // cos and sin are multiplied by attn_factor; freq_scale and attn_factor 0 mean 1.
-// ATTN: window > 0 limits a query at cell span [lo, hi) to [max(lo, hi - window), hi)
-// (the last `window` positions, the sliding-window layers); softcap > 0 maps every
+// ATTN: without span, token t sees cells [0, pos[t]]; with it, the four ints a row of
+// common/attn_span.h (its own cells, after a prefix shared with another sequence and
+// read in place). window > 0 keeps the last `window` of those cells (the sliding-window
+// layers); softcap > 0 maps every
 // scaled score s to softcap * tanh(s / softcap) before the softmax. seq_ctx: the most
 // cells one row's span holds (its sequence's context; 0: n_ctx), a hint for how a backend
 // cuts the work (CUDA's decode splits), never a bound it enforces.

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 
+#include "common/attn_span.h"
 #include "cpu/ops.h"
 #include "cpu/quants.h"
 #include "cpu/vec_math.h"
@@ -183,10 +184,12 @@ inline void accumulate(float* acc, float alpha, const float* p, const float* v, 
     }
 }
 
+// A row sees cells [lo[0], hi[0]) (a prefix it shares with another sequence, read in
+// place) and then [lo[1], hi[1]) (its own), one online softmax over both in that order.
 struct Row {
     const float* q;
     float* out;
-    int64_t lo, hi;  // visible cells [lo, hi)
+    int64_t lo[2], hi[2];
 };
 
 // rows [c0, c1) of KV head g (f16, row stride kvs) -> dst [c1 - c0][hd] f32. Exact, so
@@ -221,14 +224,17 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
     float* S = acc + nrows * hdp;     // [nrows][BK] scores, then probabilities
     float* kblk = S + nrows * BK;     // f16 KV only: this block's K and V rows in f32
     float* vblk = kblk + BK * hd;
-    int64_t cmin = std::numeric_limits<int64_t>::max(), cmax = 0;
     for (int64_t i = 0; i < nrows; ++i) {
         m[i] = -std::numeric_limits<float>::infinity();
         l[i] = 0.0f;
         std::memset(acc + i * hdp, 0, hd * sizeof(float));
-        if (rows[i].lo < rows[i].hi) {
-            cmin = std::min(cmin, rows[i].lo);
-            cmax = std::max(cmax, rows[i].hi);
+    }
+    for (int seg = 0; seg < 2; ++seg) {
+    int64_t cmin = std::numeric_limits<int64_t>::max(), cmax = 0;
+    for (int64_t i = 0; i < nrows; ++i) {
+        if (rows[i].lo[seg] < rows[i].hi[seg]) {
+            cmin = std::min(cmin, rows[i].lo[seg]);
+            cmax = std::max(cmax, rows[i].hi[seg]);
         }
     }
     for (int64_t c0 = cmin / BK * BK; c0 < cmax; c0 += BK) {
@@ -255,9 +261,9 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
             for (int64_t j = 0; j < 4; ++j) {
                 const Row& rw = rows[i + std::min(j, nj - 1)];  // pad with the last real row
                 qp[j] = rw.q;
-                if (j < nj && rw.lo < rw.hi) {
-                    a0 = std::min(a0, std::max(rw.lo, c0));
-                    b0 = std::max(b0, std::min(rw.hi, c1));
+                if (j < nj && rw.lo[seg] < rw.hi[seg]) {
+                    a0 = std::min(a0, std::max(rw.lo[seg], c0));
+                    b0 = std::max(b0, std::min(rw.hi[seg], c1));
                 }
             }
             // Dots land cell-major in a small buffer, then get transposed into the score
@@ -281,7 +287,7 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
         }
         // Online softmax update, row by row.
         for (int64_t i = 0; i < nrows; ++i) {
-            const int64_t ca = std::max(rows[i].lo, c0), cb = std::min(rows[i].hi, c1);
+            const int64_t ca = std::max(rows[i].lo[seg], c0), cb = std::min(rows[i].hi[seg], c1);
             if (ca >= cb) continue;
             float* p = S + i * BK + (ca - c0);
             const int64_t n = cb - ca;
@@ -302,6 +308,7 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
             m[i] = mnew;
             accumulate(acc + i * hdp, alpha, p, vb + (ca - c0) * ks, ks, n, hd, simd);
         }
+    }
     }
     for (int64_t i = 0; i < nrows; ++i) {
         float* o = rows[i].out;
@@ -353,21 +360,25 @@ void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::ato
         if (h0 >= h1) continue;
         int64_t nrows = 0;
         for (int64_t tk = t0; tk < t1; ++tk) {
-            int64_t lo, hi;
+            int64_t lo[2] = {0, 0}, hi[2] = {0, 0};
             if (a.span) {
-                lo = a.span[2 * tk];
-                hi = a.span[2 * tk + 1];
+                const int32_t* sp = a.span + kSpanInts * tk;
+                lo[1] = sp[0];
+                hi[1] = sp[1];
+                lo[0] = sp[2];
+                hi[0] = sp[3];
             } else {
-                lo = 0;
-                hi = (int64_t)a.pos[tk] + 1;
+                hi[1] = (int64_t)a.pos[tk] + 1;
             }
-            if (a.window > 0) lo = std::max(lo, hi - a.window);  // sliding window: the last `window` cells
+            attn_window(lo, hi, a.window);
             for (int64_t h = h0; h < h1; ++h) {
                 Row& rw = rows[nrows];
                 rw.q = a.q + tk * a.q_stride + h * a.hd;
                 rw.out = a.out + (tk * a.nh + h) * a.hd;
-                rw.lo = lo;
-                rw.hi = hi;
+                for (int sg = 0; sg < 2; ++sg) {
+                    rw.lo[sg] = lo[sg];
+                    rw.hi[sg] = hi[sg];
+                }
                 if (++nrows == 1024) {  // very wide groups: flush early, rows are independent
                     run_item(a, g, rows, nrows, scratch, simd);
                     nrows = 0;

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/attn_span.h"
 #include "cpu/moe.h"
 #include "cpu/ops.h"
 #include "cpu/quants.h"
@@ -148,7 +149,7 @@ std::string data_attn(const Step& s, const Pool& pool) {
     if (s.buf[5] >= 0) {
         const int32_t* sp = idata(s, pool, 5);
         for (int64_t t = 0; t < ip[0]; ++t)
-            if (sp[2 * t] < 0 || sp[2 * t] > sp[2 * t + 1] || sp[2 * t + 1] > ip[4]) return "attention span outside the context";
+            if (!span_ok(sp + kSpanInts * t, ip[4])) return "attention span outside the context";
     }
     return {};
 }

@@ -56,7 +56,7 @@ struct AttnArgs {
     const void* v;       // [n_ctx][nkv*hd] of kv_type
     int32_t kv_type;
     const int32_t* pos;  // [nt] positions: token t sees cells [0, pos[t]] ...
-    const int32_t* span; // ... unless span != null: token t sees cells [span[2t], span[2t+1])
+    const int32_t* span; // ... unless span != null: token t's four ints (common/attn_span.h)
     float* out;          // [nt][nh*hd]
     int64_t nt, nh, nkv, hd, n_ctx;
     float scale;

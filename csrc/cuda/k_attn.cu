@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "common/attn_span.h"
 #include "cuda/context.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
@@ -37,6 +38,15 @@ TL_BIND(bind_attn)
 namespace {
 
 constexpr int WARPS = 4;
+
+// A row's cells as one sequence (common/attn_span.h): index i is the shared prefix's
+// cell p0 + i below n0, the row's own cell own + i from there (own = own lo - n0). A row
+// without a prefix reads the cells it always did, in the same order: the same bits, and
+// a prefix read in place gives the bits of the same cells copied in front of the own.
+struct CellMap {
+    int64_t p0, n0, own;
+    __device__ __forceinline__ int64_t operator()(int64_t i) const { return i < n0 ? p0 + i : own + i; }
+};
 
 // One redux.sync on sm_80+ (five shuffle rounds before) over the floats' bits mapped to
 // signed integers in the floats' order: the same maximum as the fmaxf butterfly (a +0 /
@@ -207,12 +217,13 @@ __device__ __forceinline__ float group_softmax(float s, bool valid, float& m, fl
 // dims in cell order.
 template <int HD, bool CAP>
 __device__ __forceinline__ void attend_group(const float* qs, const __half* K, const __half* V, int64_t kvs,
-                                             float scale, float cap, int64_t base, int64_t c1, int lane, float& m,
-                                             float& l, float acc[HD / 32]) {
+                                             const CellMap& cm, float scale, float cap, int64_t base, int64_t c1,
+                                             int lane, float& m, float& l, float acc[HD / 32]) {
     constexpr int EPL = HD / 32;
     const int64_t c = base + lane;
     const bool valid = c < c1;
-    const float s = valid ? cell_score<HD, CAP>(qs, reinterpret_cast<const uint4*>(K + c * kvs), scale, cap) : -INFINITY;
+    const float s =
+        valid ? cell_score<HD, CAP>(qs, reinterpret_cast<const uint4*>(K + cm(c) * kvs), scale, cap) : -INFINITY;
     const float p = group_softmax<EPL>(s, valid, m, l, acc);
     const int nvalid = (int)((c1 - base) < 32 ? (c1 - base) : 32);
     // VB cells' V slices (32 registers; 16 cells of three halves for head dim 96) are
@@ -225,7 +236,7 @@ __device__ __forceinline__ void attend_group(const float* qs, const __half* K, c
         VSlice<EPL> vs[VB];
 #pragma unroll
         for (int k = 0; k < VB; ++k)
-            if (i0 + k < nvalid) vs[k].load(V + (base + i0 + k) * kvs);
+            if (i0 + k < nvalid) vs[k].load(V + cm(base + i0 + k) * kvs);
 #pragma unroll
         for (int k = 0; k < VB; ++k) {
             const float pi = __shfl_sync(0xffffffffu, p, i0 + k);
@@ -248,19 +259,19 @@ struct LoadedGroup {
     VSlice<EPL> v[32];
     int nvalid;
     bool valid;
-    __device__ __forceinline__ void load(const __half* K, const __half* V, int64_t kvs, int64_t base, int64_t c1,
-                                         int lane) {
+    __device__ __forceinline__ void load(const __half* K, const __half* V, int64_t kvs, const CellMap& cm,
+                                         int64_t base, int64_t c1, int lane) {
         const int64_t c = base + lane;
         valid = c < c1;
         nvalid = (int)((c1 - base) < 32 ? (c1 - base) : 32);
         if (valid) {
-            const uint4* kr = reinterpret_cast<const uint4*>(K + c * kvs);
+            const uint4* kr = reinterpret_cast<const uint4*>(K + cm(c) * kvs);
 #pragma unroll
             for (int i = 0; i < HD / 8; ++i) k[i] = kr[i];
         }
 #pragma unroll
         for (int i = 0; i < 32; ++i)
-            if (i < nvalid) v[i].load(V + (base + i) * kvs);
+            if (i < nvalid) v[i].load(V + cm(base + i) * kvs);
     }
     template <bool CAP>
     __device__ __forceinline__ void attend(const float* qs, float scale, float cap, int lane, float& m, float& l,
@@ -322,39 +333,45 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
 
     // Positions and spans are inputs (written before the run, never by a kernel), so the
     // cells this block reads are known before the kernel before it has finished.
-    int64_t lo = 0, hi = 0;
+    int64_t lo[2] = {0, 0}, hi[2] = {0, 0};
     if (a.span) {
-        lo = a.span[2 * t];
-        hi = a.span[2 * t + 1];
-        if (lo < 0 || lo > hi || hi > a.n_ctx) {
+        const int32_t* sp = a.span + kSpanInts * t;
+        if (!span_ok(sp, a.n_ctx)) {
             if (threadIdx.x == 0) *err = 4;
-            lo = hi = 0;
+        } else {
+            lo[1] = sp[0];
+            hi[1] = sp[1];
+            lo[0] = sp[2];
+            hi[0] = sp[3];
         }
     } else {
         const int64_t p = a.pos[t];
         if (p < 0 || p >= a.n_ctx) {
             if (threadIdx.x == 0) *err = 4;
         } else {
-            hi = p + 1;
+            hi[1] = p + 1;
         }
     }
-    if (a.window > 0 && hi - a.window > lo) lo = hi - a.window;  // a sliding-window layer
-    // Splits holding cells of [lo, hi), cut from lo: 0 .. s_hi - 1 (the last one takes
-    // any rest past n_splits chunks, which a span of at most seq_ctx cells never has).
-    // Only those publish a partial and draw a ticket; with no cells, split 0 writes the
-    // zeros.
-    const int64_t need = hi > lo ? (hi - lo + chunk - 1) / chunk : 1;
+    attn_window(lo, hi, a.window);  // a sliding-window layer
+    const int64_t n0 = hi[0] > lo[0] ? hi[0] - lo[0] : 0;
+    const int64_t n = n0 + (hi[1] > lo[1] ? hi[1] - lo[1] : 0);
+    const CellMap cm{lo[0], n0, lo[1] - n0};
+    // Splits holding cells of the row's n, cut from its first: 0 .. s_hi - 1 (the last
+    // one takes any rest past n_splits chunks, which a span of at most seq_ctx cells
+    // never has). Only those publish a partial and draw a ticket; with no cells, split 0
+    // writes the zeros.
+    const int64_t need = n > 0 ? (n + chunk - 1) / chunk : 1;
     const int s_hi = need < n_splits ? (int)need : n_splits;
     if (split >= s_hi) return;
-    const int64_t c0 = lo + (int64_t)split * chunk;
-    const int64_t c1 = split == s_hi - 1 ? hi : c0 + chunk;
+    const int64_t c0 = (int64_t)split * chunk;
+    const int64_t c1 = split == s_hi - 1 ? n : c0 + chunk;
     const int64_t kvs = a.nkv * HD;
     // Those cells' K and V rows into L2 while the kernel before finishes (the weights
     // streamed since the last step have evicted them). The newest cell, which that kernel
     // writes, is read only after the wait; a prefetch has no effect on what is read.
     for (int64_t c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
-        const __half* kr = reinterpret_cast<const __half*>(a.k) + c * kvs + kvh * HD;
-        const __half* vr = reinterpret_cast<const __half*>(a.v) + c * kvs + kvh * HD;
+        const __half* kr = reinterpret_cast<const __half*>(a.k) + cm(c) * kvs + kvh * HD;
+        const __half* vr = reinterpret_cast<const __half*>(a.v) + cm(c) * kvs + kvh * HD;
 #pragma unroll
         for (int o = 0; o < HD; o += 64) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(kr + o));
@@ -380,7 +397,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         LoadedGroup<HD> g;
         const bool qfirst = (int)threadIdx.x < HD;
         const float qv = qfirst ? q[threadIdx.x] : 0.0f;
-        if (base < c1) g.load(K, V, kvs, base, c1, lane);
+        if (base < c1) g.load(K, V, kvs, cm, base, c1, lane);
         if (qfirst) qs[threadIdx.x] = qv;
         TL_MARK(3);
         __syncthreads();
@@ -393,7 +410,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_attn(AttnDev a, int n_splits, in
         __syncthreads();
     }
     for (; base < c1; base += 32 * WARPS)
-        attend_group<HD, CAP>(qs, K, V, kvs, a.scale, a.softcap, base, c1, lane, m, l, acc);
+        attend_group<HD, CAP>(qs, K, V, kvs, cm, a.scale, a.softcap, base, c1, lane, m, l, acc);
     TL_MARK(6);
 
     if (lane == 0) {

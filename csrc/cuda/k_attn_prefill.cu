@@ -15,6 +15,7 @@
 #include <climits>
 #include <cmath>
 
+#include "common/attn_span.h"
 #include "cuda/context.h"
 #include "cuda/kernels.h"
 #include "cuda/launch.cuh"
@@ -46,30 +47,36 @@ __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Cells [lo, hi) query row t may see, checked as k_attn checks them (an empty range
-// and the error word for a bad position or span), narrowed to the last `window` cells
-// on a sliding-window layer.
-__device__ __forceinline__ void row_range(const AttnDev& a, int64_t t, int& lo, int& hi, int* err) {
-    lo = 0;
-    hi = 0;
-    if (t >= a.nt) return;
-    if (a.span) {
-        const int64_t l = a.span[2 * t], h = a.span[2 * t + 1];
-        if (l < 0 || l > h || h > a.n_ctx) {
-            *err = 4;
-            return;
+// The cells query row t may see (common/attn_span.h: segment 0 a shared prefix, then
+// segment 1 its own), checked as k_attn checks them (empty segments and the error word
+// for a bad position or span), narrowed to the last `window` cells on a sliding-window
+// layer.
+__device__ __forceinline__ void row_range(const AttnDev& a, int64_t t, int lo[2], int hi[2], int* err) {
+    int64_t l[2] = {0, 0}, h[2] = {0, 0};
+    if (t < a.nt) {
+        if (a.span) {
+            const int32_t* sp = a.span + kSpanInts * t;
+            if (span_ok(sp, a.n_ctx)) {
+                l[1] = sp[0];
+                h[1] = sp[1];
+                l[0] = sp[2];
+                h[0] = sp[3];
+            } else {
+                *err = 4;
+            }
+        } else {
+            const int64_t p = a.pos[t];
+            if (p >= 0 && p < a.n_ctx)
+                h[1] = p + 1;
+            else
+                *err = 4;
         }
-        lo = (int)l;
-        hi = (int)h;
-    } else {
-        const int64_t p = a.pos[t];
-        if (p < 0 || p >= a.n_ctx) {
-            *err = 4;
-            return;
-        }
-        hi = (int)p + 1;
+        attn_window(l, h, a.window);
     }
-    if (a.window > 0 && (int64_t)hi - a.window > lo) lo = (int)(hi - a.window);
+    for (int s = 0; s < 2; ++s) {
+        lo[s] = (int)l[s];
+        hi[s] = (int)h[s];
+    }
 }
 
 // CAP: the scores are soft-capped (a.softcap > 0), in a kernel of its own.
@@ -80,39 +87,34 @@ __global__ void __launch_bounds__(PF_WARPS * 32) k_attn_prefill(AttnDev a, int* 
     constexpr int RS = HD + 8;  // smem row stride in halves: conflict-free fragment loads
     __shared__ __align__(16) __half Ks[PF_TILE * RS];
     __shared__ __align__(16) __half Vs[PF_TILE * RS];
-    __shared__ int s_lo[PF_ROWS], s_hi[PF_ROWS];
-    __shared__ int s_blo, s_bhi;
+    __shared__ int s_lo[2][PF_ROWS], s_hi[2][PF_ROWS];
+    __shared__ int s_blo[2], s_bhi[2];
     const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, tq = lane & 3;
     const int64_t t0 = (int64_t)blockIdx.x * PF_ROWS;
     const int h = blockIdx.y;
     const int64_t kvh = h / (a.nh / a.nkv);
     const int64_t kvs = a.nkv * HD;
 
-    if (threadIdx.x == 0) {
-        s_blo = INT_MAX;
-        s_bhi = 0;
+    if (threadIdx.x < 2) {
+        s_blo[threadIdx.x] = INT_MAX;
+        s_bhi[threadIdx.x] = 0;
     }
     __syncthreads();
     if (threadIdx.x < PF_ROWS) {
-        int lo, hi;
+        int lo[2], hi[2];
         row_range(a, t0 + threadIdx.x, lo, hi, err);
-        if (hi <= lo) lo = INT_MAX, hi = 0;
-        s_lo[threadIdx.x] = lo;
-        s_hi[threadIdx.x] = hi;
-        if (hi > 0) {
-            atomicMin(&s_blo, lo);
-            atomicMax(&s_bhi, hi);
+        for (int sg = 0; sg < 2; ++sg) {
+            if (hi[sg] <= lo[sg]) lo[sg] = INT_MAX, hi[sg] = 0;
+            s_lo[sg][threadIdx.x] = lo[sg];
+            s_hi[sg][threadIdx.x] = hi[sg];
+            if (hi[sg] > 0) {
+                atomicMin(&s_blo[sg], lo[sg]);
+                atomicMax(&s_bhi[sg], hi[sg]);
+            }
         }
     }
     __syncthreads();
-    const int blo = s_blo, bhi = s_bhi;
     const int ra = 16 * w + g, rb = ra + 8;  // this lane's two rows within the block
-    const int lo_a = s_lo[ra], hi_a = s_hi[ra], lo_b = s_lo[rb], hi_b = s_hi[rb];
-    int wlo = min(lo_a, lo_b), whi = max(hi_a, hi_b);
-    for (int o = 16; o > 0; o >>= 1) {
-        wlo = min(wlo, __shfl_xor_sync(0xffffffffu, wlo, o));
-        whi = max(whi, __shfl_xor_sync(0xffffffffu, whi, o));
-    }
 
     // Q rows as A fragments, one per 16 head dims.
     uint32_t qa[HD / 16][4];
@@ -142,6 +144,15 @@ __global__ void __launch_bounds__(PF_WARPS * 32) k_attn_prefill(AttnDev a, int* 
 
     const __half* Kg = reinterpret_cast<const __half*>(a.k) + kvh * HD;
     const __half* Vg = reinterpret_cast<const __half*>(a.v) + kvh * HD;
+    // The shared prefixes' cells, then the rows' own: one online softmax over both.
+    for (int sg = 0; sg < 2; ++sg) {
+    const int blo = s_blo[sg], bhi = s_bhi[sg];
+    const int lo_a = s_lo[sg][ra], hi_a = s_hi[sg][ra], lo_b = s_lo[sg][rb], hi_b = s_hi[sg][rb];
+    int wlo = min(lo_a, lo_b), whi = max(hi_a, hi_b);
+    for (int x = 16; x > 0; x >>= 1) {
+        wlo = min(wlo, __shfl_xor_sync(0xffffffffu, wlo, x));
+        whi = max(whi, __shfl_xor_sync(0xffffffffu, whi, x));
+    }
     const int c_first = blo < bhi ? blo / PF_TILE * PF_TILE : 0;
     const int c_last = blo < bhi ? bhi : 0;
     for (int c0 = c_first; c0 < c_last; c0 += PF_TILE) {
@@ -232,6 +243,7 @@ __global__ void __launch_bounds__(PF_WARPS * 32) k_attn_prefill(AttnDev a, int* 
                 mma16816(o[n], pa, pack_raw(v[0], v[RS]), pack_raw(v[8 * RS], v[9 * RS]));
             }
         }
+    }
     }
 
 #pragma unroll

@@ -414,16 +414,16 @@ class Engine:
         if got is None:
             return False
         for j in got.evict:
+            self.slots[idle[seqs.index(j)]].reset()   # before its cells go: borrowers copy theirs
             ctx.ranges[j] = (0, 0)
-            self.slots[idle[seqs.index(j)]].reset()
         if got.moved:
             ctx.copy_cells(ses.base, got.base, keep)
         ses.truncate(keep)
         ctx.ranges[ses.seq] = (got.base, got.cap)
         return True
 
-    # A prefix another slot holds is copied when it saves at least this many tokens of
-    # prefill (below it, the copy's per-layer calls cost about what they save).
+    # A prefix another slot holds is shared when it saves at least this many tokens of
+    # prefill (below it, a copy's per-layer calls cost about what they save).
     SEED_MIN = 16
 
     def _settled(self, ses) -> int:
@@ -438,20 +438,38 @@ class Engine:
 
     def _seed_prefix(self, ses, prompt: list[int], keep: int) -> int:
         """A prompt whose prefix another slot holds beyond what this slot keeps (a shared
-        system prompt, document or earlier turn): those KV cells are copied into this
-        slot where the KV lives, so only the rest is prefilled. Returns the new keep."""
-        best, n = None, keep
+        system prompt, document or earlier turn) is not prefilled again. This slot reads
+        the longest such prefix a slot holds in its own cells where they are (borrowed,
+        no copy: Context.lend); what a borrowing slot holds past its lender's cells is
+        copied after it. Returns the new keep."""
+        ctx = self.ctx
+        best, n = None, keep      # the longest prefix any slot holds
+        root, nr = None, keep     # the longest one held in a slot's own cells
         for other in self.slots:
-            if other is ses or other.n_past <= n or not other.tokens or other.tokens[0] != prompt[0]:
+            if other is ses or other.n_past <= keep or not other.tokens or other.tokens[0] != prompt[0]:
                 continue
             cp = min(other.common_prefix(prompt), self._settled(other), len(prompt) - 1)
             if cp > n:
                 best, n = other, cp
+            b = ctx.borrowed[other.seq]
+            if b is None and cp > nr:
+                root, nr = other, cp
+            elif b is not None and min(cp, b[1]) > nr:   # its lender holds that much
+                root, nr = self.slots[self._slot_of(b[0])], min(cp, b[1])
         if best is None or n - keep < self.SEED_MIN:
             return keep
-        self.ctx.copy_cells(best.base + keep, ses.base + keep, n - keep)
-        ses.tokens.extend(prompt[keep:n])
+        got = keep
+        if root is not None and root is not ses and nr - keep >= self.SEED_MIN:
+            ses.truncate(0)           # its own cells of the kept prefix are not read any more
+            ctx.lend(root.seq, ses.seq, nr)
+            got = nr
+        if n > got:                   # what `best` holds past that: copied from where it lies
+            ctx.copy_positions(best.seq, ses.seq, got, n)
+        ses.tokens[:] = prompt[:n]
         return n
+
+    def _slot_of(self, seq: int) -> int:
+        return next(i for i, s in enumerate(self.slots) if s.seq == seq)
 
     def _check(self, seq: Sequence, ses) -> None:
         """Errors before any work: a prompt and budget that do not fit, ids outside the
@@ -868,13 +886,20 @@ class Engine:
         self._pick(s, t, lp, top)
 
     def _seed_followers(self, s: Sequence, row: np.ndarray) -> None:
-        """n > 1: the followers copy the leader's prompt KV (no second prefill) and pick
-        their first token from the same row, each with its own sampler."""
+        """n > 1: the followers read the leader's prompt KV where it lies (no second
+        prefill, no copy: Context.lend, from the leader's own lender where it borrows)
+        and pick their first token from the same row, each with its own sampler."""
         n = len(s.prompt_ids)
+        ctx = self.ctx
+        lent = ctx.borrowed[s.slot.seq]
         for f in s.followers:
             if f.done:
                 continue
-            self.ctx.copy_cells(s.slot.base, f.slot.base, n)
+            if lent is None:
+                ctx.lend(s.slot.seq, f.slot.seq, n)
+            else:
+                ctx.lend(lent[0], f.slot.seq, lent[1])
+                ctx.copy_positions(s.slot.seq, f.slot.seq, lent[1], n)
             f.slot.tokens[:] = s.prompt_ids
             f.timings.cached_tokens = n
             f.leader = None

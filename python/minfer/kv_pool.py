@@ -7,6 +7,11 @@ its token budget), taken when it starts and kept while idle so its next turn reu
 the prefix; a sequence that needs more room grows in place, moves (its kept prefix
 copied along), or takes the room of idle sequences, least recently used first. Cells of
 a range are contiguous because attention reads each query's span [lo, hi) of cells.
+
+A sequence may also borrow the KV of its first n positions from another's cells
+(Context.lend: a shared prompt prefix read in place). Its range still covers those
+positions, unwritten, so that when the lender is about to write over, move or forget
+them (Context.keep_kv) the borrower's copy always has room.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import numpy as np
 from minfer.engine import Engine, SeqSpec, Sequence, TextState, Timings, TokenEvent, run_one
 from minfer.errors import ContextError, MinferError, NumericsError
 from minfer.graph.cache import GraphCache
+from minfer.graph.ir import SPAN_INTS
 from minfer.graph.params import KV_TYPES, CParams, GraphParams, GraphType
 from minfer.graph.trace import trace_enabled, trace_summary
 from minfer.limits import check_context
@@ -87,6 +88,9 @@ class Context:
         # fewer cells than n_seq full contexts, ranges taken as sequences start.
         self.pooled = n_cells < self.n_ctx * self.n_seq
         self.ranges = [(0, 0)] * self.n_seq if self.pooled else [(i * self.n_ctx, self.n_ctx) for i in range(self.n_seq)]
+        # Shared prefixes read in place: borrowed[s] = (lender, n) when sequence s reads
+        # the KV of its first n positions from the lender's cells (kv_pool.py's top).
+        self.borrowed: list[tuple[int, int] | None] = [None] * self.n_seq
         self.reuse = reuse
         # The backends the model selected (the registry's choice); threads are the CPU
         # device's setting, fuse=False turns the backends' step merges (CUDA's fused
@@ -206,7 +210,7 @@ class Context:
         """n padding rows (tokens, positions, cells, spans): token 0 at position 0, each in
         a cell of its own past the sequences' (PAD_MAX of them), attending to itself only."""
         cells = list(range(self.n_cells, self.n_cells + n))
-        return [0] * n, [0] * n, cells, [v for c in cells for v in (c, c + 1)]
+        return [0] * n, [0] * n, cells, [v for c in cells for v in (c, c + 1, 0, 0)]
 
     @contextlib.contextmanager
     def warming(self):
@@ -369,10 +373,11 @@ class Context:
             s._check_room(len(ids))
             base = s.base
             p0 = len(s.tokens)
+            lo, plo, phi = self.span_head(s.seq)
             for j in range(len(ids)):
                 pos.append(p0 + j)
                 cells.append(base + p0 + j)
-                span += [base, base + p0 + j + 1]
+                span += [lo, base + p0 + j + 1, plo, phi]
             toks += ids
             tail.extend(range(len(toks) - k, len(toks)))
         rows, n_out = len(toks), len(tail)
@@ -400,7 +405,7 @@ class Context:
         order = list(tail) + [r for r in range(rows) if r not in want]
         pick = lambda xs: [xs[r] for r in order]  # noqa: E731
         toks, pos, cells = pick(toks), pick(pos), pick(cells)
-        span = [v for r in order for v in span[2 * r:2 * r + 2]]
+        span = [v for r in order for v in span[SPAN_INTS * r:SPAN_INTS * (r + 1)]]
         n_rows = -(-rows // step) * step
         pad = self._padding(n_rows - rows)
         toks, pos, cells, span = toks + pad[0], pos + pad[1], cells + pad[2], span + pad[3]
@@ -417,6 +422,56 @@ class Context:
 
     def session(self, seq: int) -> "Session":
         return Session(self.model, context=self, seq=seq)
+
+    # -- shared prefixes (kv_pool.py) ---------------------------------------------------
+    def lend(self, lender: int, seq: int, n: int) -> None:
+        """Sequence seq reads the KV of its first n positions from the lender's cells
+        (which hold the same n tokens, written) instead of cells of its own: no copy and
+        no prefill. Only a sequence that borrows nothing lends (its own cells are written)."""
+        if self.borrowed[lender] is not None or lender == seq or n <= 0:
+            raise MinferError(f"sequence {lender} cannot lend {n} cells to sequence {seq}")
+        self.borrowed[seq] = (lender, int(n))
+
+    def span_head(self, seq: int) -> tuple[int, int, int]:
+        """(own lo, prefix lo, prefix hi) of sequence seq's attention span: its own cells
+        from its first position it does not borrow, after the lender's cells it borrows."""
+        base = self.ranges[seq][0]
+        b = self.borrowed[seq]
+        if b is None:
+            return base, 0, 0
+        lb = self.ranges[b[0]][0]
+        return base + b[1], lb, lb + b[1]
+
+    def keep_kv(self, seq: int, n: int) -> None:
+        """Sequence seq keeps only its first n positions (it is about to write from n
+        on, move, or forget its KV): a borrower of more than n of its cells gets the rest
+        copied into its own (they are reserved for it), and seq's own borrow shrinks to n."""
+        for i, b in enumerate(self.borrowed):
+            if b is not None and b[0] == seq and b[1] > n:
+                self.copy_cells(self.ranges[seq][0] + n, self.ranges[i][0] + n, b[1] - n)
+                self.borrowed[i] = (seq, n) if n > 0 else None
+        b = self.borrowed[seq]
+        if b is not None and b[1] > n:
+            self.borrowed[seq] = (b[0], n) if n > 0 else None
+
+    def own_kv(self, seq: int) -> None:
+        """Sequence seq's borrowed cells copied into its own, the borrow ended (a saved
+        session reads its KV from its own cells)."""
+        b = self.borrowed[seq]
+        if b is not None:
+            self.copy_positions(seq, seq, 0, b[1])
+            self.borrowed[seq] = None
+
+    def copy_positions(self, src: int, dst: int, a: int, b: int) -> None:
+        """The KV of positions [a, b) of sequence src, from its lender's cells or its own,
+        into sequence dst's own cells of those positions."""
+        lent = self.borrowed[src]
+        if lent is not None and a < lent[1]:
+            m = min(b, lent[1])
+            self.copy_cells(self.ranges[lent[0]][0] + a, self.ranges[dst][0] + a, m - a)
+            a = m
+        if b > a and src != dst:
+            self.copy_cells(self.ranges[src][0] + a, self.ranges[dst][0] + a, b - a)
 
     def preview_graph(self, n_tokens: int):
         """The graph a forward of this shape would run, assigned and fused, not installed:
@@ -543,11 +598,15 @@ class Session:
     # -- KV ------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the conversation (the KV rows are simply overwritten later)."""
-        self.tokens.clear()
+        self.truncate(0)
 
     def truncate(self, n: int) -> None:
-        """Keep the first n tokens of the KV: cells beyond are overwritten later."""
-        del self.tokens[max(0, n):]
+        """Keep the first n tokens of the KV: cells beyond are overwritten later (so
+        sequences that read more of them in place get their own copies first)."""
+        n = max(0, n)
+        if n < len(self.tokens) and self.context.n_seq > 1:
+            self.context.keep_kv(self.seq, n)
+        del self.tokens[n:]
 
     def common_prefix(self, ids: list[int]) -> int:
         n = 0
@@ -617,8 +676,8 @@ class Session:
         cells = pos + base if base else pos
         span = None
         if ctx.cparams.explicit_span:
-            span = np.empty((nt, 2), dtype=np.int32)
-            span[:, 0] = base
+            span = np.empty((nt, SPAN_INTS), dtype=np.int32)
+            span[:, 0], span[:, 2], span[:, 3] = ctx.span_head(self.seq)
             span[:, 1] = cells + 1
         with ctx.lock:
             logits = ctx.run(ids, pos, cells, span, None, n_out=n_out, copy=copy)

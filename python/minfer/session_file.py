@@ -71,6 +71,8 @@ def save(session, path: str | Path, meta: dict | None = None) -> int:
     path = Path(path)
     regions = _kv_layers(session)
     alloc = session.context.cache.alloc
+    if session.context.n_seq > 1:
+        session.context.own_kv(session.seq)   # a prefix it reads in place, into its own cells
     n = session.n_past
     start = session.base
     header = {
@@ -170,6 +172,7 @@ def restore(session, path: str | Path) -> dict:
     ids = np.frombuffer(payload[:4 * n], dtype="<i4")
     session.model.check_tokens(ids)
     alloc = session.context.cache.alloc
+    session.reset()   # what other sequences read of its cells is theirs first
     start = session.base
     off = 4 * n
     elt = KV_ELEMENT_BYTES[header["kv_type"]]

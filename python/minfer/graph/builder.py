@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from minfer.graph.ir import (
-    AttnMeta, CNode, ComputeGraph, DType, EmbedMeta, GraphError, KvcacheMeta, MatMulMeta, NormMeta, Op, RoPEMeta,
-    ScalarMeta, SliceMeta,
+    SPAN_INTS, AttnMeta, CNode, ComputeGraph, DType, EmbedMeta, GraphError, KvcacheMeta, MatMulMeta, NormMeta, Op,
+    RoPEMeta, ScalarMeta, SliceMeta,
 )
 from minfer.graph.ir import MatMulIdMeta, MoeRouteMeta  # mixture of experts
 
@@ -194,7 +194,7 @@ class GraphBuilder:
             raise GraphError(f"attn layer {meta.layer}: KV node {self._nodes[kv_k].name!r} does not match its meta")
         src = [q, kv_k, pos]
         if span is not None:
-            self._check_i32("attn span", span, 2 * nt)
+            self._check_i32("attn span", span, SPAN_INTS * nt)
             src.append(span)
         elif meta.explicit_span:
             raise GraphError("attn: explicit_span needs a span input")

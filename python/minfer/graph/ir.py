@@ -119,6 +119,11 @@ class RoPEMeta:
     factors: Optional[str] = None
 
 
+# Ints per token row of an attention span input (csrc/common/attn_span.h): its own cells
+# [lo, hi), then [lo, hi) of a prefix shared with another sequence, read before them.
+SPAN_INTS = 4
+
+
 @dataclass(frozen=True)
 class AttnMeta:
     layer: int

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 
 from minfer.errors import UnsupportedModelError
 from minfer.graph.builder import GraphBuilder
-from minfer.graph.ir import AttnMeta, ComputeGraph, DType, RoPEMeta, RopeStyle
+from minfer.graph.ir import SPAN_INTS, AttnMeta, ComputeGraph, DType, RoPEMeta, RopeStyle
 
 if TYPE_CHECKING:
     from minfer.graph.params import GraphParams
@@ -57,8 +57,8 @@ class DecoderGraph:
     when several sequences share the graph, tail_ids when only some rows need logits),
     not beside their consumers: an input mid-graph would cut a GPU run into extra splits.
     positions is a token's index in its sequence (RoPE, and the causal bound of one
-    sequence); cells its KV row in the arena; kv_span gives each token the [lo, hi)
-    cells it may attend to."""
+    sequence); cells its KV row in the arena; kv_span gives each token the cells it may
+    attend to (SPAN_INTS a token: its own [lo, hi) after a shared prefix's)."""
 
     def __init__(self, model: ModelDef, params: GraphParams):
         self.model, self.hp, self.params = model, model.hp, params
@@ -70,7 +70,7 @@ class DecoderGraph:
         self.tokens = b.input("token_ids", (nt,), DType.I32)
         self.pos = b.input("positions", (nt,), DType.I32)
         self.cells = b.input("cells", (nt,), DType.I32)
-        self.span = b.input("kv_span", (2 * nt,), DType.I32) if self.span_on else None
+        self.span = b.input("kv_span", (SPAN_INTS * nt,), DType.I32) if self.span_on else None
         self.tail = b.input("tail_ids", (n_out,), DType.I32) if n_out < nt else None
 
     # -- leaves -------------------------------------------------------------------------

@@ -117,7 +117,7 @@ class Embedder:
             pos += range(n)
             cells += range(base, base + n)
             for j in range(n):
-                span += [base, base + j + 1]
+                span += [base, base + j + 1, 0, 0]
             base += n
         if self.pooling == "mean":
             tail = list(range(len(toks)))
