@@ -76,3 +76,31 @@ def test_warmed_buckets_change_no_output_and_save_builds(model, prompts, alone):
     warm, warm_builds = batch(True)
     assert warm == cold == alone[:20]
     assert warm_builds < cold_builds, (warm_builds, cold_builds)
+
+
+def test_sequences_reading_a_shared_prefix_in_place_get_their_outputs_alone(model):
+    """Eight sequences whose prompts start with one 40-token system prompt: the first
+    prefills it, the others borrow its cells (no copy) while it decodes, and every
+    greedy output, the first's included, is its output alone (the decode kernel reads a
+    borrowed prefix in the bits of the same cells copied in front)."""
+    rng = np.random.default_rng(9)
+    system = [int(t) for t in rng.integers(3, 4000, size=40)]
+    tails = [[int(t) for t in rng.integers(3, 4000, size=int(rng.integers(2, 12)))] for _ in range(8)]
+    prompts = [system + t for t in tails]
+    want = [Session(model, n_ctx=96).generate(p, STEPS, GREEDY, stop_at_eog=False).ids for p in prompts]
+    ctx = Context(model, n_ctx=96, n_seq=8)
+    eng = Engine(ctx, [ctx.session(i) for i in range(8)], chunk=16)
+    seqs = [Sequence(p, STEPS, GREEDY, stop_at_eog=False) for p in prompts]
+    eng.add(seqs[0], 0)
+    while seqs[0].picks < 1:
+        eng.step()
+    copied: list = []
+    orig = ctx.copy_cells
+    ctx.copy_cells = lambda *a: (copied.append(a), orig(*a))
+    for i in range(1, 8):
+        eng.add(seqs[i], i)
+        assert ctx.borrowed[i] == (0, 40) and seqs[i].timings.cached_tokens == 40
+    eng.run()
+    assert copied == []
+    differ = [i for i, s in enumerate(seqs) if s.ids != want[i]]
+    assert not differ, f"sequences {differ} differ from alone"
