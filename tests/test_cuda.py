@@ -913,7 +913,7 @@ def test_a_prefix_read_in_place_gives_the_bits_of_the_same_cells_copied(nt, hd, 
     K = rng.standard_normal((n_ctx, nkv * hd)).astype(np.float16)
     V = rng.standard_normal((n_ctx, nkv * hd)).astype(np.float16)
     q = rng.standard_normal((nt, nh * hd)).astype(np.float32)
-    own = 1000 + n_pre + 10 * np.arange(nt)          # each row's own cells: [1000 + n_pre, own + 1)
+    own = 1000 + n_pre + 3 * np.arange(nt)           # each row's own cells: [1000 + n_pre, own + 1)
     K[1000:1000 + n_pre], V[1000:1000 + n_pre] = K[:n_pre], V[:n_pre]   # the prefix, copied in front
     pos = (own - 1000).astype(np.int32)
     shared = np.stack([np.full(nt, 1000 + n_pre), own + 1, np.zeros(nt), np.full(nt, n_pre)], 1).astype(np.int32)

@@ -149,9 +149,11 @@ def test_masks_apply_on_the_device_as_on_the_host_rows(model, monkeypatch):
     assert dev_bytes <= 3 * 4 * n + 65536 < host_bytes, (dev_bytes, host_bytes)
 
 
-def test_a_prefix_held_by_another_slot_seeds_by_a_device_copy(model):
-    """Engine.add copies a prefix another slot holds (CudaPool.copy_within, D2D) instead
-    of prefilling it: the output equals the prompt's alone, and no KV crossed to the host."""
+def test_a_prefix_held_by_another_slot_is_read_in_place_then_copied_on_the_device(model):
+    """Engine.add lends a prefix another slot holds (no copy, no prefill); when the
+    lender takes another prompt, the borrower first gets those cells by a device copy
+    (CudaPool.copy_within, D2D): outputs equal the prompts' alone, and no KV crossed to
+    the host."""
     from minfer import _core
 
     shared, tail_a, tail_b = prompt(40, 48), [7, 8, 9], [11, 12, 13, 14]
@@ -176,6 +178,18 @@ def test_a_prefix_held_by_another_slot_seeds_by_a_device_copy(model):
     _core.testing.cuda_reset_counters()
     eng.add(b, 1)
     c = _core.testing.cuda_counters()
-    assert b.timings.cached_tokens == len(shared) and c["d2d"] >= 2 * model.hp.n_layer and c["d2h_bytes"] == 0
+    assert b.timings.cached_tokens == len(shared) and eng.ctx.borrowed[1] == (0, len(shared))
+    assert c["d2d"] == 0 and c["d2h_bytes"] == 0
     eng.run()
     assert b.ids == alone(shared + tail_b) and a.ids == alone(shared + tail_a)
+    other = prompt(30, 49)
+    _core.testing.cuda_reset_counters()
+    o = Sequence(other, 10, SamplingParams(temperature=0.0), stop_at_eog=False)
+    eng.add(o, 0, reuse_prefix=False)
+    c = _core.testing.cuda_counters()
+    assert eng.ctx.borrowed[1] is None and c["d2d"] >= 2 * model.hp.n_layer and c["d2h_bytes"] == 0
+    nxt = shared + tail_b + b.ids + [5, 6]
+    b2 = Sequence(nxt, 8, SamplingParams(temperature=0.0), stop_at_eog=False)
+    eng.add(b2, 1)
+    eng.run()
+    assert b2.ids == alone(nxt)[:8] and o.ids == alone(other)

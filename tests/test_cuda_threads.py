@@ -1,8 +1,9 @@
 """Two CUDA contexts on two threads (two models' server schedulers): both capture,
 replay and read back at the same time, and each thread's greedy output is its output
-run alone. The bindings take the one stream in turn (bindings_cuda.cpp, StreamGuard),
-so no capture records the other thread's launches and no pick reads the other's
-argmax. (GPU suite.)"""
+run alone. Each context's device pool runs on a lane of its own (csrc/cuda/context.h:
+its own stream, cuBLAS handle, pick slot and readback staging), which the bindings hold
+for the call (bindings_cuda.cpp, LaneGuard), so the two run concurrently, no capture
+records the other thread's launches and no pick reads the other's argmax. (GPU suite.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+from minfer import _core
 from minfer.backends import cuda as cuda_backend
 from minfer.engine import Engine, Sequence
 from minfer.model import Model
@@ -33,6 +35,23 @@ def models(tmp_path_factory):
                     seed=21 + i, types=types)
         out.append(Model.open(d / f"m{i}.gguf", backends=["cuda"]))
     return out
+
+
+def _stream(ctx: Context) -> int:
+    """The stream the context's CUDA pool runs its work on."""
+    pools = [d.pool for d in ctx.cache.alloc.devices.values() if isinstance(getattr(d, "pool", None), _core.CudaPool)]
+    assert len(pools) == 1
+    return _core.testing.cuda_stream_id(pools[0])
+
+
+def test_contexts_have_streams_of_their_own(models):
+    """Two models' contexts, and two contexts of one model, never share a stream."""
+    ctxs = [Context(models[0], n_ctx=32), Context(models[1], n_ctx=32), Context(models[0], n_ctx=32)]
+    before = [_stream(c) for c in ctxs]
+    assert len(set(before)) == 3 and 0 not in before, before
+    for c in ctxs:  # the lane is the pool's for good: running keeps it
+        c.session(0).forward([5, 6, 7])
+    assert [_stream(c) for c in ctxs] == before
 
 
 def _prompts(seed: int, n: int):

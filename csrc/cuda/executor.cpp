@@ -7,6 +7,7 @@
 #include <exception>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -28,6 +29,7 @@ DevWeights::~DevWeights() {
 }
 
 const void* DevWeights::ensure(const WeightStore& ws, int h) {
+    std::lock_guard<std::mutex> lk(mu);
     if ((int)ptr.size() < ws.count()) {
         ptr.resize(ws.count(), nullptr);
         row_bytes.resize(ws.count(), 0);
@@ -38,13 +40,16 @@ const void* DevWeights::ensure(const WeightStore& ws, int h) {
         const size_t stride = pack ? device_row_bytes(w.type, w.row_bytes) : w.row_bytes;
         const size_t n = pack ? stride * (size_t)w.ne1 : w.nbytes;
         void* d = dev_alloc(n);
+        const cudaStream_t stream = lane().stream;
         if (pack) {
             std::vector<uint8_t> tmp(n);
             pack_rows(w.type, w.data, w.row_bytes, w.ne1, w.ne0, tmp.data());
-            MC_CHECK(cudaMemcpy(d, tmp.data(), n, cudaMemcpyHostToDevice));
+            MC_CHECK(cudaMemcpyAsync(d, tmp.data(), n, cudaMemcpyHostToDevice, stream));
         } else {
-            MC_CHECK(cudaMemcpy(d, w.data, n, cudaMemcpyHostToDevice));
+            MC_CHECK(cudaMemcpyAsync(d, w.data, n, cudaMemcpyHostToDevice, stream));
         }
+        // Landed before any lane can see the pointer (the other contexts' lanes share it).
+        MC_CHECK(cudaStreamSynchronize(stream));
         ptr[h] = d;
         row_bytes[h] = stride;
         bytes += n;
@@ -146,10 +151,13 @@ struct CudaPlanState : PlanState {
     int64_t rope_rows = 0;
     int rope_nrot = 0;
     RopeCfg rope_cfg;
+    std::shared_ptr<Lane> lane;  // its pool's, which runs it (kept: the end waits for it)
     ~CudaPlanState() override {
         // The capture dies with the plan, once the stream no longer uses it.
-        cudaStreamSynchronize(ctx().stream);
-        cudaStreamSynchronize(ctx().side);  // joined by the main stream already; cheap
+        if (lane) {
+            cudaStreamSynchronize(lane->stream);
+            cudaStreamSynchronize(lane->side);  // joined by the main stream already; cheap
+        }
         if (exec) cudaGraphExecDestroy(exec);
         if (wh) cudaFree(wh);
         if (wh2) cudaFree(wh2);
@@ -642,7 +650,7 @@ void build_program(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     if (st.pick_buf >= 0) st.program.push_back({L_ARGMAX, {0, 0, 0, 0}, 0});
     st.flags = plan.flags;
     if (st.exec) {
-        cudaStreamSynchronize(ctx().stream);
+        cudaStreamSynchronize(lane().stream);
         cudaGraphExecDestroy(st.exec);
         st.exec = nullptr;
     }
@@ -662,7 +670,7 @@ void build_rope_table(const Plan& plan, const DevWeights& dw, CudaPlanState& st)
         const RopeCfg cfg = rope_cfg(q, dw);
         if (st.rope_table && st.rope_rows == rows && st.rope_nrot == n_rot && same_angles(st.rope_cfg, cfg)) return;
         if (st.rope_table) {
-            cudaStreamSynchronize(ctx().stream);
+            cudaStreamSynchronize(lane().stream);
             cudaFree(st.rope_table);
         }
         st.rope_table = (float2*)dev_alloc((size_t)rows * (n_rot / 2) * sizeof(float2));
@@ -689,6 +697,8 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     if (st.pool == &pool && st.pool_count == pool.count() && st.weight_count == ws.count() &&
         st.flags == plan.flags && st.pick_buf == pick_buf && st.pick_n == pick_n)
         return;
+    // Another pool's plan before: what its lane still runs of it ends first.
+    if (st.lane && st.lane != pool.own_lane()) cudaStreamSynchronize(st.lane->stream);
     // The format's checks (ids, sizes, shapes), then what the CUDA kernels need.
     validate_format(plan, ws, pool.name(), [&](int id, size_t& have) {
         if (!pool.valid(id)) return false;
@@ -769,7 +779,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     auto grow = [](void*& p, size_t& have, size_t need) {
         if (need <= have) return;
         if (p) {
-            cudaStreamSynchronize(ctx().stream);
+            cudaStreamSynchronize(lane().stream);
             cudaFree(p);
         }
         p = dev_alloc(need);
@@ -778,7 +788,7 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     if (st.exec && (wh > st.wh_bytes || wh2 > st.wh2_bytes || xh > st.xh_bytes || attn > st.attn_bytes || attn_tk > st.attn_tk_bytes ||
                     xqb > st.xq_bytes || xqb > st.xq2_bytes || xnb > st.xn_bytes ||
                     ropetk > st.rope_tk_bytes || moeb > st.moe_bytes)) {
-        cudaStreamSynchronize(ctx().stream);
+        cudaStreamSynchronize(lane().stream);
         cudaGraphExecDestroy(st.exec);
         st.exec = nullptr;
     }
@@ -799,12 +809,12 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     if (ropetk > st.rope_tk_bytes) {
         void* m = st.rope_tk;
         grow(m, st.rope_tk_bytes, ropetk);
-        MC_CHECK(cudaMemsetAsync(m, 0, ropetk, ctx().stream));
+        MC_CHECK(cudaMemsetAsync(m, 0, ropetk, lane().stream));
         st.rope_tk = (int*)m;
     }
     if (!st.route_tk) {
         st.route_tk = (int*)dev_alloc(sizeof(int));
-        MC_CHECK(cudaMemsetAsync(st.route_tk, 0, sizeof(int), ctx().stream));
+        MC_CHECK(cudaMemsetAsync(st.route_tk, 0, sizeof(int), lane().stream));
     }
     void* a = st.attn;
     grow(a, st.attn_bytes, attn);
@@ -813,15 +823,19 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
     if (attn_tk > st.attn_tk_bytes) {
         grow(tk, st.attn_tk_bytes, attn_tk);
         // Stream-ordered, so it lands before any launch that draws a ticket.
-        MC_CHECK(cudaMemsetAsync(tk, 0, attn_tk, ctx().stream));
+        MC_CHECK(cudaMemsetAsync(tk, 0, attn_tk, lane().stream));
     }
     st.attn_tk = (int*)tk;
     st.pick_buf = pick_buf;
     st.pick_n = pick_n;
-    if (pick_buf >= 0) pick_slot();  // its device int exists before any capture records it
+    if (pick_buf >= 0) {  // its device int and scratch exist before any capture records it
+        pick_slot();
+        argmax_ready();
+    }
     build_program(plan, ws, st);
     build_rope_table(plan, dw, st);
     st.pool = &pool;
+    st.lane = pool.own_lane();
     st.pool_count = pool.count();
     st.weight_count = ws.count();
 }
@@ -829,8 +843,10 @@ void validate_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWe
 namespace {
 
 // MINFER_CUDA_PROFILE=1: direct runs time each launch with events (diagnostics only;
-// the waits make the step slower). Totals per launch name, read by cuda_profile().
+// the waits make the step slower). Totals per launch name, read by cuda_profile(); two
+// threads' lanes book into them in turn.
 std::map<std::string, ProfileEntry> g_profile;
+std::mutex g_profile_mu;
 // MINFER_CUDA_DIAG_SKIP="kind,null:kind,...": a diagnostic of what each launch kind
 // costs inside the replayed graph, where programmatic dependent launch overlaps each
 // launch with its neighbours (the stamps break that overlap): whole runs leave out the
@@ -850,7 +866,7 @@ const std::string& diag_list() {
 }
 bool diag_listed(const std::string& what) { return diag_list().find("," + what + ",") != std::string::npos; }
 
-bool g_profiling = false;  // inside a profiled direct run
+thread_local bool g_profiling = false;  // inside a profiled direct run
 
 // Runs fn; while profiling, also books its device time under name (a part of a launch,
 // e.g. the prefill GEMM's dequantization, which the launch's own entry includes).
@@ -863,12 +879,13 @@ void timed_part(const char* name, Fn&& fn) {
     cudaEvent_t a, b;
     MC_CHECK(cudaEventCreate(&a));
     MC_CHECK(cudaEventCreate(&b));
-    MC_CHECK(cudaEventRecord(a, ctx().stream));
+    MC_CHECK(cudaEventRecord(a, lane().stream));
     fn();
-    MC_CHECK(cudaEventRecord(b, ctx().stream));
+    MC_CHECK(cudaEventRecord(b, lane().stream));
     MC_CHECK(cudaEventSynchronize(b));
     float ms = 0;
     MC_CHECK(cudaEventElapsedTime(&ms, a, b));
+    std::lock_guard<std::mutex> lk(g_profile_mu);
     ProfileEntry& e = g_profile[name];
     e.ms += ms;
     e.count += 1;
@@ -879,13 +896,14 @@ void timed_part(const char* name, Fn&& fn) {
 // Side-stream parts of a profiled run (the pipelined dequantizations): their event
 // pairs are read once the run is done, so timing them never stalls the host between
 // launches (which would show up as idle time in the main stream's entries).
-bool g_prof_run = false;
-std::vector<std::pair<cudaEvent_t, cudaEvent_t>> g_side_timed;
+thread_local bool g_prof_run = false;
+thread_local std::vector<std::pair<cudaEvent_t, cudaEvent_t>> g_side_timed;
 
 void book_side_parts() {
     for (auto& [a, b] : g_side_timed) {
         float ms = 0;
         if (cudaEventSynchronize(b) == cudaSuccess && cudaEventElapsedTime(&ms, a, b) == cudaSuccess) {
+            std::lock_guard<std::mutex> lk(g_profile_mu);
             ProfileEntry& e = g_profile["  gemm: dequant (side stream)"];
             e.ms += ms;
             e.count += 1;
@@ -902,7 +920,7 @@ void book_side_parts() {
 // waited for by its GEMM on the main stream, so the side stream always joins back
 // (before a capture ends, and before the main stream's run is over).
 void side_dequant(const WeightStore& ws, const DevWeights& dw, CudaPlanState& st, int k) {
-    Context& c = ctx();
+    Lane& c = lane();
     const CudaPlanState::Deq& d = st.deqs[k];
     const int b = k & 1;
     MC_CHECK(cudaStreamWaitEvent(c.side, k < 2 ? st.ev_start : st.ev_gemm[b], 0));
@@ -970,7 +988,7 @@ void run_matmul_id(const Step& s, const Step* up, float* y, DevPool& pool, const
 void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevWeights& dw, CudaPlanState& st,
                  bool xq_ready = false, void* xq = nullptr, bool q_next = false,
                  const CudaPlanState::Launch* L = nullptr, bool in_norm = false) {
-    Context& c = ctx();
+    Lane& c = lane();
     const int64_t* ip = s.ip;
     auto F = [&](int slot) { return (float*)pool.data(s.buf[slot]); };
     auto I = [&](int slot) { return (const int32_t*)pool.data(s.buf[slot]); };
@@ -1031,7 +1049,7 @@ void launch_step(const Step& s, DevPool& pool, const WeightStore& ws, const DevW
                     if (g + 2 < (int)st.deqs.size()) side_dequant(ws, dw, st, g + 2);
                 }
             }
-            if (!c.capturing) ++c.c.launches;
+            note_launch();
             if (bias) add_bias_rows(F(0), bias, nt, out);
             break;
         }
@@ -1138,7 +1156,7 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             r.n_ctx = kv.ip[2];
             r.cfg = rope_cfg(q, dw);
             r.tickets = st.rope_tk;
-            r.err = ctx().err_dev;
+            r.err = lane().err_dev;
             r.cs_table = angle_table(st, r.n_rot, r.cfg, r.cs_rows);
             matvec_multi(jobs, L.n, S[L.s[0]].ip[0], F(S[L.s[0]], 1), xq, 1, L.xq_ready, &r, in_norm);
             break;
@@ -1189,12 +1207,12 @@ void launch_merged(const CudaPlanState::Launch& L, const Plan& plan, DevPool& po
             a.cfg = rope_cfg(q, dw);
             a.kc = pool.data(kv.buf[0]);
             a.vc = pool.data(kv.buf[4]);
-            a.err = ctx().err_dev;
+            a.err = lane().err_dev;
             a.cs_table = angle_table(st, (int)a.n_rot, a.cfg, a.cs_rows);
             rope2_store(a);
             break;
         }
-        case L_ARGMAX: argmax((const float*)pool.data(st.pick_buf), st.pick_n, pick_slot().dev, ctx().err_dev); break;
+        case L_ARGMAX: argmax((const float*)pool.data(st.pick_buf), st.pick_n, pick_slot().dev, lane().err_dev); break;
         case L_MOE_ROUTE: {
             const Step &tk = S[L.s[0]], &wt = S[L.s[1]];
             moe_route(F(tk, 1), (int32_t*)pool.data(tk.buf[0]), F(wt, 0), tk.ip[0], tk.ip[1], tk.ip[2], (int)wt.ip[3],
@@ -1285,7 +1303,7 @@ size_t launch_weight_bytes(const CudaPlanState::Launch& L, const Plan& plan, con
 void start_pipe(const WeightStore& ws, const DevWeights& dw, CudaPlanState& st) {
     st.pipe = true;
     if (st.deqs.empty()) return;
-    MC_CHECK(cudaEventRecord(st.ev_start, ctx().stream));
+    MC_CHECK(cudaEventRecord(st.ev_start, lane().stream));
     for (int k = 0; k < 2 && k < (int)st.deqs.size(); ++k) side_dequant(ws, dw, st, k);
 }
 
@@ -1300,8 +1318,9 @@ bool stamping() {
 void book_stamps(const Plan& plan, const WeightStore& ws, CudaPlanState& st) {
     const size_t n = st.program.size() + 2;
     std::vector<int64_t> t(n);
-    MC_CHECK(cudaStreamSynchronize(ctx().stream));
-    MC_CHECK(cudaMemcpy(t.data(), st.stamps, n * sizeof(int64_t), cudaMemcpyDeviceToHost));
+    MC_CHECK(cudaMemcpyAsync(t.data(), st.stamps, n * sizeof(int64_t), cudaMemcpyDeviceToHost, lane().stream));
+    MC_CHECK(cudaStreamSynchronize(lane().stream));
+    std::lock_guard<std::mutex> lk(g_profile_mu);
     ProfileEntry& o = g_profile["graph: (stamp)"];
     o.ms += (double)(t[1] - t[0]) * 1e-6;
     o.count += 1;
@@ -1324,8 +1343,8 @@ struct PipeOff {
     CudaPlanState& st;
     ~PipeOff() {
         if (st.pipe && !st.deqs.empty() && std::uncaught_exceptions() > 0) {
-            cudaEventRecord(st.ev_start, ctx().side);
-            cudaStreamWaitEvent(ctx().stream, st.ev_start, 0);
+            cudaEventRecord(st.ev_start, lane().side);
+            cudaStreamWaitEvent(lane().stream, st.ev_start, 0);
         }
         st.pipe = false;
     }
@@ -1344,7 +1363,7 @@ void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, cons
         }
         return;
     }
-    if (!prof || ctx().capturing) {
+    if (!prof || lane().capturing) {
         start_pipe(ws, dw, st);
         const bool diag = !diag_list().empty();
         for (const auto& L : st.program) {
@@ -1372,7 +1391,7 @@ void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, cons
     MC_CHECK(cudaEventCreate(&a));
     MC_CHECK(cudaEventCreate(&b));
     for (const auto& L : st.program) {
-        MC_CHECK(cudaEventRecord(a, ctx().stream));
+        MC_CHECK(cudaEventRecord(a, lane().stream));
         g_profiling = true;
         try {
             launch_merged(L, plan, pool, ws, dw, st);
@@ -1381,10 +1400,11 @@ void launch_program(const Plan& plan, DevPool& pool, const WeightStore& ws, cons
             throw;
         }
         g_profiling = false;
-        MC_CHECK(cudaEventRecord(b, ctx().stream));
+        MC_CHECK(cudaEventRecord(b, lane().stream));
         MC_CHECK(cudaEventSynchronize(b));
         float ms = 0;
         MC_CHECK(cudaEventElapsedTime(&ms, a, b));
+        std::lock_guard<std::mutex> lk(g_profile_mu);
         ProfileEntry& e = g_profile[launch_name(L, plan)];
         e.ms += ms;
         e.count += 1;
@@ -1405,6 +1425,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
     validate_plan(plan, pool, ws, dw);
     CudaPlanState& st = state_of(plan);
     Context& c = ctx();
+    Lane& l = lane();
     const size_t n = plan.steps.size();
     if (end > n) end = n;
     if (begin >= end) return;
@@ -1415,7 +1436,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
     forget_pick();
     if (whole && stamping() && st.stamps_cap < st.program.size() + 2) {
         // The program grew (a pick added): a capture holding the old buffer goes with it.
-        MC_CHECK(cudaStreamSynchronize(c.stream));
+        MC_CHECK(cudaStreamSynchronize(l.stream));
         if (st.exec) cudaGraphExecDestroy(st.exec);
         st.exec = nullptr;
         if (st.stamps) cudaFree(st.stamps);
@@ -1430,7 +1451,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
         pk.n = st.pick_n;
     };
     if (graphs && st.exec) {
-        MC_CHECK(cudaGraphLaunch(st.exec, c.stream));
+        MC_CHECK(cudaGraphLaunch(st.exec, l.stream));
         ++c.c.graph_launches;
         if (st.stamps) book_stamps(plan, ws, st);
         picked();
@@ -1439,19 +1460,19 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
     if (graphs && st.direct_runs >= 1) {
         // Capture: every launch below records into the graph instead of running.
         cudaGraph_t g = nullptr;
-        MC_CHECK(cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeThreadLocal));
-        c.capturing = true;
+        MC_CHECK(cudaStreamBeginCapture(l.stream, cudaStreamCaptureModeThreadLocal));
+        l.capturing = true;
         try {
             launch_program(plan, pool, ws, dw, st);
         } catch (...) {
-            c.capturing = false;
-            cudaStreamEndCapture(c.stream, &g);
+            l.capturing = false;
+            cudaStreamEndCapture(l.stream, &g);
             if (g) cudaGraphDestroy(g);
             cudaGetLastError();
             throw;
         }
-        c.capturing = false;
-        cudaError_t e = cudaStreamEndCapture(c.stream, &g);
+        l.capturing = false;
+        cudaError_t e = cudaStreamEndCapture(l.stream, &g);
         if (e == cudaSuccess) e = cudaGraphInstantiate(&st.exec, g, 0);
         if (e == cudaSuccess) {
             size_t nn = 0;
@@ -1461,7 +1482,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
         }
         if (g) cudaGraphDestroy(g);
         if (e == cudaSuccess) {
-            MC_CHECK(cudaGraphLaunch(st.exec, c.stream));
+            MC_CHECK(cudaGraphLaunch(st.exec, l.stream));
             ++c.c.graph_launches;
             picked();
             return;
@@ -1491,7 +1512,7 @@ void run_plan(const Plan& plan, DevPool& pool, const WeightStore& ws, DevWeights
 std::vector<double> replay_probe(const Plan& plan, void* dst, const void* src, size_t h2d_bytes, int reps) {
     const CudaPlanState* st = peek_state(plan);
     if (!st || !st->exec) throw std::invalid_argument("replay_probe: the plan has no capture");
-    Context& c = ctx();
+    Lane& c = lane();
     using clk = std::chrono::steady_clock;
     auto us = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
     std::vector<double> a, b, h;
@@ -1530,6 +1551,7 @@ size_t plan_graph_nodes(const Plan& plan) {
 
 std::map<std::string, ProfileEntry> take_profile() {
     std::map<std::string, ProfileEntry> r;
+    std::lock_guard<std::mutex> lk(g_profile_mu);
     r.swap(g_profile);
     return r;
 }
@@ -1566,6 +1588,7 @@ std::vector<LaunchInfo> run_launches(const Plan& plan, DevPool& pool, const Weig
     validate_plan(plan, pool, ws, dw);
     CudaPlanState& st = state_of(plan);
     Context& c = ctx();
+    const cudaStream_t stream = lane().stream;
     const size_t n = st.program.size();
     std::vector<LaunchInfo> out(n);
     std::vector<char> covered(plan.steps.size(), 0);
@@ -1610,12 +1633,12 @@ std::vector<LaunchInfo> run_launches(const Plan& plan, DevPool& pool, const Weig
         // rate and the events would time that; queued behind the gate, they run back to back.
         tl::gate_close();
         gate.shut = true;
-        MC_CHECK(cudaEventRecord(events.ev[0], c.stream));
+        MC_CHECK(cudaEventRecord(events.ev[0], stream));
     }
     start_pipe(ws, dw, st);
     for (size_t k = 0; k < n; ++k) {
         launch_merged(st.program[k], plan, pool, ws, dw, st);
-        if (timed) MC_CHECK(cudaEventRecord(events.ev[k + 1], c.stream));
+        if (timed) MC_CHECK(cudaEventRecord(events.ev[k + 1], stream));
         if (after) after(out[k], k);
     }
     MC_CHECK(cudaGetLastError());

@@ -1,15 +1,17 @@
 // The CUDA plan executor: the same Step/Plan format the CPU runs (cpu/plan.h), run on
-// the context stream. A whole-plan run is launched directly the first time, captured
-// into a CUDA graph the second, and replayed from then on (MINFER_NO_CUDA_GRAPH=1,
-// partial runs and tracing always launch directly). In a whole run the prefill GEMMs'
-// weights are dequantized one GEMM ahead on the context's side stream (forked from and
-// joined back to the main stream by events, so captures hold it too); partial runs
-// dequantize on the main stream just before each GEMM.
+// the stream of the pool's lane (context.h: the calling thread's current lane). A
+// whole-plan run is launched directly the first time, captured into a CUDA graph the
+// second, and replayed from then on (MINFER_NO_CUDA_GRAPH=1, partial runs and tracing
+// always launch directly). In a whole run the prefill GEMMs' weights are dequantized one
+// GEMM ahead on the lane's side stream (forked from and joined back to the main stream by
+// events, so captures hold it too); partial runs dequantize on the main stream just
+// before each GEMM.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -21,7 +23,11 @@ namespace minfer::cuda {
 // The device copy of a host WeightStore: one buffer per handle, uploaded on first use
 // by a validated plan, quantized as in the GGUF, rows in the device layout
 // (cuda/layout.h: rearranged within the row for the types whose blocks are unaligned).
+// Shared by every context of the model: uploads are taken in turn and each is complete
+// (its lane's stream waited for) before its pointer is published, so another lane never
+// reads a weight still in flight.
 struct DevWeights {
+    std::mutex mu;
     std::vector<void*> ptr;
     std::vector<size_t> row_bytes;  // device row stride per handle
     size_t bytes = 0;

@@ -95,7 +95,7 @@ void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim,
                  void* stream) {
     const int n_chunks = (int)(in_dim / 32);
     const int64_t total = rows * n_chunks;
-    cudaStream_t st = stream ? (cudaStream_t)stream : ctx().stream;
+    cudaStream_t st = stream ? (cudaStream_t)stream : lane().stream;
     dispatch_type(wtype, [&] <int T>() {
         k_dequant_f16<T><<<blocks_for(total, 256), 256, 0, st>>>((const uint8_t*)W, row_bytes, n_chunks, total,
                                                                   (__half*)out);
@@ -107,27 +107,27 @@ void f32_to_f16(const float* x, void* y, int64_t n) {
     // __floats2half2_rn rounds each half as __float2half_rn does: same bits either way.
     if (n % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)y % 8 == 0) {
         const int64_t n4 = n / 4;
-        k_f32_to_f16_x4<<<blocks_for(n4, 256), 256, 0, ctx().stream>>>((const float4*)x, (uint2*)y, n4);
+        k_f32_to_f16_x4<<<blocks_for(n4, 256), 256, 0, lane().stream>>>((const float4*)x, (uint2*)y, n4);
     } else {
-        k_f32_to_f16<<<blocks_for(n, 256), 256, 0, ctx().stream>>>(x, (__half*)y, n);
+        k_f32_to_f16<<<blocks_for(n, 256), 256, 0, lane().stream>>>(x, (__half*)y, n);
     }
     note_launch();
 }
 
 void add_bias_rows(float* y, const float* bias, int64_t nt, int64_t out_dim) {
-    k_add_bias_rows<<<blocks_for(nt * out_dim, 256), 256, 0, ctx().stream>>>(y, bias, nt, out_dim);
+    k_add_bias_rows<<<blocks_for(nt * out_dim, 256), 256, 0, lane().stream>>>(y, bias, nt, out_dim);
     note_launch();
 }
 
 void get_rows_w(int32_t wtype, const void* table, size_t row_bytes, int64_t d, const int32_t* ids, int64_t n,
                 int64_t n_rows, float* y, int* err) {
     if ((wtype == T_F32 || wtype == T_F16) && d % 32 != 0) {
-        k_get_rows_plain<<<(unsigned)n, 128, 0, ctx().stream>>>(wtype, (const uint8_t*)table, row_bytes, d, ids,
-                                                                n_rows, y, err);
+        k_get_rows_plain<<<(unsigned)n, 128, 0, lane().stream>>>(wtype, (const uint8_t*)table, row_bytes, d, ids,
+                                                                 n_rows, y, err);
     } else {
         dispatch_type(wtype, [&] <int T>() {
-            k_get_rows_q<T><<<(unsigned)n, 128, 0, ctx().stream>>>((const uint8_t*)table, row_bytes, (int)(d / 32),
-                                                                   ids, n_rows, y, err);
+            k_get_rows_q<T><<<(unsigned)n, 128, 0, lane().stream>>>((const uint8_t*)table, row_bytes, (int)(d / 32),
+                                                                    ids, n_rows, y, err);
         });
     }
     note_launch();

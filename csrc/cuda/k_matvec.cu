@@ -1,6 +1,8 @@
 // Matrix-vector products (decode and small blocks), the int8 activation copies they read
 // (a quantization launch, the RMSNorm's deferred copy) and the RoPE angle table. Weights
 // are in the device layout (cuda/layout.h).
+#include <atomic>
+#include <mutex>
 #include <stdexcept>
 
 #include "cuda/context.h"
@@ -1210,11 +1212,17 @@ void launch_bulk_xr(const MvArgs& a, size_t row_slot, int R, int ns) {
     const size_t slot = row_slot * (size_t)R;
     const MvJob& j = a.job[0];
     const size_t smem = bulk_smem_bytes(slot, ns);
-    static size_t attr = 0;  // the largest dynamic shared memory this instantiation was allowed
-    if (smem > attr) {
-        check(cudaFuncSetAttribute(k_matvec_bulk<T, XR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
-              "cudaFuncSetAttribute");
-        attr = smem;
+    // The largest dynamic shared memory this instantiation was allowed. It only grows,
+    // under the lock: two threads' launches never lower what a third relies on.
+    static std::atomic<size_t> attr{0};
+    if (smem > attr.load()) {
+        static std::mutex mu;
+        std::lock_guard<std::mutex> lk(mu);
+        if (smem > attr.load()) {
+            check(cudaFuncSetAttribute(k_matvec_bulk<T, XR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                  "cudaFuncSetAttribute");
+            attr.store(smem);
+        }
     }
     int per_sm = 0;
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_matvec_bulk<T, XR>, MV_WARPS * 32, smem),
@@ -1474,7 +1482,7 @@ int& x4_cols_min_units() { return g_x4_cols_units; }
 
 void rope_table(float2* table, int64_t rows, int n_rot, const RopeCfg& cfg) {
     const int64_t n = rows * (n_rot / 2);
-    k_rope_table<<<blocks_for(n, 256), 256, 0, ctx().stream>>>(table, rows, n_rot, cfg);
+    k_rope_table<<<blocks_for(n, 256), 256, 0, lane().stream>>>(table, rows, n_rot, cfg);
     note_launch();
 }
 

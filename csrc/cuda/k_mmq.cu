@@ -392,12 +392,12 @@ template <int T, int NT>
 void launch_mmq_nt(const MmqArgs& a, unsigned gy) {
     constexpr size_t smem = mmq_smem_bytes<NT>();
     if constexpr (smem > 48 * 1024) {
-        static bool allowed = false;
-        if (!allowed) {
+        static const bool allowed = [] {  // once, whichever thread launches first
             check(cudaFuncSetAttribute(k_mmq<T, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                   "cudaFuncSetAttribute");
-            allowed = true;
-        }
+            return true;
+        }();
+        (void)allowed;
     }
     const unsigned gx = (unsigned)((a.rows + MQ_ROWS - 1) / MQ_ROWS);
     launch_smem(k_mmq<T, NT>, dim3(gx, gy), MQ_WARPS * 32, smem, a);

@@ -324,29 +324,31 @@ __global__ void __launch_bounds__(AM_THREADS) k_argmax(const float* __restrict__
     }
 }
 
-// The posts and the ticket (zero between launches), allocated at the first argmax: a
-// graph is captured only after a direct run, so never during capture.
+// The posts and the ticket (zero between launches), the current lane's: allocated by
+// argmax_ready (validation, before any capture of a plan's argmax) or the first argmax.
 struct ArgmaxScratch {
     float* v = nullptr;
     int32_t* i = nullptr;
     int* bad = nullptr;
     int* ticket = nullptr;
 };
-ArgmaxScratch& argmax_scratch() {
-    static ArgmaxScratch s = [] {
-        ArgmaxScratch a;
-        uint8_t* p = nullptr;
-        const size_t posts = (size_t)kArgmaxMaxRows * AM_MAX_BLOCKS;
+ArgmaxScratch argmax_scratch() {
+    constexpr size_t posts = (size_t)kArgmaxMaxRows * AM_MAX_BLOCKS;
+    Lane& l = lane();
+    if (!l.argmax_scratch) {
         const size_t bytes = posts * 12 + kArgmaxMaxRows * 4;
+        void* p = nullptr;
         MC_CHECK(cudaMalloc(&p, bytes));
-        MC_CHECK(cudaMemset(p, 0, bytes));
-        a.v = (float*)p;
-        a.i = (int32_t*)(p + posts * 4);
-        a.bad = (int*)(p + posts * 8);
-        a.ticket = (int*)(p + posts * 12);
-        return a;
-    }();
-    return s;
+        MC_CHECK(cudaMemsetAsync(p, 0, bytes, l.stream));
+        l.argmax_scratch = p;
+    }
+    uint8_t* p = (uint8_t*)l.argmax_scratch;
+    ArgmaxScratch a;
+    a.v = (float*)p;
+    a.i = (int32_t*)(p + posts * 4);
+    a.bad = (int*)(p + posts * 8);
+    a.ticket = (int*)(p + posts * 12);
+    return a;
 }
 
 }  // namespace
@@ -404,6 +406,8 @@ void kv_store_f16(const float* k, const float* v, const int32_t* cells, int64_t 
                   void* kc, void* vc, int* err) {
     launch(k_kv_store, (unsigned)nt, 128, k, v, cells, kv_dim, n_ctx, (__half*)kc, (__half*)vc, err);
 }
+void argmax_ready() { argmax_scratch(); }
+
 void argmax(const float* x, int64_t n, int32_t* out, const int* err, int rows) {
     if (rows < 1 || rows > kArgmaxMaxRows) throw std::invalid_argument("argmax: 1..kArgmaxMaxRows rows");
     // About 2048 logits per block, at most AM_MAX_BLOCKS blocks.
@@ -411,7 +415,7 @@ void argmax(const float* x, int64_t n, int32_t* out, const int* err, int rows) {
     blocks = blocks < 1 ? 1 : blocks > AM_MAX_BLOCKS ? AM_MAX_BLOCKS : blocks;
     const int64_t chunk = (n + blocks - 1) / blocks;
     blocks = n > 0 ? (n + chunk - 1) / chunk : 1;
-    ArgmaxScratch& s = argmax_scratch();
+    const ArgmaxScratch s = argmax_scratch();
     launch(k_argmax, dim3((unsigned)blocks, (unsigned)rows), AM_THREADS, x, n, chunk, out, err, s.v, s.i, s.bad,
            s.ticket);
 }

@@ -1,5 +1,6 @@
 // Launchers for the CUDA kernels (defined in the *.cu files, callable from host code).
-// Every launcher enqueues on the context stream and counts itself; none synchronizes.
+// Every launcher enqueues on the current lane's stream (context.h) and counts itself;
+// none synchronizes.
 // Every kernel is deterministic: fixed work split, fixed reduction trees, no atomics
 // on floats.
 #pragma once
@@ -125,8 +126,8 @@ void rms_norm_copy(const float* x, const float* w, float* y, int64_t d, int64_t 
 bool mv_blocks_one_wave(int64_t rows);
 
 // W (rows x in_dim of wtype, device layout) -> f16 rows (prefill GEMM operand), on
-// `stream` (the context stream when null; the executor's side stream dequantizes the
-// next GEMM's weight while the main one computes).
+// `stream` (the current lane's stream when null; the executor's side stream dequantizes
+// the next GEMM's weight while the main one computes).
 void dequant_f16(int32_t wtype, const void* W, size_t row_bytes, int64_t in_dim, int64_t rows, void* out_f16,
                  void* stream = nullptr);
 // nbytes (a multiple of 16, both 16-byte aligned) from src to dst by `blocks` blocks of
@@ -235,6 +236,9 @@ constexpr int32_t kArgmaxNonFinite = -1;
 // rows > 1: rows consecutive rows of n, one answer each (out[0..rows)), in one launch.
 constexpr int kArgmaxMaxRows = 64;
 void argmax(const float* x, int64_t n, int32_t* out, const int* err, int rows = 1);
+// Allocates the current lane's argmax scratch now (outside any capture that may record
+// an argmax; else the first argmax does).
+void argmax_ready();
 
 // Sampling's candidates (k_topk.cu): for each of `rows` consecutive rows of n values, the
 // k best (value descending, equal values by the lower index: the CPU top_k's order) and

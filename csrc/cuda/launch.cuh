@@ -33,7 +33,7 @@ void launch_smem(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, A
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
-    cfg.stream = ctx().stream;
+    cfg.stream = lane().stream;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;

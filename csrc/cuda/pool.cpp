@@ -11,7 +11,7 @@ namespace minfer::cuda {
 
 DevPool::~DevPool() {
     if (bufs_.empty()) return;
-    cudaStreamSynchronize(ctx().stream);
+    if (lane_) cudaStreamSynchronize(lane_->stream);
     for (Buf& b : bufs_) {
         if (!b.owner) continue;
         cudaFree(b.d);
@@ -20,12 +20,17 @@ DevPool::~DevPool() {
     }
 }
 
+const std::shared_ptr<Lane>& DevPool::own_lane() {
+    if (!lane_) lane_ = new_lane();
+    return lane_;
+}
+
 int DevPool::make(size_t nbytes) {
     forget_pick();
     Buf b;
     b.d = dev_alloc(nbytes);
     b.n = nbytes;
-    MC_CHECK(cudaMemsetAsync(b.d, 0, nbytes ? nbytes : 1, ctx().stream));
+    MC_CHECK(cudaMemsetAsync(b.d, 0, nbytes ? nbytes : 1, lane().stream));
     bufs_.push_back(b);
     return (int)bufs_.size() - 1;
 }
@@ -36,7 +41,7 @@ int DevPool::alloc(size_t nbytes) {
         if (b.free && b.n == nbytes && b.group < 0) {
             b.free = false;
             forget_pick();
-            MC_CHECK(cudaMemsetAsync(b.d, 0, nbytes ? nbytes : 1, ctx().stream));
+            MC_CHECK(cudaMemsetAsync(b.d, 0, nbytes ? nbytes : 1, lane().stream));
             return (int)i;
         }
     }
@@ -47,7 +52,7 @@ int DevPool::alloc_fresh(size_t nbytes) { return make(nbytes); }
 
 std::vector<int> DevPool::alloc_group(const std::vector<size_t>& sizes) {
     if (sizes.empty()) return {};
-    Context& c = ctx();
+    Lane& l = lane();
     for (Group& g : groups_) {
         if (g.sizes != sizes) continue;
         bool all_free = true;
@@ -58,7 +63,7 @@ std::vector<int> DevPool::alloc_group(const std::vector<size_t>& sizes) {
         const Buf& last = bufs_[g.ids.back()];
         const Buf& first = bufs_[g.ids.front()];
         const size_t span = (size_t)((uint8_t*)last.d - (uint8_t*)first.d) + last.n;
-        MC_CHECK(cudaMemsetAsync(first.d, 0, span ? span : 1, c.stream));
+        MC_CHECK(cudaMemsetAsync(first.d, 0, span ? span : 1, l.stream));
         return g.ids;
     }
     std::vector<size_t> off(sizes.size());
@@ -71,7 +76,7 @@ std::vector<int> DevPool::alloc_group(const std::vector<size_t>& sizes) {
     uint8_t* h = (uint8_t*)host_alloc_pinned(total);
     cudaEvent_t ev = nullptr;
     MC_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-    MC_CHECK(cudaMemsetAsync(d, 0, total ? total : 1, c.stream));
+    MC_CHECK(cudaMemsetAsync(d, 0, total ? total : 1, l.stream));
     Group g;
     g.sizes = sizes;
     for (size_t k = 0; k < sizes.size(); ++k) {
@@ -155,13 +160,14 @@ void DevPool::wait_staged(Buf& b) {
 void DevPool::write(int id, const void* src, size_t nbytes, size_t offset) {
     check_range(id, offset, nbytes);
     Context& c = ctx();
+    const cudaStream_t stream = lane().stream;
     Buf& b = bufs_[id];
     uint8_t* m = (uint8_t*)mirror(b);
     wait_staged(b);
     forget_pick();
     std::memcpy(m + offset, src, nbytes);
-    MC_CHECK(cudaMemcpyAsync((uint8_t*)b.d + offset, m + offset, nbytes, cudaMemcpyHostToDevice, c.stream));
-    MC_CHECK(cudaEventRecord(b.staged, c.stream));
+    MC_CHECK(cudaMemcpyAsync((uint8_t*)b.d + offset, m + offset, nbytes, cudaMemcpyHostToDevice, stream));
+    MC_CHECK(cudaEventRecord(b.staged, stream));
     ++c.c.h2d;
     c.c.h2d_bytes += nbytes;
 }
@@ -196,6 +202,7 @@ void DevPool::write_many(const std::vector<int>& ids, const std::vector<const vo
     };
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return key(a) < key(b); });
     Context& c = ctx();
+    const cudaStream_t stream = lane().stream;
     for (size_t i = 0; i < n;) {
         const Buf& first = bufs_[ids[order[i]]];
         size_t j = i + 1;
@@ -207,12 +214,12 @@ void DevPool::write_many(const std::vector<int>& ids, const std::vector<const vo
         }
         const Buf& last = bufs_[ids[order[j - 1]]];
         const size_t span = (size_t)((uint8_t*)last.d - (uint8_t*)first.d) + last.n;
-        MC_CHECK(cudaMemcpyAsync(first.d, first.pinned, span, cudaMemcpyHostToDevice, c.stream));
+        MC_CHECK(cudaMemcpyAsync(first.d, first.pinned, span, cudaMemcpyHostToDevice, stream));
         ++c.c.h2d;
         c.c.h2d_bytes += span;
         // One record per run: a group's members share the event, and the stream
         // orders this record after every earlier copy out of the group's mirror.
-        MC_CHECK(cudaEventRecord(first.staged, c.stream));
+        MC_CHECK(cudaEventRecord(first.staged, stream));
         i = j;
     }
 }
@@ -222,7 +229,7 @@ const void* DevPool::fetch(int id, size_t nbytes, size_t offset) {
     Context& c = ctx();
     Buf& b = bufs_[id];
     uint8_t* m = (uint8_t*)mirror(b);
-    MC_CHECK(cudaMemcpyAsync(m + offset, (uint8_t*)b.d + offset, nbytes, cudaMemcpyDeviceToHost, c.stream));
+    MC_CHECK(cudaMemcpyAsync(m + offset, (uint8_t*)b.d + offset, nbytes, cudaMemcpyDeviceToHost, lane().stream));
     ++c.c.d2h;
     c.c.d2h_bytes += nbytes;
     sync_stream();

@@ -11,11 +11,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace minfer::cuda {
+
+struct Lane;
 
 class DevPool {
 public:
@@ -25,6 +28,11 @@ public:
     DevPool& operator=(const DevPool&) = delete;
 
     const std::string& name() const { return name_; }
+    // The pool's lane (context.h), created on first use: every call with this pool runs
+    // on it (bindings_cuda.cpp makes it the current lane), and so do its plans, which
+    // hold it too: it ends, its streams waited for, with the last of them and the pool.
+    const std::shared_ptr<Lane>& own_lane();
+    bool has_lane() const { return lane_ != nullptr; }
     int alloc(size_t nbytes);
     int alloc_fresh(size_t nbytes);
     // Buffers of these sizes, laid out in this order in one block (16-byte aligned),
@@ -77,6 +85,7 @@ private:
     std::vector<Buf> bufs_;
     std::vector<Group> groups_;
     std::vector<std::pair<int, int64_t>> pick_targets_;
+    std::shared_ptr<Lane> lane_;
 };
 
 }  // namespace minfer::cuda

@@ -73,7 +73,7 @@ unsigned g_epoch = 0;
 }  // namespace
 
 void gate_close() {
-    Context& c = ctx();
+    Lane& c = lane();
     if (!g_opened_host) {
         check(cudaHostAlloc((void**)&g_opened_host, sizeof(unsigned), cudaHostAllocMapped), "cudaHostAlloc gate");
         *(volatile unsigned*)g_opened_host = 0;
