@@ -192,6 +192,8 @@ def test_n_choices_share_one_prefill_and_each_equals_its_seed_alone(model):
     assert seqs[1].timings.cached_tokens == len(p)
     # The prompt went through the model once; then one token per choice per step.
     assert sum(fed) == len(p) + n * (steps - 1)
+    # The other choices read the first one's prompt cells in place (no copy).
+    assert ctx.borrowed[1] == ctx.borrowed[2] == (0, len(p))
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
