@@ -315,6 +315,12 @@ def test_cli_runs_the_family(built, name, capsys, tmp_path, monkeypatch):
     assert rc == 0, err
     rows = json.loads(out)
     assert rows and all(r["avg_ts"] > 0 for r in rows)
+    check_perplexity_and_graphs(capsys, path, tmp_path)
+
+
+def check_perplexity_and_graphs(capsys, path, tmp_path) -> str:
+    """`minfer perplexity` gives a finite PPL above 1 and --dump-graph / --dump-graph-json
+    write their formats (also tests/test_family_commands.py's); returns the DOT text."""
     text = tmp_path / "t.txt"
     text.write_text(families.corpus()[:3000], encoding="utf-8")
     rc, out, err = _run(capsys, "perplexity", path, "-f", text, "--ctx", "64", "--chunks", "2", "-t", "2")
@@ -329,6 +335,7 @@ def test_cli_runs_the_family(built, name, capsys, tmp_path, monkeypatch):
     assert rc == 0
     doc = json.loads(js.read_text())
     assert doc["format"] == "minfer-graph" and doc["nodes"]
+    return dot.read_text()
 
 
 def test_chat_prompt_starts_with_one_bos(built):

@@ -11,8 +11,6 @@ server request, a speculated stream and a live viz run must each give exactly it
 from __future__ import annotations
 
 import io
-import json
-import math
 import time
 
 import openai
@@ -25,6 +23,7 @@ from minfer.cli import main
 from minfer.sampling import SamplingParams
 from minfer.session import Session
 from minfer.speculate import Speculation
+from test_families import check_perplexity_and_graphs
 
 GREEDY = SamplingParams(temperature=0.0)
 DENSE = list(families.VARIANTS)
@@ -155,18 +154,5 @@ def test_moe_family_runs_chat_perplexity_and_dump_graph(name, capsys, tmp_path, 
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\nAnd again?\n"))
     rc, out, err = _run(capsys, "chat", path, "-n", "6", "--temp", "0", "-c", "128", "-t", "2")
     assert rc == 0, err
-    text = tmp_path / "t.txt"
-    text.write_text(families.corpus()[:3000], encoding="utf-8")
-    rc, out, err = _run(capsys, "perplexity", path, "-f", text, "--ctx", "64", "--chunks", "2", "-t", "2")
-    assert rc == 0, err
-    ppl = float(out.split("Final estimate: PPL = ")[1].split()[0])
-    assert math.isfinite(ppl) and ppl > 1
-    dot = tmp_path / "g.dot"
-    rc, out, err = _run(capsys, "generate", path, "Hello", "--dump-graph", dot)
-    assert rc == 0 and dot.read_text().startswith("digraph")
-    assert "MatMulId" in dot.read_text() and "MoeTopK" in dot.read_text()
-    js = tmp_path / "g.json"
-    rc, out, err = _run(capsys, "generate", path, "Hello", "--dump-graph-json", js, "--decode")
-    assert rc == 0
-    doc = json.loads(js.read_text())
-    assert doc["format"] == "minfer-graph" and doc["nodes"]
+    dot = check_perplexity_and_graphs(capsys, path, tmp_path)
+    assert "MatMulId" in dot and "MoeTopK" in dot

@@ -147,17 +147,23 @@ def test_a_borrowers_prefix_is_borrowed_from_its_lender_and_the_rest_copied(mode
     assert c.ids == alone(model, c_prompt, 6)
 
 
+def lent(eng, b_tokens: int = 8) -> tuple:
+    """A (slot 0) runs P + TAIL_A to its end; B (slot 1, P + TAIL_B) then borrows P from it."""
+    a = Sequence(P + TAIL_A, 4, GREEDY, stop_at_eog=False)
+    eng.add(a, 0)
+    eng.run()
+    b = Sequence(P + TAIL_B, b_tokens, GREEDY, stop_at_eog=False)
+    eng.add(b, 1)
+    assert eng.ctx.borrowed[1] == (0, len(P))
+    return a, b
+
+
 def test_a_lender_that_moves_on_first_gives_its_borrowers_their_copies(model):
     """A's slot takes an unrelated prompt while B reads A's prefix: before A's new
     prompt overwrites those cells, B gets them copied into its own and stops borrowing;
     B's output is still its output alone, and so is B's next turn."""
     eng = engine(model, 2)
-    a = Sequence(P + TAIL_A, 4, GREEDY, stop_at_eog=False)
-    eng.add(a, 0)
-    eng.run()
-    b = Sequence(P + TAIL_B, 8, GREEDY, stop_at_eog=False)
-    eng.add(b, 1)
-    assert eng.ctx.borrowed[1] == (0, len(P))
+    _, b = lent(eng)
     seen = copies(eng.ctx)
     other = Sequence(ids(9, 30), 8, GREEDY, stop_at_eog=False)
     eng.add(other, 0, reuse_prefix=False)
@@ -176,11 +182,7 @@ def test_a_lender_truncated_inside_the_prefix_gives_the_rest_over(model):
     """A's next turn keeps only part of what B borrows: B keeps borrowing that part and
     gets the rest copied, before A writes over it."""
     eng = engine(model, 2)
-    a = Sequence(P + TAIL_A, 4, GREEDY, stop_at_eog=False)
-    eng.add(a, 0)
-    eng.run()
-    b = Sequence(P + TAIL_B, 8, GREEDY, stop_at_eog=False)
-    eng.add(b, 1)
+    _, b = lent(eng)
     seen = copies(eng.ctx)
     a2 = Sequence(P[:30] + ids(10, 12), 6, GREEDY, stop_at_eog=False)
     eng.add(a2, 0)
@@ -214,11 +216,7 @@ def test_a_saved_borrower_holds_its_whole_kv(model, tmp_path):
     from minfer.session import Session
 
     eng = engine(model, 2)
-    a = Sequence(P + TAIL_A, 4, GREEDY, stop_at_eog=False)
-    eng.add(a, 0)
-    eng.run()
-    b = Sequence(P + TAIL_B, 4, GREEDY, stop_at_eog=False)
-    eng.add(b, 1)
+    lent(eng, 4)
     eng.run()
     assert eng.ctx.borrowed[1] == (0, len(P))
     eng.slots[1].save(tmp_path / "b.session")
