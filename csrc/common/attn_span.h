@@ -9,9 +9,9 @@
 #include <cstdint>
 
 #if defined(__CUDACC__)
-#define MINFER_HD __host__ __device__ __forceinline__
+#define SPAN_HD __host__ __device__ __forceinline__
 #else
-#define MINFER_HD inline
+#define SPAN_HD inline
 #endif
 
 namespace minfer {
@@ -20,7 +20,7 @@ constexpr int kSpanInts = 4;
 
 // A sliding window (> 0) keeps the last `window` cells of the two segments together:
 // it cuts the prefix first, then the row's own cells.
-MINFER_HD void attn_window(int64_t lo[2], int64_t hi[2], int64_t window) {
+SPAN_HD void attn_window(int64_t lo[2], int64_t hi[2], int64_t window) {
     if (window <= 0) return;
     const int64_t n0 = hi[0] > lo[0] ? hi[0] - lo[0] : 0;
     const int64_t n1 = hi[1] > lo[1] ? hi[1] - lo[1] : 0;
@@ -32,7 +32,7 @@ MINFER_HD void attn_window(int64_t lo[2], int64_t hi[2], int64_t window) {
 }
 
 // A row's four span ints are inside [0, n_ctx) with lo <= hi in each segment.
-MINFER_HD bool span_ok(const int32_t* sp, int64_t n_ctx) {
+SPAN_HD bool span_ok(const int32_t* sp, int64_t n_ctx) {
     return sp[0] >= 0 && sp[0] <= sp[1] && sp[1] <= n_ctx && sp[2] >= 0 && sp[2] <= sp[3] && sp[3] <= n_ctx;
 }
 
