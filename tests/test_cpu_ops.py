@@ -545,6 +545,40 @@ def test_attention_reads_a_shared_prefix_in_place(kernel_path, kv_type, window):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_attention_bits_do_not_depend_on_where_the_cells_lie(kernel_path, kv_type, window):
+    """One sequence's 150 positions held three ways: from cell 0, from an unaligned cell
+    (37), and with its first 90 read in place from another sequence's cells (300..389)
+    after its own from cell 1090: a decode row and a 50-row prefill block give the same
+    bits all three ways, at 1 and 3 threads (blocks count positions, not cells)."""
+    nh, nkv, hd, n_ctx, n = 8, 2, 64, 1400, 150
+    rng = np.random.default_rng(79)
+    _, k, v = _qkv(rng, n, nh, nkv, hd)
+    q, _, _ = _qkv(rng, 51, nh, nkv, hd, peak=2.0)
+    pos = np.concatenate([np.arange(99, 149), [149]]).astype(np.int32)
+    layouts = {
+        "from 0": (np.arange(n), lambda p: (0, p + 1, 0, 0)),
+        "unaligned": (37 + np.arange(n), lambda p: (37, 37 + p + 1, 0, 0)),
+        "borrowed": (np.concatenate([300 + np.arange(90), 1000 + np.arange(90, n)]),
+                     lambda p: (1090, 1000 + p + 1, 300, 390)),
+    }
+    outs = {}
+    for name, (cells, span_of) in layouts.items():
+        for nth in (1, 3):
+            rig = KvRig(nh, nkv, hd, n_ctx, q_extra=64, kv_type=kv_type)
+            # Write every position's K/V at its cell (rows that read nothing), then attend.
+            rig.forward(np.zeros((n, nh * hd), np.float32), k, v, cells=cells, pos=np.arange(n),
+                        span=[(int(c), int(c)) for c in cells])
+            got = _attn_windowed(rig, q, k[pos], v[pos], cells[pos], pos, [span_of(int(p)) for p in pos], window, nth)
+            outs[(name, nth)] = got
+    base = outs[("from 0", 1)]
+    ref = attn64(q, rig.K_host, rig.V_host, nh, nkv, hd, [span_of(int(p)) for p in pos], 1.0 / np.sqrt(hd),
+                 window=window)
+    np.testing.assert_allclose(base, ref, rtol=1e-5, atol=ATOL)
+    for key, got in outs.items():
+        assert got.tobytes() == base.tobytes(), key
+
+
 def _attn_windowed(rig, q, k, v, cells, pos, spans, window, n_threads):
     """KvRig.forward with a sliding window on the attention step."""
     if not window:

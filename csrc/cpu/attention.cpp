@@ -5,10 +5,13 @@
 // once and used by every query row of the item (all heads of the GQA group, for a
 // block of tokens), which is what makes prefill cache-friendly.
 //
-// Determinism: KV blocks are aligned to absolute multiples of BK and every per-row
-// operation (dot-product tree, max, exp, sums, accumulation order) depends only on
-// that row's own data and range. So a (token, head) output is bit-identical whatever
-// item it landed in, and therefore for any thread count.
+// Determinism: an item's rows are of one sequence, its KV blocks are counted in BK
+// positions from the sequence's first (its cells read through its span: a shared
+// prefix's, then its own), and every per-row operation (dot-product tree, max, exp,
+// sums, accumulation order) depends only on that row's own data and positions. So a
+// (token, head) output is bit-identical whatever item it landed in, for any thread
+// count, wherever its sequence's cells lie in the arena, and whether its prefix is read
+// in place or held in its own cells.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -184,12 +187,19 @@ inline void accumulate(float* acc, float alpha, const float* p, const float* v, 
     }
 }
 
-// A row sees cells [lo[0], hi[0]) (a prefix it shares with another sequence, read in
-// place) and then [lo[1], hi[1]) (its own), one online softmax over both in that order.
+// The cells of one sequence as its rows read them (common/attn_span.h): its position i
+// is the shared prefix's cell p0 + i below n0, its own cell own + i from there.
+struct SeqCells {
+    int64_t p0 = 0, n0 = 0, own = 0;
+    int64_t cell(int64_t i) const { return i < n0 ? p0 + i : own + i; }
+    bool operator==(const SeqCells& o) const { return p0 == o.p0 && n0 == o.n0 && own == o.own; }
+};
+
+// A query row and the positions [lo, hi) of its sequence it sees.
 struct Row {
     const float* q;
     float* out;
-    int64_t lo[2], hi[2];
+    int64_t lo, hi;
 };
 
 // rows [c0, c1) of KV head g (f16, row stride kvs) -> dst [c1 - c0][hd] f32. Exact, so
@@ -213,46 +223,58 @@ void widen_block(const half* src, int64_t kvs, int64_t c0, int64_t c1, int64_t h
     }
 }
 
-// One work item: rows are (token, head) pairs that all read KV head g.
-void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, float* scratch, bool simd) {
+// Positions [pa, pb) of sequence sc's K or V (KV head g) -> dst [pb - pa][hd] f32, piece
+// by piece of contiguous cells: widened from f16 (exact; each row asks for its segment's
+// row a block on, below position `last`), or copied from f32.
+void load_positions(const AttnArgs& a, const void* region, int64_t g, const SeqCells& sc, int64_t pa, int64_t pb,
+                    int64_t last, float* dst) {
     const int64_t hd = a.hd, kvs = a.nkv * hd;
-    const bool f16 = a.kv_type == T_F16;
+    while (pa < pb) {
+        const int64_t end = pa < sc.n0 ? std::min(pb, sc.n0) : pb;  // within one segment
+        const int64_t c = sc.cell(pa), n = end - pa;
+        const int64_t seg_end = pa < sc.n0 ? sc.p0 + std::min(sc.n0, last) : sc.own + last;
+        if (a.kv_type == T_F16) {
+            widen_block((const half*)region + g * hd, kvs, c, c + n, hd, dst, seg_end);
+        } else {
+            for (int64_t r = 0; r < n; ++r)
+                std::memcpy(dst + r * hd, (const float*)region + (c + r) * kvs + g * hd, hd * sizeof(float));
+        }
+        dst += n * hd;
+        pa = end;
+    }
+}
+
+// One work item: rows are (token, head) pairs of one sequence that all read KV head g.
+// Blocks of BK positions are counted from the sequence's first position, not from cell
+// 0, so a row's bits depend on its own data and positions only: not on where its cells
+// lie in the arena, nor on whether its prefix is read in place or held in its own cells.
+void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows, int64_t nrows, float* scratch,
+              bool simd) {
+    const int64_t hd = a.hd;
     const int64_t hdp = round8(hd);
     float* m = scratch;               // running max per row
     float* l = m + nrows;             // running sum per row
     float* acc = scratch + round8(2 * nrows);  // [nrows][hdp]
     float* S = acc + nrows * hdp;     // [nrows][BK] scores, then probabilities
-    float* kblk = S + nrows * BK;     // f16 KV only: this block's K and V rows in f32
-    float* vblk = kblk + BK * hd;
+    float* kb = S + nrows * BK;       // this block's K and V rows in f32
+    float* vb = kb + BK * hd;
+    int64_t lmin = std::numeric_limits<int64_t>::max(), lmax = 0;
     for (int64_t i = 0; i < nrows; ++i) {
         m[i] = -std::numeric_limits<float>::infinity();
         l[i] = 0.0f;
         std::memset(acc + i * hdp, 0, hd * sizeof(float));
-    }
-    for (int seg = 0; seg < 2; ++seg) {
-    int64_t cmin = std::numeric_limits<int64_t>::max(), cmax = 0;
-    for (int64_t i = 0; i < nrows; ++i) {
-        if (rows[i].lo[seg] < rows[i].hi[seg]) {
-            cmin = std::min(cmin, rows[i].lo[seg]);
-            cmax = std::max(cmax, rows[i].hi[seg]);
+        if (rows[i].lo < rows[i].hi) {
+            lmin = std::min(lmin, rows[i].lo);
+            lmax = std::max(lmax, rows[i].hi);
         }
     }
-    for (int64_t c0 = cmin / BK * BK; c0 < cmax; c0 += BK) {
-        const int64_t c1 = std::min(c0 + BK, cmax);
-        // K row of cell c: kb + (c - c0) * ks (V likewise), straight from the region for
-        // f32, from the widened copy of the block's visible cells for f16.
-        const float *kb, *vb;
-        int64_t ks;
-        if (f16) {
-            const int64_t w0 = std::max(c0, cmin);
-            widen_block((const half*)a.k + g * hd, kvs, w0, c1, hd, kblk + (w0 - c0) * hd, cmax);
-            widen_block((const half*)a.v + g * hd, kvs, w0, c1, hd, vblk + (w0 - c0) * hd, cmax);
-            kb = kblk; vb = vblk; ks = hd;
-        } else {
-            kb = (const float*)a.k + g * hd + c0 * kvs;
-            vb = (const float*)a.v + g * hd + c0 * kvs;
-            ks = kvs;
-        }
+    for (int64_t c0 = lmin / BK * BK; c0 < lmax; c0 += BK) {
+        const int64_t c1 = std::min(c0 + BK, lmax);
+        // Position c's K row at kb + (c - c0) * hd (V likewise).
+        const int64_t w0 = std::max(c0, lmin);
+        load_positions(a, a.k, g, sc, w0, c1, lmax, kb + (w0 - c0) * hd);
+        load_positions(a, a.v, g, sc, w0, c1, lmax, vb + (w0 - c0) * hd);
+        const int64_t ks = hd;
         // Scores, four query rows per pass so each K row is read once per four rows.
         for (int64_t i = 0; i < nrows; i += 4) {
             const int64_t nj = std::min<int64_t>(4, nrows - i);
@@ -261,9 +283,9 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
             for (int64_t j = 0; j < 4; ++j) {
                 const Row& rw = rows[i + std::min(j, nj - 1)];  // pad with the last real row
                 qp[j] = rw.q;
-                if (j < nj && rw.lo[seg] < rw.hi[seg]) {
-                    a0 = std::min(a0, std::max(rw.lo[seg], c0));
-                    b0 = std::max(b0, std::min(rw.hi[seg], c1));
+                if (j < nj && rw.lo < rw.hi) {
+                    a0 = std::min(a0, std::max(rw.lo, c0));
+                    b0 = std::max(b0, std::min(rw.hi, c1));
                 }
             }
             // Dots land cell-major in a small buffer, then get transposed into the score
@@ -287,7 +309,7 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
         }
         // Online softmax update, row by row.
         for (int64_t i = 0; i < nrows; ++i) {
-            const int64_t ca = std::max(rows[i].lo[seg], c0), cb = std::min(rows[i].hi[seg], c1);
+            const int64_t ca = std::max(rows[i].lo, c0), cb = std::min(rows[i].hi, c1);
             if (ca >= cb) continue;
             float* p = S + i * BK + (ca - c0);
             const int64_t n = cb - ca;
@@ -309,7 +331,6 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
             accumulate(acc + i * hdp, alpha, p, vb + (ca - c0) * ks, ks, n, hd, simd);
         }
     }
-    }
     for (int64_t i = 0; i < nrows; ++i) {
         float* o = rows[i].out;
         if (l[i] > 0.0f) {
@@ -326,8 +347,7 @@ void run_item(const AttnArgs& a, int64_t g, const Row* rows, int64_t nrows, floa
 size_t attention_scratch_floats(const AttnArgs& a) {
     if (a.nkv <= 0 || a.nh <= 0 || a.hd <= 0) return 0;
     const Tiling t = tiling(a);
-    const size_t widened = a.kv_type == T_F16 ? (size_t)(2 * BK * a.hd) : 0;
-    return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK)) + widened;
+    return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK)) + (size_t)(2 * BK * a.hd);
 }
 
 void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::atomic<uint64_t>* next) {
@@ -359,33 +379,39 @@ void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::ato
         const int64_t h0 = g * t.r + hsub * hc, h1 = std::min(g * t.r + t.r, h0 + hc);
         if (h0 >= h1) continue;
         int64_t nrows = 0;
+        SeqCells sc;
         for (int64_t tk = t0; tk < t1; ++tk) {
-            int64_t lo[2] = {0, 0}, hi[2] = {0, 0};
+            // The token's sequence (its cells) and the positions [lo, hi) of it it sees.
+            SeqCells tc;
+            int64_t hi;
             if (a.span) {
                 const int32_t* sp = a.span + kSpanInts * tk;
-                lo[1] = sp[0];
-                hi[1] = sp[1];
-                lo[0] = sp[2];
-                hi[0] = sp[3];
+                tc.p0 = sp[2];
+                tc.n0 = std::max<int64_t>(sp[3] - sp[2], 0);
+                tc.own = sp[0] - tc.n0;
+                hi = tc.n0 + std::max<int64_t>(sp[1] - sp[0], 0);
             } else {
-                hi[1] = (int64_t)a.pos[tk] + 1;
+                hi = (int64_t)a.pos[tk] + 1;
             }
-            attn_window(lo, hi, a.window);
+            const int64_t lo = a.window > 0 ? std::max<int64_t>(0, hi - a.window) : 0;  // the last `window`
+            if (nrows && !(tc == sc)) {  // an item's rows share one sequence's cells
+                run_item(a, g, sc, rows, nrows, scratch, simd);
+                nrows = 0;
+            }
+            sc = tc;
             for (int64_t h = h0; h < h1; ++h) {
                 Row& rw = rows[nrows];
                 rw.q = a.q + tk * a.q_stride + h * a.hd;
                 rw.out = a.out + (tk * a.nh + h) * a.hd;
-                for (int sg = 0; sg < 2; ++sg) {
-                    rw.lo[sg] = lo[sg];
-                    rw.hi[sg] = hi[sg];
-                }
+                rw.lo = lo;
+                rw.hi = hi;
                 if (++nrows == 1024) {  // very wide groups: flush early, rows are independent
-                    run_item(a, g, rows, nrows, scratch, simd);
+                    run_item(a, g, sc, rows, nrows, scratch, simd);
                     nrows = 0;
                 }
             }
         }
-        if (nrows) run_item(a, g, rows, nrows, scratch, simd);
+        if (nrows) run_item(a, g, sc, rows, nrows, scratch, simd);
     }
 }
 
