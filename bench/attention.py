@@ -14,9 +14,13 @@ from minfer import _core
 from minfer.backends import default_threads
 
 
-def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None, kv_type="f32"):
-    """Attention of nt new tokens at positions n_past..n_past+nt-1 over a filled KV region."""
-    n_ctx = n_past + nt
+def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None, kv_type="f32", n_seqs=1):
+    """Attention of nt new tokens at positions n_past..n_past+nt-1 over a filled KV region;
+    n_seqs > 1: one decode token of each of n_seqs sequences (a batched server step), their
+    cells in ranges of n_past + 38 cells one after another (bases not block-aligned), read
+    through explicit spans."""
+    stride = n_past + 38
+    n_ctx = n_past + nt if n_seqs == 1 else n_seqs * stride
     rng = np.random.default_rng(0)
     pool, weights = _core.Pool("bench"), _core.WeightStore()
 
@@ -30,14 +34,21 @@ def bench_case(label, nt, n_past, nh=14, nkv=2, hd=64, n_threads=2, reps=None, k
     K = buf(rng.standard_normal((n_ctx, kv_dim)).astype(kv_np))
     V = buf(rng.standard_normal((n_ctx, kv_dim)).astype(kv_np))
     q = buf(rng.standard_normal((nt, nh * hd)).astype(np.float32))
-    pos = buf(np.arange(n_past, n_past + nt, dtype=np.int32))
+    span = -1
+    if n_seqs > 1:
+        nt = n_seqs
+        q = buf(rng.standard_normal((nt, nh * hd)).astype(np.float32))
+        pos = buf(np.full(nt, n_past, dtype=np.int32))
+        span = buf(np.array([(i * stride, i * stride + n_past + 1, 0, 0) for i in range(nt)], np.int32).reshape(-1))
+    else:
+        pos = buf(np.arange(n_past, n_past + nt, dtype=np.int32))
     y = pool.alloc(nt * nh * hd * 4)
     plan = _core.Plan(label)
-    plan.add(_core.OPS["attn"], 0, [y, q, K, V, pos, -1], [nt, nh, nkv, hd, n_ctx, nh * hd, kv_code], [hd ** -0.5])
+    plan.add(_core.OPS["attn"], 0, [y, q, K, V, pos, span], [nt, nh, nkv, hd, n_ctx, nh * hd, kv_code], [hd ** -0.5])
 
     _core.run(plan, pool, weights, n_threads)  # warm-up: scratch growth, page faults
     # Visible (query, cell) pairs: causal triangle for prefill.
-    pairs = sum(n_past + t + 1 for t in range(nt)) * nh
+    pairs = (n_seqs * (n_past + 1) if n_seqs > 1 else sum(n_past + t + 1 for t in range(nt))) * nh
     if reps is None:
         reps = max(11, min(2000, int(1e9 / (pairs * hd * 4) + 1)))
     times, cpu = [], []
@@ -67,6 +78,8 @@ def main():
         bench_case(f"decode, 512 cached {args.kv_type}", 1, 512, **kw)
         bench_case(f"decode, 4096 cached {args.kv_type}", 1, 4096, **kw)
         bench_case(f"prefill 512 {args.kv_type}", 512, 0, **kw)
+        bench_case(f"16 seqs x 512 cached {args.kv_type}", 16, 512, n_seqs=16, **kw)
+        bench_case(f"64 seqs x 256 cached {args.kv_type}", 64, 256, n_seqs=64, **kw)
 
 
 if __name__ == "__main__":
