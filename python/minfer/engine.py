@@ -444,32 +444,27 @@ class Engine:
         copied after it. Returns the new keep."""
         ctx = self.ctx
         best, n = None, keep      # the longest prefix any slot holds
-        root, nr = None, keep     # the longest one held in a slot's own cells
+        root, nr = None, keep     # the longest one held in one sequence's own cells
         for other in self.slots:
             if other is ses or other.n_past <= keep or not other.tokens or other.tokens[0] != prompt[0]:
                 continue
             cp = min(other.common_prefix(prompt), self._settled(other), len(prompt) - 1)
             if cp > n:
                 best, n = other, cp
-            b = ctx.borrowed[other.seq]
-            if b is None and cp > nr:
-                root, nr = other, cp
-            elif b is not None and min(cp, b[1]) > nr:   # its lender holds that much
-                root, nr = self.slots[self._slot_of(b[0])], min(cp, b[1])
+            lender, m = ctx.lendable(other.seq, cp)
+            if m > nr and lender != ses.seq:
+                root, nr = lender, m
         if best is None or n - keep < self.SEED_MIN:
             return keep
         got = keep
-        if root is not None and root is not ses and nr - keep >= self.SEED_MIN:
+        if root is not None and nr - keep >= self.SEED_MIN:
             ses.truncate(0)           # its own cells of the kept prefix are not read any more
-            ctx.lend(root.seq, ses.seq, nr)
+            ctx.lend(root, ses.seq, nr)
             got = nr
         if n > got:                   # what `best` holds past that: copied from where it lies
             ctx.copy_positions(best.seq, ses.seq, got, n)
         ses.tokens[:] = prompt[:n]
         return n
-
-    def _slot_of(self, seq: int) -> int:
-        return next(i for i, s in enumerate(self.slots) if s.seq == seq)
 
     def _check(self, seq: Sequence, ses) -> None:
         """Errors before any work: a prompt and budget that do not fit, ids outside the
@@ -891,15 +886,12 @@ class Engine:
         and pick their first token from the same row, each with its own sampler."""
         n = len(s.prompt_ids)
         ctx = self.ctx
-        lent = ctx.borrowed[s.slot.seq]
+        lender, m = ctx.lendable(s.slot.seq, n)
         for f in s.followers:
             if f.done:
                 continue
-            if lent is None:
-                ctx.lend(s.slot.seq, f.slot.seq, n)
-            else:
-                ctx.lend(lent[0], f.slot.seq, lent[1])
-                ctx.copy_positions(s.slot.seq, f.slot.seq, lent[1], n)
+            ctx.lend(lender, f.slot.seq, m)
+            ctx.copy_positions(s.slot.seq, f.slot.seq, m, n)
             f.slot.tokens[:] = s.prompt_ids
             f.timings.cached_tokens = n
             f.leader = None

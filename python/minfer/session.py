@@ -432,6 +432,13 @@ class Context:
             raise MinferError(f"sequence {lender} cannot lend {n} cells to sequence {seq}")
         self.borrowed[seq] = (lender, int(n))
 
+    def lendable(self, seq: int, n: int) -> tuple[int, int]:
+        """(lender, m): the sequence whose own cells hold the first m of sequence seq's
+        first n positions, m as large as one lender allows (seq itself where it borrows
+        nothing, else its lender, up to what it borrows)."""
+        b = self.borrowed[seq]
+        return (seq, n) if b is None else (b[0], min(n, b[1]))
+
     def span_head(self, seq: int) -> tuple[int, int, int]:
         """(own lo, prefix lo, prefix hi) of sequence seq's attention span: its own cells
         from its first position it does not borrow, after the lender's cells it borrows."""
