@@ -225,7 +225,8 @@ void widen_block(const half* src, int64_t kvs, int64_t c0, int64_t c1, int64_t h
 
 // Positions [pa, pb) of sequence sc's K or V (KV head g) -> dst [pb - pa][hd] f32, piece
 // by piece of contiguous cells: widened from f16 (exact; each row asks for its segment's
-// row a block on, below position `last`), or copied from f32.
+// row a block on, below position `last`), or copied from f32 (where they straddle the
+// prefix's end; run_item reads them in place otherwise).
 void load_positions(const AttnArgs& a, const void* region, int64_t g, const SeqCells& sc, int64_t pa, int64_t pb,
                     int64_t last, float* dst) {
     const int64_t hd = a.hd, kvs = a.nkv * hd;
@@ -256,8 +257,8 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
     float* l = m + nrows;             // running sum per row
     float* acc = scratch + round8(2 * nrows);  // [nrows][hdp]
     float* S = acc + nrows * hdp;     // [nrows][BK] scores, then probabilities
-    float* kb = S + nrows * BK;       // this block's K and V rows in f32
-    float* vb = kb + BK * hd;
+    float* kbuf = S + nrows * BK;     // a block's K and V rows in f32 where they are not read in place
+    float* vbuf = kbuf + BK * hd;
     int64_t lmin = std::numeric_limits<int64_t>::max(), lmax = 0;
     for (int64_t i = 0; i < nrows; ++i) {
         m[i] = -std::numeric_limits<float>::infinity();
@@ -270,11 +271,19 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
     }
     for (int64_t c0 = lmin / BK * BK; c0 < lmax; c0 += BK) {
         const int64_t c1 = std::min(c0 + BK, lmax);
-        // Position c's K row at kb + (c - c0) * hd (V likewise).
+        // Position c's K row at kb + (c - w0) * ks (V likewise): f32 rows of one segment in
+        // place, the others widened or copied into the buffers.
         const int64_t w0 = std::max(c0, lmin);
-        load_positions(a, a.k, g, sc, w0, c1, lmax, kb + (w0 - c0) * hd);
-        load_positions(a, a.v, g, sc, w0, c1, lmax, vb + (w0 - c0) * hd);
-        const int64_t ks = hd;
+        const float *kb = kbuf, *vb = vbuf;
+        int64_t ks = hd;
+        if (a.kv_type != T_F16 && (w0 >= sc.n0 || c1 <= sc.n0)) {
+            ks = a.nkv * hd;
+            kb = (const float*)a.k + sc.cell(w0) * ks + g * hd;
+            vb = (const float*)a.v + sc.cell(w0) * ks + g * hd;
+        } else {
+            load_positions(a, a.k, g, sc, w0, c1, lmax, kbuf);
+            load_positions(a, a.v, g, sc, w0, c1, lmax, vbuf);
+        }
         // Scores, four query rows per pass so each K row is read once per four rows.
         for (int64_t i = 0; i < nrows; i += 4) {
             const int64_t nj = std::min<int64_t>(4, nrows - i);
@@ -295,9 +304,9 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
 #ifdef MINFER_VEC_AVX2
             if (simd)
                 for (; c + 2 <= b0; c += 2)
-                    dot4x2_avx2(qp, kb + (c - c0) * ks, kb + (c + 1 - c0) * ks, hd, T[c - c0], T[c + 1 - c0]);
+                    dot4x2_avx2(qp, kb + (c - w0) * ks, kb + (c + 1 - w0) * ks, hd, T[c - c0], T[c + 1 - c0]);
 #endif
-            for (; c < b0; ++c) dot4(qp, kb + (c - c0) * ks, hd, simd, T[c - c0]);
+            for (; c < b0; ++c) dot4(qp, kb + (c - w0) * ks, hd, simd, T[c - c0]);
             for (int64_t j = 0; j < nj; ++j) {
                 float* Sr = S + (i + j) * BK;
                 for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = T[c - c0][j] * a.scale;
@@ -328,7 +337,7 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
             const float ps = exp_sub_sum(p, n, mnew, simd);
             l[i] = l[i] * alpha + ps;
             m[i] = mnew;
-            accumulate(acc + i * hdp, alpha, p, vb + (ca - c0) * ks, ks, n, hd, simd);
+            accumulate(acc + i * hdp, alpha, p, vb + (ca - w0) * ks, ks, n, hd, simd);
         }
     }
     for (int64_t i = 0; i < nrows; ++i) {
