@@ -19,7 +19,9 @@ namespace minfer {
 constexpr int kSpanInts = 4;
 
 // A sliding window (> 0) keeps the last `window` cells of the two segments together:
-// it cuts the prefix first, then the row's own cells.
+// it cuts the prefix first, then the row's own cells. (CUDA's kernels cut the cell
+// ranges; the CPU kernel, which walks a row's positions, keeps the last `window` of them:
+// the same cells.)
 SPAN_HD void attn_window(int64_t lo[2], int64_t hi[2], int64_t window) {
     if (window <= 0) return;
     const int64_t n0 = hi[0] > lo[0] ? hi[0] - lo[0] : 0;
