@@ -173,20 +173,22 @@ def _amx_cpu() -> bool:
     return "amx_int8" in flags and "amx_tile" in flags
 
 
-def test_q4_k_prefill_on_amx_tiles_is_bitwise_the_vector_kernel():
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quant_prefill_on_amx_tiles_is_bitwise_the_vector_kernel(qtype):
     """Where the build targets AMX (-march=native on an AMX machine) and the OS grants
-    the tile state, Q4_K blocks of 16 tokens run on the tiles: the same integer
-    sub-block dots and the same float epilogue as the vector kernel, so every output is
-    bitwise its result (the switch off), across thread splits and partial groups, with
-    a tail of tokens past the last whole tile, extreme codes included, and within the
-    float64 references. Elsewhere the tiles never run and the switch changes nothing."""
+    the tile state, K-quant blocks of 16 tokens run on the tiles: the scale-folded
+    weights give the same integer super-block sums and the same float epilogue as the
+    vector kernel, so every output is bitwise its result (the switch off), across thread
+    splits and partial groups, with 32-token pairs, a lone 16-token tile and a tail past
+    the last whole tile, extreme codes and scales included, and within the float64
+    references. Elsewhere the tiles never run and the switch changes nothing."""
     avail = _core.testing.cpu_amx_available()
     if not _amx_cpu():
         assert not avail
     rng = np.random.default_rng(404)
-    raw, deq = make_weight(Q.Q4_K, 40, 2048, rng)
+    raw, deq = make_weight(qtype, 40, 2048, rng)
     x = rng.standard_normal((70, 2048)).astype(np.float32)
-    ext, ext_deq = extreme_blocks(Q.Q4_K, 18, rng)
+    ext, ext_deq = extreme_blocks(qtype, 18, rng)
     xe = (rng.standard_normal((33, IN_DIM)) * 30).astype(np.float32)
     xe[4] = 5.0
     outs, ran = {}, {}
@@ -194,13 +196,14 @@ def test_q4_k_prefill_on_amx_tiles_is_bitwise_the_vector_kernel():
         for on in (True, False):
             _core.testing.cpu_set_amx(on)
             c0 = _core.testing.cpu_amx_calls()
-            outs[on] = [run_matmul(raw, Q.Q4_K, 2048, 40, x, n_threads=n) for n in (1, 3)]
-            outs[on].append(run_matmul(ext, Q.Q4_K, IN_DIM, 18, xe, n_threads=2))
+            outs[on] = [run_matmul(raw, qtype, 2048, 40, x, n_threads=n) for n in (1, 3)]
+            outs[on].append(run_matmul(ext, qtype, IN_DIM, 18, xe, n_threads=2))
+            outs[on].append(run_matmul(raw, qtype, 2048, 40, x[:16], n_threads=1))
             ran[on] = _core.testing.cpu_amx_calls() - c0
     finally:
         _core.testing.cpu_set_amx(True)
     assert ran[False] == 0 and (ran[True] > 0) == avail, (ran, avail)
     for a, b in zip(outs[True], outs[False]):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
-    check_against_references(outs[True][0], x, deq, Q.Q4_K)
-    check_against_references(outs[True][2], xe, ext_deq, Q.Q4_K)
+    check_against_references(outs[True][0], x, deq, qtype)
+    check_against_references(outs[True][2], xe, ext_deq, qtype)

@@ -33,46 +33,12 @@
 #include <vector>
 
 #include "common/ggml_types.h"
+#include "cpu/repack_k_layout.h"
 #include "cpu/repack_vec.h"
-
-#if defined(RP_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define RP_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <cstddef>
-#endif
 
 namespace minfer::cpu::repack::k {
 
 namespace {
-
-constexpr int G = 16;
-constexpr size_t kQ4Rec = 2368, kQ5Rec = 2880, kQ6Rec = 3392;
-// Offsets inside a record.
-constexpr size_t kQ4Sc = 2048, kQ4Mn = 2176, kQ4D = 2304, kQ4Dmin = 2336;
-// Q5_K: sub-block j's codes and fifth bits, then the Q4_K tail shifted by 512 bytes.
-constexpr size_t q5_qs(int j) { return 320 * (size_t)j; }
-constexpr size_t q5_qh(int j) { return 320 * (size_t)j + 256; }
-constexpr size_t kQ5Tail = 512;  // the eight qh vectors move the Q4_K tail back by this
-constexpr size_t kQ6D = 3328;
-// A Q6_K record keeps each chunk's codes, high bits and scales within 832 bytes of each
-// other, so decode reads it front to back. With the three in planes of their own
-// (codes, then high bits, then scales) the hardware prefetcher lost the stream: 11.6
-// GB/s cold without software prefetch, 17-19 with it, on a Zen 4 where Q4_K (one plane)
-// read 22-30. Pairs keep every vector load 64-byte aligned.
-constexpr size_t q6_qs(int c) { return 832 * (size_t)(c / 2) + 256 * (size_t)(c & 1); }
-constexpr size_t q6_qh(int c) { return 832 * (size_t)(c / 2) + 512 + 128 * (size_t)(c & 1); }
-constexpr size_t q6_sc(int c) { return 832 * (size_t)(c / 2) + 768 + 32 * (size_t)(c & 1); }
-
-size_t rec_bytes(int32_t type) { return type == T_Q4_K ? kQ4Rec : type == T_Q5_K ? kQ5Rec : kQ6Rec; }
-
-// Q4_K and Q5_K share the record's tail (scales, mins, d, dmin) at these offsets.
-template <int32_t T>
-constexpr size_t k4_tail(size_t q4_off) { return T == T_Q5_K ? q4_off + kQ5Tail : q4_off; }
-template <int32_t T>
-constexpr size_t k4_qs(int j) { return T == T_Q5_K ? q5_qs(j) : 256 * (size_t)j; }
 
 // ggml's get_scale_min_k4: 6-bit scale and min of sub-block j from the 12 packed bytes.
 void scale_min_k4(int j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
@@ -169,18 +135,6 @@ void pack_record(int32_t type, const uint8_t* const rows[G], int64_t ib, uint8_t
     }
 }
 
-// Per (token, super-block) of the activations: d_a, and the integer terms that pair
-// with the weights' per-row constants: for Q6_K c[j] = -32 * sum of 16-element
-// sub-block j, and (without VNNI) bpair[k] = int16 pair (sum of sub-block 2k, of 2k + 1);
-// for Q4_K's mins pair[k] = int16 pair (sum of 32-element sub-block 2k, sum of 2k + 1).
-// All, so one table serves Q4_K and Q6_K weights alike.
-struct KMeta {
-    float d;
-    int32_t c[16];
-    int32_t pair[4];
-    int32_t bpair[8];
-};
-
 inline int32_t int16_pair(int32_t lo, int32_t hi) {
     return (int32_t)((uint32_t)(uint16_t)(int16_t)lo | ((uint32_t)(uint16_t)(int16_t)hi << 16));
 }
@@ -239,18 +193,7 @@ void group_kernel(const uint8_t* g, int64_t nb, int lane0, const uint8_t* act, s
                 for (int h = 0; h < H; ++h) {
                     const int ln = lane0 + h * V::N;
                     I w[8];
-                    nibbles<V>(R + k4_qs<T>(j) + 4 * ln, w);
-                    if constexpr (T == T_Q5_K) {  // bit k of the qh vector is step k's fifth bit
-                        const I hb = V::load(R + q5_qh(j) + 4 * ln), m10 = V::set8(0x10);
-                        w[0] = V::or_and(w[0], V::template sll16<4>(hb), m10);
-                        w[1] = V::or_and(w[1], V::template sll16<3>(hb), m10);
-                        w[2] = V::or_and(w[2], V::template sll16<2>(hb), m10);
-                        w[3] = V::or_and(w[3], V::template sll16<1>(hb), m10);
-                        w[4] = V::or_and(w[4], hb, m10);
-                        w[5] = V::or_and(w[5], V::template srl16<1>(hb), m10);
-                        w[6] = V::or_and(w[6], V::template srl16<2>(hb), m10);
-                        w[7] = V::or_and(w[7], V::template srl16<3>(hb), m10);
-                    }
+                    chunk_codes<V, T>(R, j, ln, w);
                     const I sc = V::u8_32(R + k4_tail<T>(kQ4Sc) + 16 * j + ln);
                     RP_UNROLL
                     for (int a = 0; a < NA; ++a) {
@@ -295,22 +238,12 @@ void group_kernel(const uint8_t* g, int64_t nb, int lane0, const uint8_t* act, s
                 }
             }
         } else {
-            const I m30 = V::set8(0x30);
             for (int c = 0; c < 8; ++c) {
                 if constexpr (NA <= kPfMaxNA) prefetch_eighth<rec>(R, c);
                 for (int h = 0; h < H; ++h) {
-                    const int ln = lane0 + h * V::N, bo = 4 * ln;
+                    const int ln = lane0 + h * V::N;
                     I w[8];
-                    nibbles<V>(R + q6_qs(c) + bo, w);
-                    const I h0 = V::load(R + q6_qh(c) + bo), h1 = V::load(R + q6_qh(c) + 64 + bo);
-                    w[0] = V::or_and(w[0], V::template sll16<4>(h0), m30);
-                    w[1] = V::or_and(w[1], V::template sll16<2>(h0), m30);
-                    w[2] = V::or_and(w[2], h0, m30);
-                    w[3] = V::or_and(w[3], V::template srl16<2>(h0), m30);
-                    w[4] = V::or_and(w[4], V::template sll16<4>(h1), m30);
-                    w[5] = V::or_and(w[5], V::template sll16<2>(h1), m30);
-                    w[6] = V::or_and(w[6], h1, m30);
-                    w[7] = V::or_and(w[7], V::template srl16<2>(h1), m30);
+                    chunk_codes<V, T>(R, c, ln, w);
                     const I sa = V::s8_32(R + q6_sc(c) + ln), sb = V::s8_32(R + q6_sc(c) + 16 + ln);
                     // Without VNNI: the scales as int16 pairs (sa, sa), (sb, sb), (sa, sb).
                     [[maybe_unused]] I sa2, sb2, sab;
@@ -366,136 +299,6 @@ constexpr std::array<KernFn<T>, sizeof...(NA)> kern_table(std::integer_sequence<
     return {group_kernel<VK, T, NA + 1>...};
 }
 
-#if defined(RP_AMX)
-// Q4_K on the AMX tiles, 16 tokens at a time: TDPBSUD multiplies a tile of 16 tokens' 32
-// activations of one sub-block (signed, read in place from the Q8_K rows) by the group's
-// 32 codes of that sub-block for its 16 rows (unsigned, in the VNNI layout a tile's B
-// operand takes, which is the record's nibble chunks unpacked: chunk t's low nibbles are
-// B row 2t, its high nibbles row 2t + 1). Each product tile is the exact integer
-// sub-block dot of every (token, row), the same ints group_kernel's vpdpbusd steps sum,
-// and is then scaled by the rows' sub-block scales and folded into the per-super-block
-// float epilogue in the same operations: the outputs are bitwise group_kernel's.
-constexpr int kAmxTokens = 16;
-
-struct TileConfig {
-    uint8_t palette = 1, start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
-// tmm0..3: four sub-blocks' products (16 tokens x 16 rows, int32); tmm4: activations
-// (16 tokens x 32 bytes); tmm5: codes (8 rows of 4-code groups x 16 rows x 4 bytes).
-void amx_config() {
-    TileConfig c;
-    for (int i = 0; i < 4; ++i) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    c.colsb[4] = 32;
-    c.rows[4] = 16;
-    c.colsb[5] = 64;
-    c.rows[5] = 8;
-    _tile_loadconfig(&c);
-}
-
-// Every sub-block's B tile of one group, nb super-blocks, into bt (nb * 8 * 512 bytes).
-void amx_unpack(const uint8_t* g, int64_t nb, uint8_t* bt) {
-    const __m512i m = _mm512_set1_epi8(0x0F);
-    for (int64_t ib = 0; ib < nb; ++ib) {
-        const uint8_t* R = g + ib * kQ4Rec;
-        for (int j = 0; j < 8; ++j) {
-            uint8_t* o = bt + (ib * 8 + j) * 512;
-            for (int t = 0; t < 4; ++t) {
-                const __m512i x = _mm512_load_si512((const void*)(R + 256 * j + 64 * t));
-                _mm512_store_si512((void*)(o + 128 * t), _mm512_and_si512(x, m));
-                _mm512_store_si512((void*)(o + 128 * t + 64), _mm512_and_si512(_mm512_srli_epi16(x, 4), m));
-            }
-        }
-    }
-}
-
-// Lanes [lo, hi) of group g for tokens t0 .. t0 + 15 (all present).
-void amx_tile(const uint8_t* g, const uint8_t* bt, int64_t nb, const uint8_t* act, size_t arb, const KMeta* meta,
-              float* y, int64_t ldy, int lo, int hi) {
-    using V = V16;
-    alignas(64) int32_t c[4][kAmxTokens][16];
-    alignas(64) float acc[kAmxTokens][16] = {};
-    for (int64_t ib = 0; ib < nb; ++ib) {
-        const uint8_t* R = g + ib * kQ4Rec;
-        const uint8_t* a0 = act + ib * sizeof(block_q8_K) + offsetof(block_q8_K, qs);
-        V::I isum[kAmxTokens];
-        for (int a = 0; a < kAmxTokens; ++a) isum[a] = V::zero_i();
-        // Four sub-blocks' products, then their stores, then the scaling: the loads of
-        // a stored tile come a few products after its store.
-        for (int j0 = 0; j0 < 8; j0 += 4) {
-            // (Spelled out: GCC's tile intrinsics paste their register numbers into the
-            // instruction text, so they take literals, not a loop's or template's value.)
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            _tile_loadd(4, a0 + 32 * j0, (long)arb);
-            _tile_loadd(5, bt + (ib * 8 + j0) * 512, 64);
-            _tile_dpbsud(0, 4, 5);
-            _tile_loadd(4, a0 + 32 * (j0 + 1), (long)arb);
-            _tile_loadd(5, bt + (ib * 8 + j0 + 1) * 512, 64);
-            _tile_dpbsud(1, 4, 5);
-            _tile_loadd(4, a0 + 32 * (j0 + 2), (long)arb);
-            _tile_loadd(5, bt + (ib * 8 + j0 + 2) * 512, 64);
-            _tile_dpbsud(2, 4, 5);
-            _tile_loadd(4, a0 + 32 * (j0 + 3), (long)arb);
-            _tile_loadd(5, bt + (ib * 8 + j0 + 3) * 512, 64);
-            _tile_dpbsud(3, 4, 5);
-            _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[1], 64);
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
-            // sum over the four of scale * product, in floats: each product (|dot| <=
-            // 32 * 15 * 127, scale <= 63) and each partial sum stays below 2^24, so every
-            // step is exact and the sum converts back to the integer the vector kernel adds.
-            __m512 scf[4];
-            for (int q = 0; q < 4; ++q) scf[q] = _mm512_cvtepi32_ps(V::u8_32(R + kQ4Sc + 16 * (j0 + q)));
-            for (int a = 0; a < kAmxTokens; ++a) {
-                __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)c[0][a])), scf[0]);
-                for (int q = 1; q < 4; ++q)
-                    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void*)c[q][a])), scf[q], f);
-                isum[a] = V::add(isum[a], _mm512_cvtps_epi32(f));
-            }
-        }
-        const V::F dw = V::loadh((const half*)(R + kQ4D));
-        const V::F dm = V::loadh((const half*)(R + kQ4Dmin));
-        V::I mn[4];
-        for (int k = 0; k < 4; ++k) mn[k] = V::u8_16(R + kQ4Mn + 32 * k);
-        for (int a = 0; a < kAmxTokens; ++a) {
-            const KMeta& m = meta[a * nb + ib];
-            V::I sm = V::zero_i();
-            for (int k = 0; k < 4; ++k) sm = V::dotw(sm, mn[k], (uint32_t)m.pair[k]);
-            V::F f = _mm512_load_ps(acc[a]);
-            f = V::fma(V::scale(dw, m.d), isum[a], f);
-            f = V::fnma(V::scale(dm, m.d), sm, f);
-            _mm512_store_ps(acc[a], f);
-        }
-    }
-    for (int a = 0; a < kAmxTokens; ++a) V::store(y + a * ldy, _mm512_load_ps(acc[a]), lo, hi);
-}
-
-std::atomic<int> g_amx_on{-1};  // -1: not asked yet; 0 / 1 (the OS granted the tile state)
-std::atomic<bool> g_amx_use{true};  // tests compare the tiles with group_kernel (set_amx)
-std::atomic<uint64_t> g_amx_calls{0};  // matmul calls that ran tiles (tests see them run)
-
-bool amx_on() {
-    int v = g_amx_on.load(std::memory_order_relaxed);
-    if (v < 0) {
-        // The tile data state is off until the process asks for it (Linux 5.16+).
-        constexpr long kReqPerm = 0x1023, kXtileData = 18;
-        v = syscall(SYS_arch_prctl, kReqPerm, kXtileData) == 0 ? 1 : 0;
-        g_amx_on.store(v, std::memory_order_relaxed);
-    }
-    return v == 1;
-}
-#endif  // RP_AMX
-
 template <int32_t T>
 void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float* y, int64_t ldy, int64_t r0,
               int64_t r1, const uint8_t* shared_meta) {
@@ -508,32 +311,7 @@ void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float
         for (int64_t t = 0; t < nt; ++t) act_meta(act + t * arb, nb, (uint8_t*)(own.data() + t * nb));
         meta = own.data();
     }
-    int64_t done = 0;  // tokens [0, done) taken by the tiles
-#if defined(RP_AMX)
-    if (T == T_Q4_K && nt >= kAmxTokens && g_amx_use.load(std::memory_order_relaxed) && amx_on()) {
-        done = nt / kAmxTokens * kAmxTokens;
-        static thread_local std::vector<__m512i> bt;  // the group's B tiles, 64-byte aligned
-        if (bt.size() < (size_t)nb * 8 * 8) bt.resize((size_t)nb * 8 * 8);
-        uint8_t* b = reinterpret_cast<uint8_t*>(bt.data());
-        amx_config();
-        g_amx_calls.fetch_add(1, std::memory_order_relaxed);
-        // Tokens in blocks of about kActBlockBytes, each over all the groups (for_tiles'
-        // order): a block's activations stay in L2 while the groups stream past.
-        const int64_t tb = std::max<int64_t>(kAmxTokens, (int64_t)(kActBlockBytes / arb) / kAmxTokens * kAmxTokens);
-        const int64_t g0 = r0 / G, g1 = (r1 + G - 1) / G;
-        for (int64_t b0 = 0; b0 < done; b0 += tb) {
-            const int64_t b1 = std::min(done, b0 + tb);
-            for (int64_t gi = g0; gi < g1; ++gi) {
-                const uint8_t* g = p.data.get() + gi * p.group_bytes;
-                const int lo = (int)std::max<int64_t>(r0 - gi * G, 0), hi = (int)std::min<int64_t>(r1 - gi * G, G);
-                amx_unpack(g, nb, b);
-                for (int64_t t = b0; t < b1; t += kAmxTokens)
-                    amx_tile(g, b, nb, act + t * arb, arb, meta + t * nb, y + t * ldy + gi * G, ldy, lo, hi);
-            }
-        }
-        _tile_release();
-    }
-#endif
+    const int64_t done = amx_matmul(p, act, arb, nt, meta, y, ldy, r0, r1);  // tokens [0, done)
     if (done == nt) return;
     act += done * arb;
     y += done * ldy;
@@ -550,30 +328,6 @@ void matmul_t(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, float
 #endif  // RP_AVX2
 
 }  // namespace
-
-bool amx_available() {
-#if defined(RP_AMX)
-    return amx_on();
-#else
-    return false;
-#endif
-}
-
-uint64_t amx_calls() {
-#if defined(RP_AMX)
-    return g_amx_calls.load(std::memory_order_relaxed);
-#else
-    return 0;
-#endif
-}
-
-void set_amx(bool on) {
-#if defined(RP_AMX)
-    g_amx_use.store(on, std::memory_order_relaxed);
-#else
-    (void)on;
-#endif
-}
 
 bool handles(int32_t type) {
 #if defined(RP_AVX2)
