@@ -237,6 +237,29 @@ def test_run_bench_structure_with_fake_engine(tmp_path):
     assert any("warm-up" in ln for ln in lines) and any("run 3/3" in ln for ln in lines)
 
 
+def test_bandwidth_probe_runs_with_each_thread_count(tmp_path, monkeypatch):
+    """The mem bw column of a t-thread row is against a probe read by t threads (one
+    thread cannot stream what every core does), probed once per thread count before
+    its tests, and the footer names each probe."""
+    from minfer.tools import bench as bench_mod
+    probes: list = []
+
+    def probe(n_threads=None):
+        probes.append(n_threads)
+        return {1: 20e9, 2: 36e9}[n_threads]
+
+    monkeypatch.setattr(bench_mod, "measure_bandwidth_isolated", probe)
+    model, engines, _, loader = fake_run(tmp_path)
+    rs = run_bench(model, n_prompt=[8], n_gen=[5], reps=1, threads=[1, 2, 1], engine_loader=loader)
+    assert probes == [1, 2]
+    assert [(r.n_threads, r.mem_bw_bytes_per_s) for r in rs if r.n_gen] == [(1, 20e9), (2, 36e9), (1, 20e9)]
+    tg1, tg2 = [r for r in rs if r.n_gen][:2]
+    assert tg1.mem_bw_frac == pytest.approx(tg1.weight_bytes_per_token * tg1.avg_ts / 20e9)
+    assert tg2.mem_bw_frac == pytest.approx(tg2.weight_bytes_per_token * tg2.avg_ts / 36e9)
+    text = format_results(rs)
+    assert "20.0 GB/s with 1 thread, 36.0 GB/s with 2 threads" in text
+
+
 def test_run_bench_at_depth_prefills_untimed_first(tmp_path):
     """-d (llama-bench's n_depth): each test starts after an untimed forward of d tokens;
     the context holds the deepest test; the rows say their depth."""

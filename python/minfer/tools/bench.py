@@ -13,7 +13,8 @@ order, which is not the same as tokens / mean time).
 
 Our extras on top of llama-bench's fields: peak RSS, and for tg the fraction of the
 machine's memory bandwidth the decode uses (weight bytes per token x tok/s divided by
-what the STREAM-style probe in `minfer.tools.membw` measured at the start of the run).
+what the STREAM-style probe in `minfer.tools.membw` read with the test's thread count,
+measured before that thread count's tests: one thread cannot stream what all cores do).
 """
 
 from __future__ import annotations
@@ -236,9 +237,14 @@ def _format_md(results: Sequence[BenchResult], extras: bool) -> str:
                 acc = 100 * r.accepted / r.drafted if r.drafted else 0.0
                 lines.append(f"{r.test_name}: {r.drafted} tokens drafted, {r.accepted} accepted ({acc:.0f}%); "
                              f"output identical to plain greedy")
-        if extras and r0.mem_bw_bytes_per_s:
-            lines.append(f"memory bandwidth (STREAM-style probe): {r0.mem_bw_bytes_per_s / 1e9:.1f} GB/s; "
-                         "mem bw = weight bytes per token x t/s / that")
+        probes = {r.n_threads: r.mem_bw_bytes_per_s for r in results if r.mem_bw_bytes_per_s}
+        if extras and probes:
+            if len(set(probes.values())) == 1:
+                said = f"{next(iter(probes.values())) / 1e9:.1f} GB/s"
+            else:
+                said = ", ".join(f"{bw / 1e9:.1f} GB/s with {t} thread{'s' * (t != 1)}" for t, bw in probes.items())
+            lines.append(f"memory bandwidth (STREAM-style probe): {said}; "
+                         "mem bw = weight bytes per token x t/s / the probe of its thread count")
     return "\n".join(lines)
 
 
@@ -339,14 +345,15 @@ def _runs_on_cuda(backends) -> bool:
     return bool(entries) and entries[0].name == "cuda"
 
 
-def measure_bandwidth_isolated() -> float:
-    """The membw probe, run in a child process: its arrays (hundreds of MiB) would
-    otherwise become this process's peak RSS and hide the engine's."""
+def measure_bandwidth_isolated(n_threads: int | None = None) -> float:
+    """The membw probe with n_threads threads (None: the physical cores), run in a child
+    process: its arrays (hundreds of MiB) would otherwise become this process's peak RSS
+    and hide the engine's."""
     import minfer
     pkg_parent = str(Path(minfer.__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([pkg_parent, *filter(None, [env.get("PYTHONPATH")])])
-    code = "from minfer.tools.membw import measure_bandwidth; print(repr(measure_bandwidth()))"
+    code = f"from minfer.tools.membw import measure_bandwidth; print(repr(measure_bandwidth({n_threads!r})))"
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=env, timeout=300, check=True).stdout
@@ -386,8 +393,8 @@ def run_bench(
 
     Zeros in n_prompt / n_gen are skipped. threads=None uses the engine's default.
     backends is passed to Session.open as is (None = automatic choice).
-    mem_bandwidth: None measures it once here (bytes/s), a number uses that, False
-    skips it (mem_bw_frac is then absent). engine_loader(path, n_ctx=, n_threads=,
+    mem_bandwidth: None measures it here (bytes/s; on the CPU once per thread count, with
+    that many threads), a number uses that, False skips it (mem_bw_frac is then absent). engine_loader(path, n_ctx=, n_threads=,
     backends=) replaces Session.open, for tests and for embedding in other harnesses."""
     model_path = Path(model_path)
     pps = [p for p in parse_int_list(list(n_prompt)) if p > 0]
@@ -411,14 +418,23 @@ def run_bench(
     if mem_bandwidth is None and _runs_on_cuda(backends):
         say("minfer bench: measuring device copy bandwidth")
         from minfer import _core
-        bw: float | None = float(_core.testing.cuda_copy_bandwidth())
+        cuda_bw = float(_core.testing.cuda_copy_bandwidth())
+
+        def bandwidth(n_threads: int) -> float | None:
+            return cuda_bw
     elif mem_bandwidth is None:
-        say("minfer bench: measuring memory bandwidth")
-        bw = measure_bandwidth_isolated()
-    elif mem_bandwidth is False:
-        bw = None
+        probed: dict[int, float] = {}
+
+        def bandwidth(n_threads: int) -> float | None:
+            if n_threads not in probed:
+                say(f"minfer bench: measuring memory bandwidth with {n_threads} thread(s)")
+                probed[n_threads] = measure_bandwidth_isolated(n_threads)
+            return probed[n_threads]
     else:
-        bw = float(mem_bandwidth)
+        given = None if mem_bandwidth is False else float(mem_bandwidth)
+
+        def bandwidth(n_threads: int) -> float | None:
+            return given
 
     # Room for the deepest context plus the biggest prompt, or the 1-token prefill plus
     # every decode step.
@@ -448,7 +464,7 @@ def run_bench(
                 type_v=str(eng.kv_type),
                 build_commit=commit, build_number=build_number,
                 cpu_info=cpu_info(),
-                mem_bw_bytes_per_s=bw,
+                mem_bw_bytes_per_s=bandwidth(n_threads),
                 weight_bytes_per_token=int(info["weight_bytes_per_token"]),
             )
             tests = [(d, "pp", p) for d in depths for p in pps] + [(d, "tg", g) for d in depths for g in tgs]
