@@ -51,7 +51,7 @@ def test_amx_kernel_on_emulated_tiles_is_bitwise_the_vector_kernel(program):
     out = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [list(map(int, line.split())) for line in out.stdout.strip().splitlines()]
-    assert {r[0] for r in rows} == set(TYPES) and len(rows) == 12
+    assert {r[0] for r in rows} == set(TYPES) and len(rows) == 15
     for qtype, k, n, nt, calls, diff in rows:
         case = f"{TYPES[qtype]} {k}x{n}, {nt} tokens"
         assert calls == 2, f"{case}: the tiles ran in {calls} of 2 calls"

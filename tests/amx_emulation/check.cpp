@@ -17,7 +17,8 @@ using namespace minfer::cpu;
 int main() {
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> scale(0.001f, 0.1f);
-    const std::tuple<int, int, int> shapes[] = {{512, 40, 70}, {2048, 35, 48}, {256, 16, 16}, {1024, 50, 37}};
+    // 8192 x 130: token blocks of 112 (kAmxActBytes over rows of 9,344 bytes), then 16 + a tail of 2.
+    const std::tuple<int, int, int> shapes[] = {{512, 40, 70}, {2048, 35, 48}, {256, 16, 16}, {1024, 50, 37}, {8192, 20, 130}};
     for (int32_t type : {T_Q4_K, T_Q5_K, T_Q6_K})
         for (auto [in, out, nt] : shapes) {
             const int nb = in / 256;
