@@ -1,5 +1,5 @@
-"""Q4_K prefill on the AMX tiles against the vector (VNNI) kernel, in one process,
-alternating: `minfer`'s prefill of 512 random tokens through MODEL with the tiles on
+"""K-quant (Q4_K, Q5_K, Q6_K) prefill on the AMX tiles against the vector (VNNI) kernel,
+in one process, alternating: `minfer`'s prefill of 512 random tokens through MODEL with the tiles on
 and off (`_core.testing.cpu_set_amx`, the switch the tests use), ROUNDS rounds.
 
     python bench/amx_prefill.py MODEL.gguf [-t THREADS] [--rounds 3] [-n 512]

@@ -309,7 +309,7 @@ void register_cpu_testing(py::module_& t) {
     // (cpu/repack.h), so tests know which kernel they pin.
     t.def("repack_packable", [](int type) { return repack::packable(type); }, py::arg("type"));
     t.def("repack_token_tile", &repack::token_tile);
-    // Q4_K prefill on the AMX tiles (cpu/repack_k.h): whether this build and OS run it,
+    // K-quant prefill on the AMX tiles (cpu/repack_k.h): whether this build and OS run it,
     // and a switch so tests can compare it with the vector kernel, bitwise.
     t.def("cpu_amx_available", &repack::k::amx_available);
     t.def("cpu_set_amx", &repack::k::set_amx, py::arg("on"));

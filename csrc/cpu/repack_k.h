@@ -18,9 +18,9 @@ namespace minfer::cpu::repack::k {
 
 // Q4_K, Q5_K and Q6_K, in builds with AVX2 or wider.
 bool handles(int32_t type);
-// Q4_K blocks of 16 tokens and more run on the AMX tiles where the build targets them
-// and the OS grants the tile state (bitwise the vector kernel's results). set_amx(false)
-// makes this process take the vector kernel (tests compare the two).
+// Blocks of 16 tokens and more run on the AMX tiles (repack_k_amx.cpp) where the build
+// targets them and the OS grants the tile state (bitwise the vector kernel's results).
+// set_amx(false) makes this process take the vector kernel (tests compare the two).
 bool amx_available();
 void set_amx(bool on);
 uint64_t amx_calls();  // matmul calls that ran on the tiles so far
