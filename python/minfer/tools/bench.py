@@ -394,8 +394,9 @@ def run_bench(
     Zeros in n_prompt / n_gen are skipped. threads=None uses the engine's default.
     backends is passed to Session.open as is (None = automatic choice).
     mem_bandwidth: None measures it here (bytes/s; on the CPU once per thread count, with
-    that many threads), a number uses that, False skips it (mem_bw_frac is then absent). engine_loader(path, n_ctx=, n_threads=,
-    backends=) replaces Session.open, for tests and for embedding in other harnesses."""
+    that many threads), a number uses that, False skips it (mem_bw_frac is then absent).
+    engine_loader(path, n_ctx=, n_threads=, backends=) replaces Session.open, for tests
+    and for embedding in other harnesses."""
     model_path = Path(model_path)
     pps = [p for p in parse_int_list(list(n_prompt)) if p > 0]
     tgs = [n for n in parse_int_list(list(n_gen)) if n > 0]
@@ -418,23 +419,18 @@ def run_bench(
     if mem_bandwidth is None and _runs_on_cuda(backends):
         say("minfer bench: measuring device copy bandwidth")
         from minfer import _core
-        cuda_bw = float(_core.testing.cuda_copy_bandwidth())
+        mem_bandwidth = float(_core.testing.cuda_copy_bandwidth())
+    probed: dict[int, float] = {}
 
-        def bandwidth(n_threads: int) -> float | None:
-            return cuda_bw
-    elif mem_bandwidth is None:
-        probed: dict[int, float] = {}
-
-        def bandwidth(n_threads: int) -> float | None:
-            if n_threads not in probed:
-                say(f"minfer bench: measuring memory bandwidth with {n_threads} thread(s)")
-                probed[n_threads] = measure_bandwidth_isolated(n_threads)
-            return probed[n_threads]
-    else:
-        given = None if mem_bandwidth is False else float(mem_bandwidth)
-
-        def bandwidth(n_threads: int) -> float | None:
-            return given
+    def bandwidth(n_threads: int) -> float | None:
+        if mem_bandwidth is False:
+            return None
+        if mem_bandwidth is not None:
+            return float(mem_bandwidth)
+        if n_threads not in probed:
+            say(f"minfer bench: measuring memory bandwidth with {n_threads} thread(s)")
+            probed[n_threads] = measure_bandwidth_isolated(n_threads)
+        return probed[n_threads]
 
     # Room for the deepest context plus the biggest prompt, or the 1-token prefill plus
     # every decode step.
