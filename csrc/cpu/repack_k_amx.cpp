@@ -13,7 +13,10 @@
 //
 // Each group is widened once per call (8 KB a super-block: 4 K steps x the low and high
 // byte planes, each one B tile) and used by every token, in blocks of about
-// kAmxActBytes of activations, which stay in L2 while the groups pass.
+// kAmxActBytes of activations, which stay in L2 while the groups pass. Threads cut a
+// prefill into token slabs of one such block (amx_slab) rather than the work split's
+// eighths: every slab is a call that widens its groups again, and a 64-token eighth's
+// tile products (about 220 ns a super-block on a Sapphire Rapids) are only twice that.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -162,6 +165,9 @@ void tiles(const uint8_t* bt, const uint8_t* a, size_t arb, const KMeta* meta, i
         }
 }
 
+// Tokens of one block of activations (about kAmxActBytes), a multiple of 16.
+int64_t block_tokens(size_t arb) { return std::max<int64_t>(kTok, (int64_t)(kAmxActBytes / arb) / kTok * kTok); }
+
 template <int32_t T>
 void run(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMeta* meta, float* y, int64_t ldy,
          int64_t r0, int64_t r1) {
@@ -172,7 +178,7 @@ void run(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMet
         uint8_t b[64];
     };
     static thread_local std::vector<Line> btv, accv;
-    const int64_t tb = std::max<int64_t>(kTok, (int64_t)(kAmxActBytes / arb) / kTok * kTok);
+    const int64_t tb = block_tokens(arb);
     if (btv.size() < (size_t)nb * kWide / 64) btv.resize((size_t)nb * kWide / 64);
     if (accv.size() < (size_t)std::min(tb, nt)) accv.resize((size_t)std::min(tb, nt));
     uint8_t* bt = reinterpret_cast<uint8_t*>(btv.data());
@@ -208,6 +214,7 @@ void run(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMet
 std::atomic<int> g_amx_on{-1};  // -1: not asked yet; 0 / 1 (the OS granted the tile state)
 std::atomic<bool> g_amx_use{true};  // tests compare the tiles with the vector kernel (set_amx)
 std::atomic<uint64_t> g_amx_calls{0};  // matmul calls that ran tiles (tests see them run)
+std::atomic<bool> g_amx_slabs{true};  // bench/amx_prefill.py times them against eighths
 
 bool amx_on() {
     int v = g_amx_on.load(std::memory_order_relaxed);
@@ -235,6 +242,18 @@ int64_t amx_matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, 
     }
 }
 
+int64_t amx_slab(const Packed& p, size_t arb, int64_t nt) {
+    if (nt < kTok || !g_amx_use.load(std::memory_order_relaxed) || !g_amx_slabs.load(std::memory_order_relaxed) ||
+        !amx_on())
+        return 0;
+    if (p.type != T_Q4_K && p.type != T_Q5_K && p.type != T_Q6_K) return 0;
+    // The fewest even slabs of at most one block each, in whole token tiles: 512 tokens of
+    // 2,048-wide rows are 2 slabs of 256 (a block holds 448), of 8,192-wide rows 5 of 112.
+    const int64_t tb = block_tokens(arb), pieces = (nt + tb - 1) / tb;
+    return ((nt + pieces - 1) / pieces + kTok - 1) / kTok * kTok;
+}
+void set_amx_slabs(bool on) { g_amx_slabs.store(on, std::memory_order_relaxed); }
+
 bool amx_available() { return amx_on(); }
 uint64_t amx_calls() { return g_amx_calls.load(std::memory_order_relaxed); }
 void set_amx(bool on) { g_amx_use.store(on, std::memory_order_relaxed); }
@@ -246,6 +265,8 @@ int64_t amx_matmul(const Packed&, const uint8_t*, size_t, int64_t, const KMeta*,
     return 0;
 }
 
+int64_t amx_slab(const Packed&, size_t, int64_t) { return 0; }
+void set_amx_slabs(bool) {}
 bool amx_available() { return false; }
 uint64_t amx_calls() { return 0; }
 void set_amx(bool) {}
