@@ -82,10 +82,11 @@ def need_tools(*tools):
                     f"(or run the suite with `bash .ci/run`, which does)")
 
 
-def build(compiler, flags, out_dir, name):
-    """Compiles each source in its own process (two cores build in half the time) and
-    links; binaries are cached by a hash of sources, headers, compiler and flags."""
-    srcs = [str(HARNESS), *quant_sources()]
+def build(compiler, flags, out_dir, name, srcs=None):
+    """Compiles each source (default: this harness and the quant kernels) in its own
+    process (two cores build in half the time) and links; binaries are cached by a hash
+    of sources, headers, compiler and flags."""
+    srcs = [str(s) for s in srcs] if srcs else [str(HARNESS), *quant_sources()]
     key = hashlib.sha256(repr((compiler, flags, FLAGS)).encode())
     for p in srcs + sorted(str(h) for h in (ROOT / "csrc").rglob("*.h")):
         key.update(Path(p).read_bytes())
