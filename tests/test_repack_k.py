@@ -8,7 +8,7 @@ check_against_references ("tight": K-quant recursive-summation bound 8 * n * 2^-
 sum|w||y|; "semantic": plus the Q8_K activation rounding amax/254 per element).
 
 Shapes cover row counts that are not a multiple of the 16-row group (1, 17, 40), token
-counts around the kernel's tile of 8 (AVX-512) or 4 (AVX2) tokens, and thread counts
+counts around the kernel's tile of 8 tokens, and thread counts
 whose row split cuts groups unevenly (3, 5, 16 threads on 17-40 rows).
 """
 

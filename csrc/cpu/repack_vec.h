@@ -203,11 +203,11 @@ constexpr int kNA = 4;
 constexpr size_t kActBlockBytes = 256 << 10;
 // whole_group: one call per group for all 16 lanes (lane0 0, lo/hi within [0, 16)), for
 // kernels that walk both V8 halves in one pass (see kDecodeHalves).
-template <class Fn>
+template <int NA = kNA, class Fn>
 inline void for_tiles(int64_t r0, int64_t r1, int64_t nt, size_t arb, bool whole_group, Fn&& f) {
     constexpr int G = 16;
     const int step = whole_group ? G : VK::N;
-    const int64_t tb = std::max<int64_t>(kNA, (int64_t)(kActBlockBytes / arb) / kNA * kNA);
+    const int64_t tb = std::max<int64_t>(NA, (int64_t)(kActBlockBytes / arb) / NA * NA);
     const int64_t g0 = r0 / G, g1 = (r1 + G - 1) / G;
     for (int64_t b0 = 0; b0 < nt; b0 += tb) {
         const int64_t b1 = std::min(nt, b0 + tb);
@@ -217,7 +217,7 @@ inline void for_tiles(int64_t r0, int64_t r1, int64_t nt, size_t arb, bool whole
                 const int64_t lo = std::max<int64_t>(r0 - base - lane0, 0);
                 const int64_t hi = std::min<int64_t>(r1 - base - lane0, step);
                 if (hi <= lo) continue;
-                for (int64_t t = b0; t < b1; t += kNA) f(gi, lane0, (int)lo, (int)hi, t, (int)std::min<int64_t>(kNA, b1 - t));
+                for (int64_t t = b0; t < b1; t += NA) f(gi, lane0, (int)lo, (int)hi, t, (int)std::min<int64_t>(NA, b1 - t));
             }
         }
     }
