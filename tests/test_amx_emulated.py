@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from test_repack_k import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "tests" / "amx_emulation"
 SOURCES = [HERE / "check.cpp"] + [ROOT / "csrc" / "cpu" / f for f in ("repack.cpp", "repack_k.cpp", "repack_k_amx.cpp")]
@@ -28,9 +30,7 @@ TYPES = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 def _cpu_runs_it() -> bool:
-    with open("/proc/cpuinfo") as f:
-        flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
-    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"} <= flags
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"} <= cpu_flags()
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import gguf
 from minfer import _core
 from test_kernels_qemu import ROOT, build, need_tools, quant_sources
 from test_quant_kernels import FAMILY32, KQUANTS, check_against_references, make_weight, run_matmul
-from test_repack_k import extreme_blocks
+from test_repack_k import cpu_flags, extreme_blocks
 
 Q = gguf.GGMLQuantizationType
 CHECK = ROOT / "tests" / "repack_builds" / "check.cpp"
@@ -43,11 +43,6 @@ TARGETS = {
                        False),
     "avx-vnni": (["-march=haswell", "-mavxvnni"], V3 | {"avx_vnni"}, "avx2", True),
 }
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
 
 
 def cases():

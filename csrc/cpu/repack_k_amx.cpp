@@ -227,11 +227,17 @@ bool amx_on() {
     return v == 1;
 }
 
+// Whether a call of nt tokens on p runs on the tiles: amx_matmul and amx_slab decide alike.
+bool tiles_take(const Packed& p, int64_t nt) {
+    return nt >= kTok && (p.type == T_Q4_K || p.type == T_Q5_K || p.type == T_Q6_K) &&
+           g_amx_use.load(std::memory_order_relaxed) && amx_on();
+}
+
 }  // namespace
 
 int64_t amx_matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMeta* meta, float* y,
                    int64_t ldy, int64_t r0, int64_t r1) {
-    if (nt < kTok || !g_amx_use.load(std::memory_order_relaxed) || !amx_on()) return 0;
+    if (!tiles_take(p, nt)) return 0;
     const int64_t n = nt / kTok * kTok;
     g_amx_calls.fetch_add(1, std::memory_order_relaxed);
     switch (p.type) {
@@ -243,10 +249,7 @@ int64_t amx_matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, 
 }
 
 int64_t amx_slab(const Packed& p, size_t arb, int64_t nt) {
-    if (nt < kTok || !g_amx_use.load(std::memory_order_relaxed) || !g_amx_slabs.load(std::memory_order_relaxed) ||
-        !amx_on())
-        return 0;
-    if (p.type != T_Q4_K && p.type != T_Q5_K && p.type != T_Q6_K) return 0;
+    if (!g_amx_slabs.load(std::memory_order_relaxed) || !tiles_take(p, nt)) return 0;
     // The fewest even slabs of at most one block each, in whole token tiles: 512 tokens of
     // 2,048-wide rows are 2 slabs of 256 (a block holds 448), of 8,192-wide rows 5 of 112.
     const int64_t tb = block_tokens(arb), pieces = (nt + tb - 1) / tb;
