@@ -10,7 +10,8 @@
 #   run(command="COMMIT=<rev> bash bench/device_cpu.sh sweep_in/llama", carry=["sweep_in"])
 #
 # Knobs (environment): THREADS (1,16,2,4,8), REPS (2), BUDGET (300: seconds after which the
-# sweep starts no new thread count), AMX_T (4,16; empty: none), TESTS=0 skips the tests.
+# sweep starts no new thread count), AMX_T (4,16; empty: none), AMX_BLOCKS (1024,512,1536:
+# amx_prefill's slab sizes in KiB), TESTS=0 skips the tests.
 # About 300 s for the sweep's five thread counts of the Llama-3.2-1B shape on the 16-core
 # Xeon, 30 for the tests, 20 a thread count for amx_prefill.
 set -u
@@ -39,7 +40,8 @@ fi
 
 for t in $(echo "${AMX_T-4,16}" | tr , ' '); do
   t0=$SECONDS
-  { echo "== $t threads"; python3 bench/amx_prefill.py "$W/shaped-q4_k_m.gguf" -t "$t" --rounds 3; } \
+  { echo "== $t threads"; python3 bench/amx_prefill.py "$W/shaped-q4_k_m.gguf" -t "$t" --rounds 3 \
+      --blocks "${AMX_BLOCKS:-1024,512,1536}"; } \
     >>"$OUT/amx_prefill.txt" 2>&1
   phase "amx_prefill -t $t rc $? in $((SECONDS - t0)) s -> amx_prefill.txt"
 done

@@ -314,7 +314,7 @@ void register_cpu_testing(py::module_& t) {
     t.def("cpu_amx_available", &repack::k::amx_available);
     t.def("cpu_set_amx", &repack::k::set_amx, py::arg("on"));
     t.def("cpu_amx_calls", &repack::k::amx_calls);
-    t.def("cpu_set_amx_slabs", &repack::k::set_amx_slabs, py::arg("on"));
+    t.def("cpu_set_amx_slabs", &repack::k::set_amx_slabs, py::arg("block_bytes") = repack::k::kAmxActBytes);
     // Q8_K activation bytes of x (a multiple of 256 floats) from the SIMD or the scalar
     // quantizer: the two must agree byte for byte.
     t.def("quantize_q8_K", [](py::array_t<float, py::array::c_style> x, bool simd) {

@@ -39,7 +39,6 @@ namespace minfer::cpu::repack::k {
 namespace {
 
 constexpr int kTok = 16;  // tokens of one A tile
-constexpr size_t kAmxActBytes = 1 << 20;
 constexpr size_t kKStep = 2048;  // one K step of a widened super-block: low plane, then high
 
 struct TileConfig {
@@ -165,8 +164,13 @@ void tiles(const uint8_t* bt, const uint8_t* a, size_t arb, const KMeta* meta, i
         }
 }
 
-// Tokens of one block of activations (about kAmxActBytes), a multiple of 16.
-int64_t block_tokens(size_t arb) { return std::max<int64_t>(kTok, (int64_t)(kAmxActBytes / arb) / kTok * kTok); }
+std::atomic<size_t> g_amx_block{kAmxActBytes};  // bench/amx_prefill.py times sizes; 0: eighths
+
+// Tokens of one block of activations (about g_amx_block bytes), a multiple of 16.
+int64_t block_tokens(size_t arb) {
+    const size_t bytes = g_amx_block.load(std::memory_order_relaxed);
+    return std::max<int64_t>(kTok, (int64_t)((bytes ? bytes : kAmxActBytes) / arb) / kTok * kTok);
+}
 
 template <int32_t T>
 void run(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMeta* meta, float* y, int64_t ldy,
@@ -214,7 +218,6 @@ void run(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMet
 std::atomic<int> g_amx_on{-1};  // -1: not asked yet; 0 / 1 (the OS granted the tile state)
 std::atomic<bool> g_amx_use{true};  // tests compare the tiles with the vector kernel (set_amx)
 std::atomic<uint64_t> g_amx_calls{0};  // matmul calls that ran tiles (tests see them run)
-std::atomic<bool> g_amx_slabs{true};  // bench/amx_prefill.py times them against eighths
 
 bool amx_on() {
     int v = g_amx_on.load(std::memory_order_relaxed);
@@ -249,13 +252,13 @@ int64_t amx_matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, 
 }
 
 int64_t amx_slab(const Packed& p, size_t arb, int64_t nt) {
-    if (!g_amx_slabs.load(std::memory_order_relaxed) || !tiles_take(p, nt)) return 0;
+    if (!g_amx_block.load(std::memory_order_relaxed) || !tiles_take(p, nt)) return 0;
     // The fewest even slabs of at most one block each, in whole token tiles: 512 tokens of
     // 2,048-wide rows are 2 slabs of 256 (a block holds 448), of 8,192-wide rows 5 of 112.
     const int64_t tb = block_tokens(arb), pieces = (nt + tb - 1) / tb;
     return ((nt + pieces - 1) / pieces + kTok - 1) / kTok * kTok;
 }
-void set_amx_slabs(bool on) { g_amx_slabs.store(on, std::memory_order_relaxed); }
+void set_amx_slabs(size_t block_bytes) { g_amx_block.store(block_bytes, std::memory_order_relaxed); }
 
 bool amx_available() { return amx_on(); }
 uint64_t amx_calls() { return g_amx_calls.load(std::memory_order_relaxed); }
@@ -269,7 +272,7 @@ int64_t amx_matmul(const Packed&, const uint8_t*, size_t, int64_t, const KMeta*,
 }
 
 int64_t amx_slab(const Packed&, size_t, int64_t) { return 0; }
-void set_amx_slabs(bool) {}
+void set_amx_slabs(size_t) {}
 bool amx_available() { return false; }
 uint64_t amx_calls() { return 0; }
 void set_amx(bool) {}

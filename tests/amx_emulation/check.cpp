@@ -78,7 +78,7 @@ int main() {
         const size_t arb = (size_t)(in / 256) * sizeof(block_q8_K);
         std::printf("slab %d %d %lld\n", in, nt, (long long)repack::k::amx_slab(pk, arb, nt));
     }
-    repack::k::set_amx_slabs(false);
+    repack::k::set_amx_slabs(0);
     std::printf("slab off %lld\n", (long long)repack::k::amx_slab(pk, 2048 / 256 * sizeof(block_q8_K), 512));
     return 0;
 }
