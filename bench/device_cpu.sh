@@ -11,7 +11,8 @@
 #
 # Knobs (environment): THREADS (1,16,2,4,8), REPS (2), BUDGET (300: seconds after which the
 # sweep starts no new thread count), AMX_T (4,16; empty: none), AMX_BLOCKS (1024,512,1536:
-# amx_prefill's slab sizes in KiB), TESTS=0 skips the tests.
+# amx_prefill's slab sizes in KiB), BALANCE_T (2,4: bench/cpu_balance.py's per-op prefill
+# table at these thread counts; empty: none), TESTS=0 skips the tests.
 # About 300 s for the sweep's five thread counts of the Llama-3.2-1B shape on the 16-core
 # Xeon, 30 for the tests, 20 a thread count for amx_prefill.
 set -u
@@ -45,4 +46,10 @@ for t in $(echo "${AMX_T-4,16}" | tr , ' '); do
     >>"$OUT/amx_prefill.txt" 2>&1
   phase "amx_prefill -t $t rc $? in $((SECONDS - t0)) s -> amx_prefill.txt"
 done
+# Where a prefill's threads spend their time per op at these thread counts (the tiles' slabs).
+if [ -n "${BALANCE_T-2,4}" ]; then
+  t0=$SECONDS
+  python3 bench/cpu_balance.py "$W/shaped-q4_k_m.gguf" -p 512 -t "${BALANCE_T-2,4}" -r 3 >"$OUT/balance.txt" 2>&1
+  phase "cpu_balance -t ${BALANCE_T-2,4} rc $? in $((SECONDS - t0)) s -> balance.txt"
+fi
 phase "done"
