@@ -3,11 +3,15 @@
 // Work is cut into items of (query-token block, KV head, slice of that head's query
 // heads). An item walks KV cells in blocks of BK; each K/V row of a block is loaded
 // once and used by every query row of the item (all heads of the GQA group, for a
-// block of tokens), which is what makes prefill cache-friendly.
+// block of tokens), which is what makes prefill cache-friendly. Scores are a small
+// matrix product per block: the block's K transposed, four query rows at a time, each
+// (row, cell) score one chain of fused multiply-adds over the head dimension in a
+// vector lane of its own (no horizontal sums); P V likewise keeps each output dimension
+// in a lane.
 //
 // Determinism: an item's rows are of one sequence, its KV blocks are counted in BK
 // positions from the sequence's first (its cells read through its span: a shared
-// prefix's, then its own), and every per-row operation (dot-product tree, max, exp,
+// prefix's, then its own), and every per-row operation (a score's chain, max, exp,
 // sums, accumulation order) depends only on that row's own data and positions. So a
 // (token, head) output is bit-identical whatever item it landed in, for any thread
 // count, wherever its sequence's cells lie in the arena, and whether its prefix is read
@@ -47,69 +51,144 @@ Tiling tiling(const AttnArgs& a) {
 }
 
 inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
+inline int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
 using vm::use_simd;
 
-// out[j] = dot(q[j], k) for four query rows.
-inline void dot4(const float* const q[4], const float* k, int64_t hd, bool simd, float out[4]) {
-    int64_t d = 0;
+// Float vectors of N lanes for the score and accumulation kernels below. Each lane runs
+// its own chain of fused multiply-adds, so a lane's bits are the same at every width:
+// the portable path (FV1) computes exactly what the SIMD ones do.
+struct FV1 {
+    using T = float;
+    static constexpr int N = 1;
+    static T zero() { return 0.0f; }
+    static T load(const float* p) { return *p; }
+    static void store(float* p, T v) { *p = v; }
+    static T bcast(float x) { return x; }
+    static T mul(T a, T b) { return a * b; }
+    static T fma(T a, T b, T c) { return std::fma(a, b, c); }
+};
 #ifdef MINFER_VEC_AVX2
-    if (simd) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (; d + 8 <= hd; d += 8) {
-            const __m256 kv = _mm256_loadu_ps(k + d);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[0] + d), kv, a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q[1] + d), kv, a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q[2] + d), kv, a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q[3] + d), kv, a3);
-        }
-        _mm_storeu_ps(out, simd::hsum_pairs_x4(a0, a1, a2, a3));
-    } else
+struct FV8 {
+    using T = __m256;
+    static constexpr int N = 8;
+    static T zero() { return _mm256_setzero_ps(); }
+    static T load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+    static T bcast(float x) { return _mm256_set1_ps(x); }
+    static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+    static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+};
 #endif
-    {
-        out[0] = out[1] = out[2] = out[3] = 0.0f;
+#ifdef __AVX512F__
+struct FV16 {
+    using T = __m512;
+    static constexpr int N = 16;
+    static T zero() { return _mm512_setzero_ps(); }
+    static T load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+    static T bcast(float x) { return _mm512_set1_ps(x); }
+    static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+    static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+};
+using FVW = FV16;  // the widest vector of the SIMD path
+#elif defined(MINFER_VEC_AVX2)
+using FVW = FV8;
+#endif
+
+// Scores of four query rows against NV vectors of a block's cells, from column col of
+// the block's transposed K (Kt: [hd][BK]): out[j][col..] = sum over d of q[j][d] *
+// Kt[d][col..], one fused multiply-add per d in order. A (row, cell) score is then the
+// same whichever rows and cells share its pass, and no horizontal sums are left.
+template <class V, int NV>
+inline void score_pass(const float* const q[4], const float* Kt, int64_t hd, int64_t col, float scale,
+                       float* const out[4]) {
+    using T = typename V::T;
+    T acc[4][NV];
+    for (int j = 0; j < 4; ++j)
+        for (int v = 0; v < NV; ++v) acc[j][v] = V::zero();
+    const float* kr = Kt + col;
+    for (int64_t d = 0; d < hd; ++d, kr += BK) {
+        T kv[NV];
+        for (int v = 0; v < NV; ++v) kv[v] = V::load(kr + v * V::N);
+        for (int j = 0; j < 4; ++j) {
+            const T qb = V::bcast(q[j][d]);
+            for (int v = 0; v < NV; ++v) acc[j][v] = V::fma(qb, kv[v], acc[j][v]);
+        }
     }
-    // Explicit fma: a contractible a += b * c could compile differently here and in
-    // dot4x2_avx2, and then a score would depend on how cells were paired.
-    for (; d < hd; ++d)
-        for (int j = 0; j < 4; ++j) out[j] = std::fma(q[j][d], k[d], out[j]);
+    for (int j = 0; j < 4; ++j)
+        for (int v = 0; v < NV; ++v) V::store(out[j] + col + v * V::N, V::mul(acc[j][v], V::bcast(scale)));
+}
+
+// Columns [ca, cb) of four rows' scores, in whole vectors (Kt's columns beyond the
+// loaded cells are zero, and their scores are never read).
+template <class V>
+void scores4(const float* const q[4], const float* Kt, int64_t hd, int64_t ca, int64_t cb, float scale,
+             float* const out[4]) {
+    // Four rows x NV vectors of accumulators: 16 of AVX-512's 32 registers, 8 of AVX2's 16.
+    constexpr int NV = V::N == 8 ? 2 : 4;
+    int64_t col = ca / V::N * V::N;
+    const int64_t end = (cb + V::N - 1) / V::N * V::N;
+    for (; col + NV * V::N <= end; col += NV * V::N) score_pass<V, NV>(q, Kt, hd, col, scale, out);
+    switch ((end - col) / V::N) {
+        case 3: score_pass<V, 3>(q, Kt, hd, col, scale, out); break;
+        case 2: score_pass<V, 2>(q, Kt, hd, col, scale, out); break;
+        case 1: score_pass<V, 1>(q, Kt, hd, col, scale, out); break;
+        default: break;
+    }
+}
+
+// n K rows (row r at src + r * stride, hd floats) into columns col0.. of Kt ([hd][BK]).
+void transpose_into(const float* src, int64_t stride, int64_t n, int64_t hd, float* Kt, int64_t col0) {
+    int64_t r = 0;
+#ifdef MINFER_VEC_AVX2
+    // 8 x 8 tiles: rows r..r+7, dims d..d+7 through the registers.
+    for (; r + 8 <= n; r += 8) {
+        int64_t d = 0;
+        for (; d + 8 <= hd; d += 8) {
+            __m256 x[8];
+            for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r + i) * stride + d);
+            const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
+            const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
+            const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
+            const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
+            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float* o = Kt + d * BK + col0 + r;
+            _mm256_storeu_ps(o + 0 * BK, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(o + 1 * BK, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(o + 2 * BK, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(o + 3 * BK, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(o + 4 * BK, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(o + 5 * BK, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(o + 6 * BK, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(o + 7 * BK, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+        for (; d < hd; ++d)
+            for (int i = 0; i < 8; ++i) Kt[d * BK + col0 + r + i] = src[(r + i) * stride + d];
+    }
+#endif
+    for (; r < n; ++r)
+        for (int64_t d = 0; d < hd; ++d) Kt[d * BK + col0 + r] = src[r * stride + d];
 }
 
 #ifdef MINFER_VEC_AVX2
-// Two cells at once: each q load feeds two FMAs. Every (row, cell) sum uses the same
-// accumulation and reduction tree as dot4, so pairing never changes a score.
-inline void dot4x2_avx2(const float* const q[4], const float* k0, const float* k1, int64_t hd, float o0[4],
-                        float o1[4]) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    int64_t d = 0;
-    for (; d + 8 <= hd; d += 8) {
-        const __m256 x = _mm256_loadu_ps(k0 + d), y = _mm256_loadu_ps(k1 + d);
-        __m256 qv = _mm256_loadu_ps(q[0] + d);
-        a0 = _mm256_fmadd_ps(qv, x, a0);
-        b0 = _mm256_fmadd_ps(qv, y, b0);
-        qv = _mm256_loadu_ps(q[1] + d);
-        a1 = _mm256_fmadd_ps(qv, x, a1);
-        b1 = _mm256_fmadd_ps(qv, y, b1);
-        qv = _mm256_loadu_ps(q[2] + d);
-        a2 = _mm256_fmadd_ps(qv, x, a2);
-        b2 = _mm256_fmadd_ps(qv, y, b2);
-        qv = _mm256_loadu_ps(q[3] + d);
-        a3 = _mm256_fmadd_ps(qv, x, a3);
-        b3 = _mm256_fmadd_ps(qv, y, b3);
-    }
-    _mm_storeu_ps(o0, simd::hsum_pairs_x4(a0, a1, a2, a3));
-    _mm_storeu_ps(o1, simd::hsum_pairs_x4(b0, b1, b2, b3));
-    for (; d < hd; ++d)
-        for (int j = 0; j < 4; ++j) {
-            o0[j] = std::fma(q[j][d], k0[d], o0[j]);
-            o1[j] = std::fma(q[j][d], k1[d], o1[j]);
-        }
-}
-
 // max of p[0..n), n >= 1; max is exact, so the lane order cannot change the result.
+#ifdef __AVX512F__
+inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+#endif
+
 inline float max_avx2(const float* p, int64_t n) {
-    __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t i = 0;
+#ifdef __AVX512F__
+    __m512 w = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (; i + 16 <= n; i += 16) w = _mm512_max_ps(w, _mm512_loadu_ps(p + i));
+    __m256 m = _mm256_max_ps(_mm512_castps512_ps256(w), hi256(w));
+#else
+    __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+#endif
     for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(p + i));
     alignas(32) float t[8];
     _mm256_store_ps(t, m);
@@ -124,7 +203,20 @@ inline float max_avx2(const float* p, int64_t n) {
 inline float exp_sub_sum(float* p, int64_t n, float m, bool simd) {
     int64_t i = 0;
     float sum = 0.0f;
-#ifdef MINFER_VEC_AVX2
+#ifdef __AVX512F__
+    if (simd) {
+        // Whole vectors, the last padded with -inf (exp gives 0, which adds exactly).
+        const __m512 vm_ = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        __m512 acc = _mm512_setzero_ps();
+        for (; i < n; i += 16) {
+            const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+            const __m512 e = vm::exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(ninf, k, p + i), vm_));
+            _mm512_mask_storeu_ps(p + i, k, e);
+            acc = _mm512_add_ps(acc, e);
+        }
+        return simd::hsum_pairs(_mm256_add_ps(_mm512_castps512_ps256(acc), hi256(acc)));
+    }
+#elif defined(MINFER_VEC_AVX2)
     if (simd) {
         const __m256 vm_ = _mm256_set1_ps(m);
         __m256 acc = _mm256_setzero_ps();
@@ -154,37 +246,36 @@ inline float exp_sub_sum(float* p, int64_t n, float m, bool simd) {
     return sum;
 }
 
+// NV vectors of acc from d0: acc * alpha + sum over c in [0, n) of p[c] * v[c][..], the
+// cells in order, one fused multiply-add each (a lane's bits are the same at any width).
+template <class V, int NV>
+inline void accumulate_pass(float* acc, float alpha, const float* p, const float* v, int64_t vstride, int64_t n,
+                            int64_t d0) {
+    using T = typename V::T;
+    const T va = V::bcast(alpha);
+    T r[NV];
+    for (int k = 0; k < NV; ++k) r[k] = V::mul(V::load(acc + d0 + k * V::N), va);
+    const float* vr = v + d0;
+    for (int64_t c = 0; c < n; ++c, vr += vstride) {
+        const T pc = V::bcast(p[c]);
+        for (int k = 0; k < NV; ++k) r[k] = V::fma(pc, V::load(vr + k * V::N), r[k]);
+    }
+    for (int k = 0; k < NV; ++k) V::store(acc + d0 + k * V::N, r[k]);
+}
+
 // acc[0..hd) = acc * alpha + sum_{c in [0, n)} p[c] * v[c * vstride + 0..hd).
 inline void accumulate(float* acc, float alpha, const float* p, const float* v, int64_t vstride, int64_t n,
                        int64_t hd, bool simd) {
     int64_t d0 = 0;
 #ifdef MINFER_VEC_AVX2
     if (simd) {
-        const __m256 va = _mm256_set1_ps(alpha);
-        // 64 dims live in 8 registers across the whole cell loop.
-        for (; d0 + 64 <= hd; d0 += 64) {
-            __m256 r[8];
-            for (int k = 0; k < 8; ++k) r[k] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * k), va);
-            for (int64_t c = 0; c < n; ++c) {
-                const __m256 pc = _mm256_set1_ps(p[c]);
-                const float* vr = v + c * vstride + d0;
-                for (int k = 0; k < 8; ++k) r[k] = _mm256_fmadd_ps(pc, _mm256_loadu_ps(vr + 8 * k), r[k]);
-            }
-            for (int k = 0; k < 8; ++k) _mm256_storeu_ps(acc + d0 + 8 * k, r[k]);
-        }
-        for (; d0 + 8 <= hd; d0 += 8) {
-            __m256 r0 = _mm256_mul_ps(_mm256_loadu_ps(acc + d0), va);
-            for (int64_t c = 0; c < n; ++c)
-                r0 = _mm256_fmadd_ps(_mm256_set1_ps(p[c]), _mm256_loadu_ps(v + c * vstride + d0), r0);
-            _mm256_storeu_ps(acc + d0, r0);
-        }
+        // Four vectors (64 dims with AVX-512) stay in registers across the whole cell loop.
+        for (; d0 + 4 * FVW::N <= hd; d0 += 4 * FVW::N) accumulate_pass<FVW, 4>(acc, alpha, p, v, vstride, n, d0);
+        for (; d0 + FVW::N <= hd; d0 += FVW::N) accumulate_pass<FVW, 1>(acc, alpha, p, v, vstride, n, d0);
+        for (; d0 + FV8::N <= hd; d0 += FV8::N) accumulate_pass<FV8, 1>(acc, alpha, p, v, vstride, n, d0);
     }
 #endif
-    for (; d0 < hd; ++d0) {
-        float s = acc[d0] * alpha;
-        for (int64_t c = 0; c < n; ++c) s = std::fma(p[c], v[c * vstride + d0], s);
-        acc[d0] = s;
-    }
+    for (; d0 < hd; ++d0) accumulate_pass<FV1, 1>(acc, alpha, p, v, vstride, n, d0);
 }
 
 // The cells of one sequence as its rows read them (common/attn_span.h): its position i
@@ -259,6 +350,7 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
     float* S = acc + nrows * hdp;     // [nrows][BK] scores, then probabilities
     float* kbuf = S + nrows * BK;     // a block's K and V rows in f32 where they are not read in place
     float* vbuf = kbuf + BK * hd;
+    float* Kt = vbuf + BK * hd;       // the block's K transposed: [hd][BK]
     int64_t lmin = std::numeric_limits<int64_t>::max(), lmax = 0;
     for (int64_t i = 0; i < nrows; ++i) {
         m[i] = -std::numeric_limits<float>::infinity();
@@ -284,34 +376,41 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
             load_positions(a, a.k, g, sc, w0, c1, lmax, kbuf);
             load_positions(a, a.v, g, sc, w0, c1, lmax, vbuf);
         }
-        // Scores, four query rows per pass so each K row is read once per four rows.
+        // K transposed (Kt: [hd][BK], column c - c0), zero outside the loaded cells so
+        // whole-vector passes read no stale values.
+        const int64_t wa = w0 - c0, wb = c1 - c0, wz = std::min<int64_t>(BK, round16(wb));
+        for (int64_t d = 0; d < hd; ++d) {
+            std::fill(Kt + d * BK, Kt + d * BK + wa, 0.0f);
+            std::fill(Kt + d * BK + wb, Kt + d * BK + wz, 0.0f);
+        }
+        transpose_into(kb, ks, c1 - w0, hd, Kt, wa);
+        // Scores, four query rows per pass, written straight into their rows of S.
         for (int64_t i = 0; i < nrows; i += 4) {
             const int64_t nj = std::min<int64_t>(4, nrows - i);
             const float* qp[4];
+            float* op[4];
+            alignas(64) float spare[BK];  // the pass's padding rows land here
             int64_t a0 = c1, b0 = c0;
             for (int64_t j = 0; j < 4; ++j) {
                 const Row& rw = rows[i + std::min(j, nj - 1)];  // pad with the last real row
                 qp[j] = rw.q;
+                op[j] = j < nj ? S + (i + j) * BK : spare;
                 if (j < nj && rw.lo < rw.hi) {
                     a0 = std::min(a0, std::max(rw.lo, c0));
                     b0 = std::max(b0, std::min(rw.hi, c1));
                 }
             }
-            // Dots land cell-major in a small buffer, then get transposed into the score
-            // rows: four scattered scalar stores per cell stalled the dot loop.
-            alignas(16) float T[BK][4];
-            int64_t c = a0;
+            if (a0 >= b0) continue;
 #ifdef MINFER_VEC_AVX2
             if (simd)
-                for (; c + 2 <= b0; c += 2)
-                    dot4x2_avx2(qp, kb + (c - w0) * ks, kb + (c + 1 - w0) * ks, hd, T[c - c0], T[c + 1 - c0]);
+                scores4<FVW>(qp, Kt, hd, a0 - c0, b0 - c0, a.scale, op);
+            else
 #endif
-            for (; c < b0; ++c) dot4(qp, kb + (c - w0) * ks, hd, simd, T[c - c0]);
-            for (int64_t j = 0; j < nj; ++j) {
-                float* Sr = S + (i + j) * BK;
-                for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = T[c - c0][j] * a.scale;
-                if (a.softcap > 0.0f) {  // Gemma 2: softcap * tanh(s / softcap), per score
-                    const float inv = 1.0f / a.softcap;
+                scores4<FV1>(qp, Kt, hd, a0 - c0, b0 - c0, a.scale, op);
+            if (a.softcap > 0.0f) {  // Gemma 2: softcap * tanh(s / softcap), per score
+                const float inv = 1.0f / a.softcap;
+                for (int64_t j = 0; j < nj; ++j) {
+                    float* Sr = S + (i + j) * BK;
                     for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = a.softcap * std::tanh(Sr[c - c0] * inv);
                 }
             }
@@ -356,7 +455,7 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
 size_t attention_scratch_floats(const AttnArgs& a) {
     if (a.nkv <= 0 || a.nh <= 0 || a.hd <= 0) return 0;
     const Tiling t = tiling(a);
-    return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK)) + (size_t)(2 * BK * a.hd);
+    return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK)) + (size_t)(3 * BK * a.hd);
 }
 
 void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::atomic<uint64_t>* next) {
