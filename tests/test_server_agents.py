@@ -23,7 +23,11 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
                    "required": ["city"]}}}
-RESULT = {"temp_c": 18, "sky": "cloudy"}
+# The tool's answer as plain text. Given {"temp_c": 18, "sky": "cloudy"} instead, the
+# float64 reference forward of this 0.5B model prefers repeating the call as JSON over
+# answering (by 0.19-0.26 logits on the first token), and an engine's answer there is a
+# coin toss of its rounding; with this text the answer leads by 1.9 and keeps the figure.
+RESULT = "18 C, cloudy"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def test_openai_tool_call_loop(client):
     call = c.message.tool_calls[0]
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     msgs = ask() + [c.message.model_dump(exclude_none=True),
-                    {"role": "tool", "tool_call_id": call.id, "content": json.dumps(RESULT)}]
+                    {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
     final = client.chat.completions.create(model="default", messages=msgs, tools=[WEATHER], tool_choice="none",
                                            temperature=0, max_tokens=60)
     f = final.choices[0]
@@ -80,7 +84,7 @@ def test_openai_tool_call_loop_streaming(client):
     msgs = ask("London") + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": call["id"], "type": "function", "function": {
             "name": call["name"], "arguments": call["arguments"]}}]},
-        {"role": "tool", "tool_call_id": call["id"], "content": json.dumps(RESULT)}]
+        {"role": "tool", "tool_call_id": call["id"], "content": RESULT}]
     stream = client.chat.completions.create(model="default", messages=msgs, tools=[WEATHER], tool_choice="none",
                                             temperature=0, max_tokens=60, stream=True)
     text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
@@ -133,7 +137,7 @@ def test_openai_responses_with_a_function_tool(client):
     r2 = client.responses.create(model="default", instructions=SYSTEM, previous_response_id=r.id, tools=[tool],
                                  tool_choice="none", temperature=0, max_output_tokens=60,
                                  input=[{"type": "function_call_output", "call_id": calls[0].call_id,
-                                         "output": json.dumps(RESULT)}])
+                                         "output": RESULT}])
     assert r2.status == "completed" and "18" in r2.output_text
 
 
@@ -172,7 +176,7 @@ def test_anthropic_tool_use_round_trip(aclient):
                                  tool_choice={"type": "none"}, messages=[
                                      user, {"role": "assistant", "content": m.content},
                                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
-                                                                   "content": json.dumps(RESULT)}]}])
+                                                                   "content": RESULT}]}])
     assert m2.stop_reason == "end_turn" and "18" in m2.content[0].text
 
 
@@ -187,7 +191,7 @@ def test_langchain_two_step_tool_loop(server):
     @tool
     def get_weather(city: str) -> str:
         """Get the current weather in a city."""
-        return json.dumps({"city": city, **RESULT})
+        return json.dumps({"city": city, "temp_c": 18, "sky": "cloudy"})
 
     llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="default", temperature=0, max_tokens=100,
                      max_retries=0, timeout=300)
