@@ -269,8 +269,9 @@ inline void accumulate(float* acc, float alpha, const float* p, const float* v, 
     int64_t d0 = 0;
 #ifdef MINFER_VEC_AVX2
     if (simd) {
-        // Four vectors (64 dims with AVX-512) stay in registers across the whole cell loop.
-        for (; d0 + 4 * FVW::N <= hd; d0 += 4 * FVW::N) accumulate_pass<FVW, 4>(acc, alpha, p, v, vstride, n, d0);
+        // 64 dims stay in registers across the whole cell loop (4 AVX-512 or 8 AVX2 vectors).
+        constexpr int NV = 64 / FVW::N;
+        for (; d0 + NV * FVW::N <= hd; d0 += NV * FVW::N) accumulate_pass<FVW, NV>(acc, alpha, p, v, vstride, n, d0);
         for (; d0 + FVW::N <= hd; d0 += FVW::N) accumulate_pass<FVW, 1>(acc, alpha, p, v, vstride, n, d0);
         for (; d0 + FV8::N <= hd; d0 += FV8::N) accumulate_pass<FV8, 1>(acc, alpha, p, v, vstride, n, d0);
     }
