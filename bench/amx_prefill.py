@@ -1,11 +1,8 @@
 """K-quant (Q4_K, Q5_K, Q6_K) prefill on the AMX tiles against the vector (VNNI) kernel,
 in one process, alternating: `minfer`'s prefill of 512 random tokens through MODEL with the
-tiles on and off (`_core.testing.cpu_set_amx`, the switch the tests use); with the tiles on,
-the threads' work-stealing slabs (and the kernel's token blocks) at each of BLOCKS KiB of
-activations (`cpu_set_amx_slabs`; the first is the default, 1024) and at the split's
-eighths of the tokens (each slab widens its groups again), ROUNDS rounds.
+tiles on and off (`_core.testing.cpu_set_amx`, the switch the tests use), ROUNDS rounds.
 
-    python bench/amx_prefill.py MODEL.gguf [-t THREADS] [--rounds 3] [-n 512] [--blocks 1024,512,1536]
+    python bench/amx_prefill.py MODEL.gguf [-t THREADS] [--rounds 3] [-n 512]
 
 Prints each round's tok/s and the medians. On a build or machine without AMX all
 columns run the vector kernel (the script says so).
@@ -26,7 +23,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-n", "--tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--blocks", default="1024", help="slab sizes in KiB of activations, comma-separated")
     a = ap.parse_args(argv)
     from minfer import _core
     from minfer.session import Session
@@ -36,22 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     s = Session.open(a.model, n_ctx=a.tokens + 16, n_threads=a.threads)
     toks = [int(t) for t in np.random.default_rng(0).integers(100, min(20000, s.model.hp.n_vocab), a.tokens)]
     s.forward(toks[:32], n_out=1)  # warm-up: graphs built, weights repacked
-    # name: (tiles, slab bytes; 0: the split's eighths)
-    modes = {f"tiles {kib} KiB": (True, int(kib) << 10) for kib in a.blocks.split(",")}
-    modes |= {"tiles, eighths": (True, 0), "vector": (False, 1 << 20)}
+    modes = {"AMX tiles": True, "vector": False}
     got: dict = {m: [] for m in modes}
     try:
         for r in range(a.rounds):
             for m in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
-                _core.testing.cpu_set_amx(modes[m][0])
-                _core.testing.cpu_set_amx_slabs(modes[m][1])
+                _core.testing.cpu_set_amx(modes[m])
                 s.reset()
                 t0 = time.perf_counter()
                 s.forward(toks, n_out=1)
                 got[m].append(a.tokens / (time.perf_counter() - t0))
     finally:
         _core.testing.cpu_set_amx(True)
-        _core.testing.cpu_set_amx_slabs()
     med = {m: statistics.median(v) for m, v in got.items()}
     for m, v in got.items():
         print(f"{m:>14}: pp{a.tokens} {med[m]:8.1f} tok/s  {med[m] / med['vector']:.2f}x vector  "

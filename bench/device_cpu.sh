@@ -2,17 +2,16 @@
 # One call on the GPU machine's CPU (the `device` tool's `run`): minfer beside llama.cpp at
 # every thread count (bench/cpu_sweep.py run: both built there, the shaped Q4_K_M made
 # there), the K-quant and AMX tests on that build (real tiles where the CPU has them), and
-# the AMX prefill's columns side by side (bench/amx_prefill.py: tiles with the kernel's
-# slabs, tiles with the split's eighths, the vector kernel) at the thread counts of AMX_T.
+# the AMX prefill's tiles against the vector kernel (bench/amx_prefill.py) at the thread
+# counts of AMX_T, and bench/cpu_balance.py's per-op prefill table at BALANCE_T.
 # Each phase's log and time land under $OUT; a phase that fails does not stop the next.
 #
 #   python bench/cpu_sweep.py prepare sweep_in/llama --model SHAPED.gguf   # here, with network
 #   run(command="COMMIT=<rev> bash bench/device_cpu.sh sweep_in/llama", carry=["sweep_in"])
 #
 # Knobs (environment): THREADS (1,16,2,4,8), REPS (2), BUDGET (300: seconds after which the
-# sweep starts no new thread count), AMX_T (4,16; empty: none), AMX_BLOCKS (1024,512,1536:
-# amx_prefill's slab sizes in KiB), BALANCE_T (2,4: bench/cpu_balance.py's per-op prefill
-# table at these thread counts; empty: none), TESTS=0 skips the tests.
+# sweep starts no new thread count), AMX_T (4,16; empty: none), BALANCE_T (2,4; empty:
+# none), TESTS=0 skips the tests.
 # About 300 s for the sweep's five thread counts of the Llama-3.2-1B shape on the 16-core
 # Xeon, 30 for the tests, 20 a thread count for amx_prefill.
 set -u
@@ -41,12 +40,11 @@ fi
 
 for t in $(echo "${AMX_T-4,16}" | tr , ' '); do
   t0=$SECONDS
-  { echo "== $t threads"; python3 bench/amx_prefill.py "$W/shaped-q4_k_m.gguf" -t "$t" --rounds 3 \
-      --blocks "${AMX_BLOCKS:-1024,512,1536}"; } \
+  { echo "== $t threads"; python3 bench/amx_prefill.py "$W/shaped-q4_k_m.gguf" -t "$t" --rounds 3; } \
     >>"$OUT/amx_prefill.txt" 2>&1
   phase "amx_prefill -t $t rc $? in $((SECONDS - t0)) s -> amx_prefill.txt"
 done
-# Where a prefill's threads spend their time per op at these thread counts (the tiles' slabs).
+# Where a prefill's threads spend their time per op at these thread counts.
 if [ -n "${BALANCE_T-2,4}" ]; then
   t0=$SECONDS
   python3 bench/cpu_balance.py "$W/shaped-q4_k_m.gguf" -p 512 -t "${BALANCE_T-2,4}" -r 3 >"$OUT/balance.txt" 2>&1

@@ -50,14 +50,7 @@ def test_amx_kernel_on_emulated_tiles_is_bitwise_the_vector_kernel(program):
         return  # built for the AVX-512 target above; nothing of it can run on this CPU
     out = subprocess.run([str(program)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()
-    rows = [list(map(int, line.split())) for line in lines if not line.startswith("slab")]
-    # The fewest even slabs of at most one ~1 MiB block of Q8_K rows, in 16-token tiles: 512
-    # tokens of 2,048 (448 a block) in 2 of 256, of 8,192 (112 a block) in 112s; none below
-    # one tile or with the slabs switched off (the split's eighths).
-    slabs = [line.split()[1:] for line in lines if line.startswith("slab")]
-    assert slabs == [["2048", "512", "256"], ["8192", "512", "112"], ["2048", "600", "304"],
-                     ["2048", "100", "112"], ["2048", "15", "0"], ["off", "0"]], slabs
+    rows = [list(map(int, line.split())) for line in out.stdout.strip().splitlines()]
     assert {r[0] for r in rows} == set(TYPES) and len(rows) == 15
     for qtype, k, n, nt, calls, diff in rows:
         case = f"{TYPES[qtype]} {k}x{n}, {nt} tokens"

@@ -184,8 +184,8 @@ def test_k_quant_prefill_on_amx_tiles_is_bitwise_the_vector_kernel(qtype):
     weights give the same integer super-block sums and the same float epilogue as the
     vector kernel, so every output is bitwise its result (the switch off), across thread
     splits and partial groups, with 32-token pairs, a lone 16-token tile and a tail past
-    the last whole tile, the threads' slabs sized by the kernel, extreme codes and scales
-    included, and within the float64 references. Elsewhere the tiles never run and the switch changes nothing."""
+    the last whole tile, more tokens than one block of activations on two threads, extreme
+    codes and scales included, and within the float64 references. Elsewhere the tiles never run and the switch changes nothing."""
     avail = _core.testing.cpu_amx_available()
     if not _amx_cpu():
         assert not avail
@@ -204,8 +204,8 @@ def test_k_quant_prefill_on_amx_tiles_is_bitwise_the_vector_kernel(qtype):
             outs[on] = [run_matmul(raw, qtype, 2048, 40, x, n_threads=n) for n in (1, 3)]
             outs[on].append(run_matmul(ext, qtype, IN_DIM, 18, xe, n_threads=2))
             outs[on].append(run_matmul(raw, qtype, 2048, 40, x[:16], n_threads=1))
-            # More tokens than the tiles' block of activations: the threads' pieces are the
-            # kernel's slabs (repack::slab_tokens), here 2 of 304 and 296 tokens.
+            # More tokens than the tiles' block of activations (448 tokens of 2,048-wide
+            # rows), cut into the split's eighths on two threads.
             outs[on].append(run_matmul(raw, qtype, 2048, 40, xl, n_threads=2))
             ran[on] = _core.testing.cpu_amx_calls() - c0
     finally:

@@ -103,20 +103,3 @@ def test_a_late_thread_has_its_run_taken_by_the_others():
                     taken[t0:t1, r0:r1] = True
     # The other two finish their own runs in microseconds and then take the late one's.
     assert (taken & slow_run).sum() >= slow_run.sum() // 2
-
-
-@pytest.mark.parametrize("nth", [1, 2, 4])
-def test_a_kernel_slab_replaces_the_eighth(nth):
-    # The AMX tiles ask for slabs of 256 tokens on a 512-token prefill (repack::slab_tokens):
-    # each piece is then 256 tokens of its run's rows, and everything is still computed once.
-    out, nt, tile = 2048, 512, 8
-    pieces = _core.testing.steal_walk(out, nt, tile, nth, slab=256)
-    check_walk(pieces, out, nt, tile)
-    runs = [{(r[0], r[1]) for r in rects} for rects in _core.testing.matmul_split(out, nt, tile, nth)]
-    for ith, per_thread in enumerate(pieces):
-        for r0, r1, t0, t1, stolen in per_thread:
-            assert (t0, t1) in {(0, 256), (256, 512)}
-            assert (r0, r1) in (set().union(*runs) if stolen else runs[ith])
-    # A slab smaller than the eighth (64 tokens here) leaves the eighth.
-    (alone,) = _core.testing.steal_walk(out, nt, tile, 1, slab=40)
-    assert [p[2:4] for p in alone] == [(t0, t0 + 64) for t0 in range(0, nt, 64)]

@@ -314,7 +314,6 @@ void register_cpu_testing(py::module_& t) {
     t.def("cpu_amx_available", &repack::k::amx_available);
     t.def("cpu_set_amx", &repack::k::set_amx, py::arg("on"));
     t.def("cpu_amx_calls", &repack::k::amx_calls);
-    t.def("cpu_set_amx_slabs", &repack::k::set_amx_slabs, py::arg("block_bytes") = repack::k::kAmxActBytes);
     // Q8_K activation bytes of x (a multiple of 256 floats) from the SIMD or the scalar
     // quantizer: the two must agree byte for byte.
     t.def("quantize_q8_K", [](py::array_t<float, py::array::c_style> x, bool simd) {
@@ -356,9 +355,9 @@ void register_cpu_testing(py::module_& t) {
             return out;
         }, py::arg("reset") = true);
     // The stealing walk of the repacked matmul (cpu/work_split.h) on nth threads, thread
-    // `slow` starting delay_ms late, pieces of at least `slab` tokens where given: per
-    // thread the (r0, r1, t0, t1, stolen) rectangles it computed, in order.
-    t.def("steal_walk", [](int64_t out, int64_t nt, int64_t tile, int nth, int slow, double delay_ms, int64_t slab) {
+    // `slow` starting delay_ms late: per thread the (r0, r1, t0, t1, stolen) rectangles it
+    // computed, in order.
+    t.def("steal_walk", [](int64_t out, int64_t nt, int64_t tile, int nth, int slow, double delay_ms) {
             std::vector<std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, bool>>> got(nth);
             std::unique_ptr<std::atomic<uint64_t>[]> state(new std::atomic<uint64_t>[nth]);
             for (int i = 0; i < nth; ++i) state[i].store(0);
@@ -368,12 +367,11 @@ void register_cpu_testing(py::module_& t) {
                 const int ith = omp_get_thread_num();
                 if (ith == slow) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(delay_ms));
                 steal_walk(out, nt, tile, ith, nth, state.get(),
-                           [&](const Rect& R, bool stolen) { got[ith].emplace_back(R.r0, R.r1, R.t0, R.t1, stolen); },
-                           slab);
+                           [&](const Rect& R, bool stolen) { got[ith].emplace_back(R.r0, R.r1, R.t0, R.t1, stolen); });
             }
             return got;
         }, py::arg("out"), py::arg("nt"), py::arg("tile"), py::arg("nth"), py::arg("slow") = -1,
-        py::arg("delay_ms") = 0.0, py::arg("slab") = 0);
+        py::arg("delay_ms") = 0.0);
     // The repacked matmul's work split (cpu/work_split.h), for every thread of nth: lists
     // of (r0, r1, t0, t1), so tests can check coverage and balance at any thread count.
     t.def("matmul_split", [](int64_t out, int64_t nt, int64_t tile, int nth) {

@@ -341,8 +341,7 @@ void run_matmul(const Ctx& c) {
             for (int i = 0; i < k; ++i) run_rect(rects[i]);
             return;
         }
-        const int stolen = steal_walk(out, nt, tile, c.ith, c.nth, c.work, [&](const Rect& R, bool) { run_rect(R); },
-                                      repack::slab_tokens(*pk, arb, nt));
+        const int stolen = steal_walk(out, nt, tile, c.ith, c.nth, c.work, [&](const Rect& R, bool) { run_rect(R); });
         if (c.clock) c.clock->stolen += stolen;
         return;
     }

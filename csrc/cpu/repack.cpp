@@ -339,8 +339,6 @@ int token_tile() {
 #endif
 }
 
-int64_t slab_tokens(const Packed& p, size_t arb, int64_t nt) { return k::amx_slab(p, arb, nt); }
-
 size_t meta_block_bytes(int32_t act_type) {
 #if defined(RP_AVX2)
     if (act_type == T_Q8_0) return sizeof(Meta);

@@ -49,9 +49,6 @@ std::unique_ptr<Packed> pack(int32_t type, const uint8_t* src, int64_t in, int64
 
 // Tokens the kernel computes per pass over a group (work splits keep to multiples).
 int token_tile();
-// Tokens a work-stealing piece of an nt-token call should span, where the kernel asks for
-// more than the split's default (cpu/work_split.h); 0 otherwise.
-int64_t slab_tokens(const Packed& p, size_t arb, int64_t nt);
 
 // Rows [r0, r1) of y[t * ldy + r] = dot(row r, activation t) for t < nt, activations in
 // the row format act_type_for(type) gives (Q8_0, or Q8_K for the K-quants; arb bytes per row). r0 should be a multiple of 16 (any value is

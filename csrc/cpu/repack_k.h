@@ -24,15 +24,6 @@ bool handles(int32_t type);
 bool amx_available();
 void set_amx(bool on);
 uint64_t amx_calls();  // matmul calls that ran on the tiles so far
-// The token slab a call of nt tokens should be cut into across threads (0: any): each
-// call widens its groups for the tiles once (repack_k_amx.cpp), so slabs as large as
-// the activations it keeps in L2, rather than an eighth of a prefill.
-int64_t amx_slab(const Packed& p, size_t arb, int64_t nt);
-// The activations one slab (and one of the kernel's token blocks) holds; a slab's tile
-// products then read them from L2 while each group's super-blocks pass.
-constexpr size_t kAmxActBytes = 1 << 20;
-// Other block sizes, and 0 for the split's eighths, for bench/amx_prefill.py to compare.
-void set_amx_slabs(size_t block_bytes);
 // Bytes of one 16-row group of nb super-blocks (a multiple of 64).
 size_t group_bytes(int32_t type, int64_t nb);
 // One group from its 16 GGUF rows (null: padding row, zero weights).

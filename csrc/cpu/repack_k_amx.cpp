@@ -13,10 +13,10 @@
 //
 // Each group is widened once per call (8 KB a super-block: 4 K steps x the low and high
 // byte planes, each one B tile) and used by every token, in blocks of about
-// kAmxActBytes of activations, which stay in L2 while the groups pass. Threads cut a
-// prefill into token slabs of one such block (amx_slab) rather than the work split's
-// eighths: every slab is a call that widens its groups again, and a 64-token eighth's
-// tile products (about 220 ns a super-block on a Sapphire Rapids) are only twice that.
+// kAmxActBytes of activations, which stay in L2 while the groups pass. A call is one
+// thread's piece of the work split, an eighth of a prefill's tokens: slabs of a whole
+// block, widening each group fewer times, won at 4 threads and lost at 8 and 16 (the
+// experiment log).
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -39,6 +39,8 @@ namespace minfer::cpu::repack::k {
 namespace {
 
 constexpr int kTok = 16;  // tokens of one A tile
+// A block of activations: 1 MiB beat 512 KiB by 3% on one Sapphire Rapids thread.
+constexpr size_t kAmxActBytes = 1 << 20;
 constexpr size_t kKStep = 2048;  // one K step of a widened super-block: low plane, then high
 
 struct TileConfig {
@@ -164,13 +166,8 @@ void tiles(const uint8_t* bt, const uint8_t* a, size_t arb, const KMeta* meta, i
         }
 }
 
-std::atomic<size_t> g_amx_block{kAmxActBytes};  // bench/amx_prefill.py times sizes; 0: eighths
-
-// Tokens of one block of activations (about g_amx_block bytes), a multiple of 16.
-int64_t block_tokens(size_t arb) {
-    const size_t bytes = g_amx_block.load(std::memory_order_relaxed);
-    return std::max<int64_t>(kTok, (int64_t)((bytes ? bytes : kAmxActBytes) / arb) / kTok * kTok);
-}
+// Tokens of one block of activations (about kAmxActBytes), a multiple of 16.
+int64_t block_tokens(size_t arb) { return std::max<int64_t>(kTok, (int64_t)(kAmxActBytes / arb) / kTok * kTok); }
 
 template <int32_t T>
 void run(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMeta* meta, float* y, int64_t ldy,
@@ -230,7 +227,7 @@ bool amx_on() {
     return v == 1;
 }
 
-// Whether a call of nt tokens on p runs on the tiles: amx_matmul and amx_slab decide alike.
+// Whether a call of nt tokens on p runs on the tiles.
 bool tiles_take(const Packed& p, int64_t nt) {
     return nt >= kTok && (p.type == T_Q4_K || p.type == T_Q5_K || p.type == T_Q6_K) &&
            g_amx_use.load(std::memory_order_relaxed) && amx_on();
@@ -251,15 +248,6 @@ int64_t amx_matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, 
     }
 }
 
-int64_t amx_slab(const Packed& p, size_t arb, int64_t nt) {
-    if (!g_amx_block.load(std::memory_order_relaxed) || !tiles_take(p, nt)) return 0;
-    // The fewest even slabs of at most one block each, in whole token tiles: 512 tokens of
-    // 2,048-wide rows are 2 slabs of 256 (a block holds 448), of 8,192-wide rows 5 of 112.
-    const int64_t tb = block_tokens(arb), pieces = (nt + tb - 1) / tb;
-    return ((nt + pieces - 1) / pieces + kTok - 1) / kTok * kTok;
-}
-void set_amx_slabs(size_t block_bytes) { g_amx_block.store(block_bytes, std::memory_order_relaxed); }
-
 bool amx_available() { return amx_on(); }
 uint64_t amx_calls() { return g_amx_calls.load(std::memory_order_relaxed); }
 void set_amx(bool on) { g_amx_use.store(on, std::memory_order_relaxed); }
@@ -271,8 +259,6 @@ int64_t amx_matmul(const Packed&, const uint8_t*, size_t, int64_t, const KMeta*,
     return 0;
 }
 
-int64_t amx_slab(const Packed&, size_t, int64_t) { return 0; }
-void set_amx_slabs(size_t) {}
 bool amx_available() { return false; }
 uint64_t amx_calls() { return 0; }
 void set_amx(bool) {}

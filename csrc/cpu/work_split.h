@@ -64,10 +64,9 @@ inline int matmul_split(int64_t out, int64_t nt, int64_t tile, int ith, int nth,
 // once for all of the run's rows, as the repacked kernel's own token blocking does
 // (pieces of a group's tiles instead re-streamed the activations once per group: +5-7%
 // on a 4864-wide Q4_K/Q6_K ffn_down); otherwise (decode) a piece is one item, a 16-row
-// group. Which thread computes an item never changes its bits (above). A kernel that pays
-// a fixed cost per group per call (the AMX tiles widen each group's weights once per
-// call) asks for slabs of its own size, `slab` tokens (repack::slab_tokens), where that is
-// more than an eighth, so the cost is paid once per block of tokens it can keep in cache.
+// group. Which thread computes an item never changes its bits (above). (Slabs as large as
+// the AMX kernel's token block, so it widens each group fewer times a call, lost at 8 and
+// 16 threads: docs/experiment-log.md.)
 //
 // state: pieces claimed from the front (low 32 bits) and from the back (high 32 bits)
 // of one run, zero before the step.
@@ -96,12 +95,11 @@ struct StealRun {
 };
 
 // The run of thread t of nth, for stealing: state points at nth zeroed counters.
-inline StealRun steal_run(int64_t out, int64_t nt, int64_t tile, int t, int nth, std::atomic<uint64_t>* state,
-                          int64_t slab = 0) {
+inline StealRun steal_run(int64_t out, int64_t nt, int64_t tile, int t, int nth, std::atomic<uint64_t>* state) {
     const int64_t items = split_items(out, nt, tile), nc = (nt + tile - 1) / tile;
     StealRun r{items * t / nth, items * (t + 1) / nth, 0, 0, state + t};
     if (nc >= 4) {
-        r.slab = std::max((nc + 7) / 8, (slab + tile - 1) / tile) * tile;
+        r.slab = (nc + 7) / 8 * tile;
         r.n = r.s < r.e ? (nt + r.slab - 1) / r.slab : 0;
     } else {
         r.n = r.e - r.s;
@@ -128,18 +126,17 @@ inline int piece_rects(const StealRun& r, int64_t out, int64_t nt, int64_t tile,
 // others' runs, starting with the next thread's so thieves spread over the victims.
 // f(rect, stolen) computes one rectangle. Returns the number of pieces stolen.
 template <class F>
-int steal_walk(int64_t out, int64_t nt, int64_t tile, int ith, int nth, std::atomic<uint64_t>* state, F&& f,
-               int64_t slab = 0) {
+int steal_walk(int64_t out, int64_t nt, int64_t tile, int ith, int nth, std::atomic<uint64_t>* state, F&& f) {
     int64_t p0, p1;
     Rect rects[3];
-    const StealRun own = steal_run(out, nt, tile, ith, nth, state, slab);
+    const StealRun own = steal_run(out, nt, tile, ith, nth, state);
     while (own.take(false, p0, p1)) {
         const int k = piece_rects(own, out, nt, tile, p0, p1, rects);
         for (int i = 0; i < k; ++i) f(rects[i], false);
     }
     int stolen = 0;
     for (int d = 1; d < nth; ++d) {
-        const StealRun other = steal_run(out, nt, tile, (ith + d) % nth, nth, state, slab);
+        const StealRun other = steal_run(out, nt, tile, (ith + d) % nth, nth, state);
         while (other.take(true, p0, p1)) {
             const int k = piece_rects(other, out, nt, tile, p0, p1, rects);
             for (int i = 0; i < k; ++i) f(rects[i], true);

@@ -1,12 +1,10 @@
 // Packs random and extreme Q4_K / Q5_K / Q6_K rows, runs repack::matmul over Q8_K
 // activations with the (emulated) tiles and with the vector kernel, and prints one line
-// per case: "type in out nt tile_calls differing_outputs"; then the token slabs the
-// tiles ask the threads for ("slab ...").
+// per case: "type in out nt tile_calls differing_outputs".
 #include <cstdio>
 #include <cstring>
 #include <random>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "common/ggml_types.h"
@@ -70,15 +68,5 @@ int main() {
             for (size_t i = 0; i < y[0].size(); ++i) diff += std::memcmp(&y[0][i], &y[1][i], 4) != 0;
             std::printf("%d %d %d %d %llu %d\n", type, in, out, nt, (unsigned long long)calls, diff);
         }
-    // The token slabs the threads cut a prefill into where the tiles run (amx_slab):
-    // "slab in nt tokens" for Q4_K rows of `in` (Q8_K rows of in / 256 * 292 bytes).
-    repack::Packed pk;
-    pk.type = T_Q4_K;
-    for (auto [in, nt] : {std::pair{2048, 512}, {8192, 512}, {2048, 600}, {2048, 100}, {2048, 15}}) {
-        const size_t arb = (size_t)(in / 256) * sizeof(block_q8_K);
-        std::printf("slab %d %d %lld\n", in, nt, (long long)repack::k::amx_slab(pk, arb, nt));
-    }
-    repack::k::set_amx_slabs(0);
-    std::printf("slab off %lld\n", (long long)repack::k::amx_slab(pk, 2048 / 256 * sizeof(block_q8_K), 512));
     return 0;
 }
