@@ -3,15 +3,14 @@
 // Work is cut into items of (query-token block, KV head, slice of that head's query
 // heads). An item walks KV cells in blocks of BK; each K/V row of a block is loaded
 // once and used by every query row of the item (all heads of the GQA group, for a
-// block of tokens), which is what makes prefill cache-friendly. Scores are a small
-// matrix product per block: the block's K transposed, four query rows at a time, each
-// (row, cell) score one chain of fused multiply-adds over the head dimension in a
-// vector lane of its own (no horizontal sums); P V likewise keeps each output dimension
-// in a lane.
+// block of tokens), which is what makes prefill cache-friendly. P V and the softmax run
+// on the widest vectors. (Scores as a matrix product over the block's K transposed were
+// 7% faster in a prefill and 8% slower in decode at depth, where every block's transpose
+// serves a few rows: docs/experiment-log.md.)
 //
 // Determinism: an item's rows are of one sequence, its KV blocks are counted in BK
 // positions from the sequence's first (its cells read through its span: a shared
-// prefix's, then its own), and every per-row operation (a score's chain, max, exp,
+// prefix's, then its own), and every per-row operation (dot-product tree, max, exp,
 // sums, accumulation order) depends only on that row's own data and positions. So a
 // (token, head) output is bit-identical whatever item it landed in, for any thread
 // count, wherever its sequence's cells lie in the arena, and whether its prefix is read
@@ -51,17 +50,15 @@ Tiling tiling(const AttnArgs& a) {
 }
 
 inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
-inline int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
 using vm::use_simd;
 
-// Float vectors of N lanes for the score and accumulation kernels below. Each lane runs
-// its own chain of fused multiply-adds, so a lane's bits are the same at every width:
-// the portable path (FV1) computes exactly what the SIMD ones do.
+// Float vectors of N lanes for the P V kernel below. Each lane runs its own chain of
+// fused multiply-adds, so a lane's bits are the same at every width: the portable path
+// (FV1) computes exactly what the SIMD ones do.
 struct FV1 {
     using T = float;
     static constexpr int N = 1;
-    static T zero() { return 0.0f; }
     static T load(const float* p) { return *p; }
     static void store(float* p, T v) { *p = v; }
     static T bcast(float x) { return x; }
@@ -72,7 +69,6 @@ struct FV1 {
 struct FV8 {
     using T = __m256;
     static constexpr int N = 8;
-    static T zero() { return _mm256_setzero_ps(); }
     static T load(const float* p) { return _mm256_loadu_ps(p); }
     static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
     static T bcast(float x) { return _mm256_set1_ps(x); }
@@ -84,7 +80,6 @@ struct FV8 {
 struct FV16 {
     using T = __m512;
     static constexpr int N = 16;
-    static T zero() { return _mm512_setzero_ps(); }
     static T load(const float* p) { return _mm512_loadu_ps(p); }
     static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
     static T bcast(float x) { return _mm512_set1_ps(x); }
@@ -96,85 +91,62 @@ using FVW = FV16;  // the widest vector of the SIMD path
 using FVW = FV8;
 #endif
 
-// Scores of four query rows against NV vectors of a block's cells, from column col of
-// the block's transposed K (Kt: [hd][BK]): out[j][col..] = sum over d of q[j][d] *
-// Kt[d][col..], one fused multiply-add per d in order. A (row, cell) score is then the
-// same whichever rows and cells share its pass, and no horizontal sums are left.
-template <class V, int NV>
-inline void score_pass(const float* const q[4], const float* Kt, int64_t hd, int64_t col, float scale,
-                       float* const out[4]) {
-    using T = typename V::T;
-    T acc[4][NV];
-    for (int j = 0; j < 4; ++j)
-        for (int v = 0; v < NV; ++v) acc[j][v] = V::zero();
-    const float* kr = Kt + col;
-    for (int64_t d = 0; d < hd; ++d, kr += BK) {
-        T kv[NV];
-        for (int v = 0; v < NV; ++v) kv[v] = V::load(kr + v * V::N);
-        for (int j = 0; j < 4; ++j) {
-            const T qb = V::bcast(q[j][d]);
-            for (int v = 0; v < NV; ++v) acc[j][v] = V::fma(qb, kv[v], acc[j][v]);
-        }
-    }
-    for (int j = 0; j < 4; ++j)
-        for (int v = 0; v < NV; ++v) V::store(out[j] + col + v * V::N, V::mul(acc[j][v], V::bcast(scale)));
-}
-
-// Columns [ca, cb) of four rows' scores, in whole vectors (Kt's columns beyond the
-// loaded cells are zero, and their scores are never read).
-template <class V>
-void scores4(const float* const q[4], const float* Kt, int64_t hd, int64_t ca, int64_t cb, float scale,
-             float* const out[4]) {
-    // Four rows x NV vectors of accumulators: 16 of AVX-512's 32 registers, 8 of AVX2's 16.
-    constexpr int NV = V::N == 8 ? 2 : 4;
-    int64_t col = ca / V::N * V::N;
-    const int64_t end = (cb + V::N - 1) / V::N * V::N;
-    for (; col + NV * V::N <= end; col += NV * V::N) score_pass<V, NV>(q, Kt, hd, col, scale, out);
-    switch ((end - col) / V::N) {
-        case 3: score_pass<V, 3>(q, Kt, hd, col, scale, out); break;
-        case 2: score_pass<V, 2>(q, Kt, hd, col, scale, out); break;
-        case 1: score_pass<V, 1>(q, Kt, hd, col, scale, out); break;
-        default: break;
-    }
-}
-
-// n K rows (row r at src + r * stride, hd floats) into columns col0.. of Kt ([hd][BK]).
-void transpose_into(const float* src, int64_t stride, int64_t n, int64_t hd, float* Kt, int64_t col0) {
-    int64_t r = 0;
+// out[j] = dot(q[j], k) for four query rows.
+inline void dot4(const float* const q[4], const float* k, int64_t hd, bool simd, float out[4]) {
+    int64_t d = 0;
 #ifdef MINFER_VEC_AVX2
-    // 8 x 8 tiles: rows r..r+7, dims d..d+7 through the registers.
-    for (; r + 8 <= n; r += 8) {
-        int64_t d = 0;
+    if (simd) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (; d + 8 <= hd; d += 8) {
-            __m256 x[8];
-            for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r + i) * stride + d);
-            const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
-            const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
-            const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
-            const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
-            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-            const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-            const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-            const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-            float* o = Kt + d * BK + col0 + r;
-            _mm256_storeu_ps(o + 0 * BK, _mm256_permute2f128_ps(u0, u4, 0x20));
-            _mm256_storeu_ps(o + 1 * BK, _mm256_permute2f128_ps(u1, u5, 0x20));
-            _mm256_storeu_ps(o + 2 * BK, _mm256_permute2f128_ps(u2, u6, 0x20));
-            _mm256_storeu_ps(o + 3 * BK, _mm256_permute2f128_ps(u3, u7, 0x20));
-            _mm256_storeu_ps(o + 4 * BK, _mm256_permute2f128_ps(u0, u4, 0x31));
-            _mm256_storeu_ps(o + 5 * BK, _mm256_permute2f128_ps(u1, u5, 0x31));
-            _mm256_storeu_ps(o + 6 * BK, _mm256_permute2f128_ps(u2, u6, 0x31));
-            _mm256_storeu_ps(o + 7 * BK, _mm256_permute2f128_ps(u3, u7, 0x31));
+            const __m256 kv = _mm256_loadu_ps(k + d);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[0] + d), kv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q[1] + d), kv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q[2] + d), kv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q[3] + d), kv, a3);
         }
-        for (; d < hd; ++d)
-            for (int i = 0; i < 8; ++i) Kt[d * BK + col0 + r + i] = src[(r + i) * stride + d];
-    }
+        _mm_storeu_ps(out, simd::hsum_pairs_x4(a0, a1, a2, a3));
+    } else
 #endif
-    for (; r < n; ++r)
-        for (int64_t d = 0; d < hd; ++d) Kt[d * BK + col0 + r] = src[r * stride + d];
+    {
+        out[0] = out[1] = out[2] = out[3] = 0.0f;
+    }
+    // Explicit fma: a contractible a += b * c could compile differently here and in
+    // dot4x2_avx2, and then a score would depend on how cells were paired.
+    for (; d < hd; ++d)
+        for (int j = 0; j < 4; ++j) out[j] = std::fma(q[j][d], k[d], out[j]);
 }
 
 #ifdef MINFER_VEC_AVX2
+// Two cells at once: each q load feeds two FMAs. Every (row, cell) sum uses the same
+// accumulation and reduction tree as dot4, so pairing never changes a score.
+inline void dot4x2_avx2(const float* const q[4], const float* k0, const float* k1, int64_t hd, float o0[4],
+                        float o1[4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t d = 0;
+    for (; d + 8 <= hd; d += 8) {
+        const __m256 x = _mm256_loadu_ps(k0 + d), y = _mm256_loadu_ps(k1 + d);
+        __m256 qv = _mm256_loadu_ps(q[0] + d);
+        a0 = _mm256_fmadd_ps(qv, x, a0);
+        b0 = _mm256_fmadd_ps(qv, y, b0);
+        qv = _mm256_loadu_ps(q[1] + d);
+        a1 = _mm256_fmadd_ps(qv, x, a1);
+        b1 = _mm256_fmadd_ps(qv, y, b1);
+        qv = _mm256_loadu_ps(q[2] + d);
+        a2 = _mm256_fmadd_ps(qv, x, a2);
+        b2 = _mm256_fmadd_ps(qv, y, b2);
+        qv = _mm256_loadu_ps(q[3] + d);
+        a3 = _mm256_fmadd_ps(qv, x, a3);
+        b3 = _mm256_fmadd_ps(qv, y, b3);
+    }
+    _mm_storeu_ps(o0, simd::hsum_pairs_x4(a0, a1, a2, a3));
+    _mm_storeu_ps(o1, simd::hsum_pairs_x4(b0, b1, b2, b3));
+    for (; d < hd; ++d)
+        for (int j = 0; j < 4; ++j) {
+            o0[j] = std::fma(q[j][d], k0[d], o0[j]);
+            o1[j] = std::fma(q[j][d], k1[d], o1[j]);
+        }
+}
+
 // max of p[0..n), n >= 1; max is exact, so the lane order cannot change the result.
 #ifdef __AVX512F__
 inline __m256 hi256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
@@ -351,7 +323,6 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
     float* S = acc + nrows * hdp;     // [nrows][BK] scores, then probabilities
     float* kbuf = S + nrows * BK;     // a block's K and V rows in f32 where they are not read in place
     float* vbuf = kbuf + BK * hd;
-    float* Kt = vbuf + BK * hd;       // the block's K transposed: [hd][BK]
     int64_t lmin = std::numeric_limits<int64_t>::max(), lmax = 0;
     for (int64_t i = 0; i < nrows; ++i) {
         m[i] = -std::numeric_limits<float>::infinity();
@@ -377,41 +348,34 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
             load_positions(a, a.k, g, sc, w0, c1, lmax, kbuf);
             load_positions(a, a.v, g, sc, w0, c1, lmax, vbuf);
         }
-        // K transposed (Kt: [hd][BK], column c - c0), zero outside the loaded cells so
-        // whole-vector passes read no stale values.
-        const int64_t wa = w0 - c0, wb = c1 - c0, wz = std::min<int64_t>(BK, round16(wb));
-        for (int64_t d = 0; d < hd; ++d) {
-            std::fill(Kt + d * BK, Kt + d * BK + wa, 0.0f);
-            std::fill(Kt + d * BK + wb, Kt + d * BK + wz, 0.0f);
-        }
-        transpose_into(kb, ks, c1 - w0, hd, Kt, wa);
-        // Scores, four query rows per pass, written straight into their rows of S.
+        // Scores, four query rows per pass so each K row is read once per four rows.
         for (int64_t i = 0; i < nrows; i += 4) {
             const int64_t nj = std::min<int64_t>(4, nrows - i);
             const float* qp[4];
-            float* op[4];
-            alignas(64) float spare[BK];  // the pass's padding rows land here
             int64_t a0 = c1, b0 = c0;
             for (int64_t j = 0; j < 4; ++j) {
                 const Row& rw = rows[i + std::min(j, nj - 1)];  // pad with the last real row
                 qp[j] = rw.q;
-                op[j] = j < nj ? S + (i + j) * BK : spare;
                 if (j < nj && rw.lo < rw.hi) {
                     a0 = std::min(a0, std::max(rw.lo, c0));
                     b0 = std::max(b0, std::min(rw.hi, c1));
                 }
             }
-            if (a0 >= b0) continue;
+            // Dots land cell-major in a small buffer, then get transposed into the score
+            // rows: four scattered scalar stores per cell stalled the dot loop.
+            alignas(16) float T[BK][4];
+            int64_t c = a0;
 #ifdef MINFER_VEC_AVX2
             if (simd)
-                scores4<FVW>(qp, Kt, hd, a0 - c0, b0 - c0, a.scale, op);
-            else
+                for (; c + 2 <= b0; c += 2)
+                    dot4x2_avx2(qp, kb + (c - w0) * ks, kb + (c + 1 - w0) * ks, hd, T[c - c0], T[c + 1 - c0]);
 #endif
-                scores4<FV1>(qp, Kt, hd, a0 - c0, b0 - c0, a.scale, op);
-            if (a.softcap > 0.0f) {  // Gemma 2: softcap * tanh(s / softcap), per score
-                const float inv = 1.0f / a.softcap;
-                for (int64_t j = 0; j < nj; ++j) {
-                    float* Sr = S + (i + j) * BK;
+            for (; c < b0; ++c) dot4(qp, kb + (c - w0) * ks, hd, simd, T[c - c0]);
+            for (int64_t j = 0; j < nj; ++j) {
+                float* Sr = S + (i + j) * BK;
+                for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = T[c - c0][j] * a.scale;
+                if (a.softcap > 0.0f) {  // Gemma 2: softcap * tanh(s / softcap), per score
+                    const float inv = 1.0f / a.softcap;
                     for (int64_t c = a0; c < b0; ++c) Sr[c - c0] = a.softcap * std::tanh(Sr[c - c0] * inv);
                 }
             }
@@ -456,7 +420,7 @@ void run_item(const AttnArgs& a, int64_t g, const SeqCells& sc, const Row* rows,
 size_t attention_scratch_floats(const AttnArgs& a) {
     if (a.nkv <= 0 || a.nh <= 0 || a.hd <= 0) return 0;
     const Tiling t = tiling(a);
-    return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK)) + (size_t)(3 * BK * a.hd);
+    return (size_t)(round8(2 * t.rows_max) + t.rows_max * (round8(a.hd) + BK)) + (size_t)(2 * BK * a.hd);
 }
 
 void attention_f32(const AttnArgs& a, float* scratch, int ith, int nth, std::atomic<uint64_t>* next) {
