@@ -49,62 +49,75 @@ inline float silu_scalar(float x) {
 
 #ifdef MINFER_VEC_AVX2
 
-// exp(x) for 8 floats, Cephes-style: x = n*ln2 + r, |r| <= ln2/2, degree-6 polynomial
+// The operations exp_v needs, on 8 lanes (AVX2) and on 16 (AVX-512).
+struct ExpOps8 {
+    using F = __m256;
+    static F set(float v) { return _mm256_set1_ps(v); }
+    static F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static F min(F a, F b) { return _mm256_min_ps(a, b); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+    static F round(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    // 2^(n >> 1) and 2^(n - (n >> 1)) for the whole numbers n in fx.
+    static void pow2_halves(F fx, F& s1, F& s2) {
+        const __m256i n = _mm256_cvtps_epi32(fx), n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+        const __m256i bias = _mm256_set1_epi32(127);
+        s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+        s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    }
+};
+#ifdef __AVX512F__
+struct ExpOps16 {
+    using F = __m512;
+    static F set(float v) { return _mm512_set1_ps(v); }
+    static F max(F a, F b) { return _mm512_max_ps(a, b); }
+    static F min(F a, F b) { return _mm512_min_ps(a, b); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+    static F round(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static void pow2_halves(F fx, F& s1, F& s2) {
+        const __m512i n = _mm512_cvtps_epi32(fx), n1 = _mm512_srai_epi32(n, 1), n2 = _mm512_sub_epi32(n, n1);
+        const __m512i bias = _mm512_set1_epi32(127);
+        s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
+        s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
+    }
+};
+#endif
+
+// exp(x) lane by lane, Cephes-style: x = n*ln2 + r, |r| <= ln2/2, degree-6 polynomial
 // (max rel. error ~2 ulp). 2^n is applied in two halves so results down to the
 // denormal range (x ~ -103) come out right and x > 88.72 overflows to +inf. NaN stays NaN.
-inline __m256 exp8(__m256 x) {
+// The same operations at every width, so a lane's result does not depend on it.
+template <class O>
+inline typename O::F exp_v(typename O::F x) {
+    using F = typename O::F;
     // Operand order matters: max/min return the second operand on NaN, so NaN survives.
-    x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);
-    x = _mm256_min_ps(_mm256_set1_ps(89.0f), x);
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = O::max(O::set(-104.0f), x);
+    x = O::min(O::set(89.0f), x);
+    const F fx = O::round(O::mul(x, O::set(1.44269504088896341f)));
     // ln2 split in two so r keeps full precision.
-    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    __m256 r2 = _mm256_mul_ps(r, r);
-    p = _mm256_fmadd_ps(p, r2, r);
-    p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
-    __m256i n = _mm256_cvtps_epi32(fx);
-    __m256i n1 = _mm256_srai_epi32(n, 1);
-    __m256i n2 = _mm256_sub_epi32(n, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-    __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    F r = O::fnmadd(fx, O::set(0.693359375f), x);
+    r = O::fnmadd(fx, O::set(-2.12194440e-4f), r);
+    F p = O::set(1.9875691500e-4f);
+    p = O::fmadd(p, r, O::set(1.3981999507e-3f));
+    p = O::fmadd(p, r, O::set(8.3334519073e-3f));
+    p = O::fmadd(p, r, O::set(4.1665795894e-2f));
+    p = O::fmadd(p, r, O::set(1.6666665459e-1f));
+    p = O::fmadd(p, r, O::set(5.0000001201e-1f));
+    p = O::fmadd(p, O::mul(r, r), r);
+    p = O::add(p, O::set(1.0f));
+    F s1, s2;
+    O::pow2_halves(fx, s1, s2);
+    return O::mul(O::mul(p, s1), s2);
 }
 
+inline __m256 exp8(__m256 x) { return exp_v<ExpOps8>(x); }
 #ifdef __AVX512F__
-// exp8's steps on 16 lanes, operation for operation: a lane's result is exp8's.
-inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    x = _mm512_min_ps(_mm512_set1_ps(89.0f), x);
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 r2 = _mm512_mul_ps(r, r);
-    p = _mm512_fmadd_ps(p, r2, r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    __m512i n = _mm512_cvtps_epi32(fx);
-    __m512i n1 = _mm512_srai_epi32(n, 1);
-    __m512i n2 = _mm512_sub_epi32(n, n1);
-    const __m512i bias = _mm512_set1_epi32(127);
-    __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n1, bias), 23));
-    __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n2, bias), 23));
-    return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
-}
+inline __m512 exp16(__m512 x) { return exp_v<ExpOps16>(x); }
 #endif
 
 // silu(x) = x * sigmoid(x), same sign split as silu_scalar.
