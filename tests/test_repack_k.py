@@ -185,7 +185,8 @@ def test_k_quant_prefill_on_amx_tiles_is_bitwise_the_vector_kernel(qtype):
     vector kernel, so every output is bitwise its result (the switch off), across thread
     splits and partial groups, with 32-token pairs, a lone 16-token tile and a tail past
     the last whole tile, more tokens than one block of activations on two threads, extreme
-    codes and scales included, and within the float64 references. Elsewhere the tiles never run and the switch changes nothing."""
+    codes and scales included, and within the float64 references. Elsewhere the tiles
+    never run and the switch changes nothing."""
     avail = _core.testing.cpu_amx_available()
     if not _amx_cpu():
         assert not avail

@@ -53,42 +53,22 @@ inline int64_t round8(int64_t x) { return (x + 7) / 8 * 8; }
 
 using vm::use_simd;
 
-// Float vectors of N lanes for the P V kernel below. Each lane runs its own chain of
-// fused multiply-adds, so a lane's bits are the same at every width: the portable path
-// (FV1) computes exactly what the SIMD ones do.
+// One float lane under vm::F8's names: the portable path of the P V kernel below. Each
+// lane runs its own chain of fused multiply-adds, so a lane's bits are the same at every
+// width: FV1 computes exactly what F8 and F16 do.
 struct FV1 {
-    using T = float;
+    using F = float;
     static constexpr int N = 1;
-    static T load(const float* p) { return *p; }
-    static void store(float* p, T v) { *p = v; }
-    static T bcast(float x) { return x; }
-    static T mul(T a, T b) { return a * b; }
-    static T fma(T a, T b, T c) { return std::fma(a, b, c); }
+    static F load(const float* p) { return *p; }
+    static void store(float* p, F v) { *p = v; }
+    static F set(float x) { return x; }
+    static F mul(F a, F b) { return a * b; }
+    static F fmadd(F a, F b, F c) { return std::fma(a, b, c); }
 };
-#ifdef MINFER_VEC_AVX2
-struct FV8 {
-    using T = __m256;
-    static constexpr int N = 8;
-    static T load(const float* p) { return _mm256_loadu_ps(p); }
-    static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
-    static T bcast(float x) { return _mm256_set1_ps(x); }
-    static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
-    static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-};
-#endif
 #ifdef __AVX512F__
-struct FV16 {
-    using T = __m512;
-    static constexpr int N = 16;
-    static T load(const float* p) { return _mm512_loadu_ps(p); }
-    static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
-    static T bcast(float x) { return _mm512_set1_ps(x); }
-    static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
-    static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
-};
-using FVW = FV16;  // the widest vector of the SIMD path
+using FVW = vm::F16;  // the widest vector of the SIMD path
 #elif defined(MINFER_VEC_AVX2)
-using FVW = FV8;
+using FVW = vm::F8;
 #endif
 
 // out[j] = dot(q[j], k) for four query rows.
@@ -223,14 +203,14 @@ inline float exp_sub_sum(float* p, int64_t n, float m, bool simd) {
 template <class V, int NV>
 inline void accumulate_pass(float* acc, float alpha, const float* p, const float* v, int64_t vstride, int64_t n,
                             int64_t d0) {
-    using T = typename V::T;
-    const T va = V::bcast(alpha);
-    T r[NV];
+    using F = typename V::F;
+    const F va = V::set(alpha);
+    F r[NV];
     for (int k = 0; k < NV; ++k) r[k] = V::mul(V::load(acc + d0 + k * V::N), va);
     const float* vr = v + d0;
     for (int64_t c = 0; c < n; ++c, vr += vstride) {
-        const T pc = V::bcast(p[c]);
-        for (int k = 0; k < NV; ++k) r[k] = V::fma(pc, V::load(vr + k * V::N), r[k]);
+        const F pc = V::set(p[c]);
+        for (int k = 0; k < NV; ++k) r[k] = V::fmadd(pc, V::load(vr + k * V::N), r[k]);
     }
     for (int k = 0; k < NV; ++k) V::store(acc + d0 + k * V::N, r[k]);
 }
@@ -245,7 +225,7 @@ inline void accumulate(float* acc, float alpha, const float* p, const float* v, 
         constexpr int NV = 64 / FVW::N;
         for (; d0 + NV * FVW::N <= hd; d0 += NV * FVW::N) accumulate_pass<FVW, NV>(acc, alpha, p, v, vstride, n, d0);
         for (; d0 + FVW::N <= hd; d0 += FVW::N) accumulate_pass<FVW, 1>(acc, alpha, p, v, vstride, n, d0);
-        for (; d0 + FV8::N <= hd; d0 += FV8::N) accumulate_pass<FV8, 1>(acc, alpha, p, v, vstride, n, d0);
+        for (; d0 + vm::F8::N <= hd; d0 += vm::F8::N) accumulate_pass<vm::F8, 1>(acc, alpha, p, v, vstride, n, d0);
     }
 #endif
     for (; d0 < hd; ++d0) accumulate_pass<FV1, 1>(acc, alpha, p, v, vstride, n, d0);

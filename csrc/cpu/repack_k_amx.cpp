@@ -166,9 +166,6 @@ void tiles(const uint8_t* bt, const uint8_t* a, size_t arb, const KMeta* meta, i
         }
 }
 
-// Tokens of one block of activations (about kAmxActBytes), a multiple of 16.
-int64_t block_tokens(size_t arb) { return std::max<int64_t>(kTok, (int64_t)(kAmxActBytes / arb) / kTok * kTok); }
-
 template <int32_t T>
 void run(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMeta* meta, float* y, int64_t ldy,
          int64_t r0, int64_t r1) {
@@ -179,7 +176,7 @@ void run(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMet
         uint8_t b[64];
     };
     static thread_local std::vector<Line> btv, accv;
-    const int64_t tb = block_tokens(arb);
+    const int64_t tb = std::max<int64_t>(kTok, (int64_t)(kAmxActBytes / arb) / kTok * kTok);
     if (btv.size() < (size_t)nb * kWide / 64) btv.resize((size_t)nb * kWide / 64);
     if (accv.size() < (size_t)std::min(tb, nt)) accv.resize((size_t)std::min(tb, nt));
     uint8_t* bt = reinterpret_cast<uint8_t*>(btv.data());
@@ -227,17 +224,11 @@ bool amx_on() {
     return v == 1;
 }
 
-// Whether a call of nt tokens on p runs on the tiles.
-bool tiles_take(const Packed& p, int64_t nt) {
-    return nt >= kTok && (p.type == T_Q4_K || p.type == T_Q5_K || p.type == T_Q6_K) &&
-           g_amx_use.load(std::memory_order_relaxed) && amx_on();
-}
-
 }  // namespace
 
 int64_t amx_matmul(const Packed& p, const uint8_t* act, size_t arb, int64_t nt, const KMeta* meta, float* y,
                    int64_t ldy, int64_t r0, int64_t r1) {
-    if (!tiles_take(p, nt)) return 0;
+    if (nt < kTok || !g_amx_use.load(std::memory_order_relaxed) || !amx_on()) return 0;
     const int64_t n = nt / kTok * kTok;
     g_amx_calls.fetch_add(1, std::memory_order_relaxed);
     switch (p.type) {

@@ -49,9 +49,13 @@ inline float silu_scalar(float x) {
 
 #ifdef MINFER_VEC_AVX2
 
-// The operations exp_v needs, on 8 lanes (AVX2) and on 16 (AVX-512).
-struct ExpOps8 {
+// 8 float lanes (AVX2) and 16 (AVX-512) under one set of names, for kernels written once
+// for both widths (exp_v here, attention's P V).
+struct F8 {
     using F = __m256;
+    static constexpr int N = 8;
+    static F load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
     static F set(float v) { return _mm256_set1_ps(v); }
     static F max(F a, F b) { return _mm256_max_ps(a, b); }
     static F min(F a, F b) { return _mm256_min_ps(a, b); }
@@ -69,8 +73,11 @@ struct ExpOps8 {
     }
 };
 #ifdef __AVX512F__
-struct ExpOps16 {
+struct F16 {
     using F = __m512;
+    static constexpr int N = 16;
+    static F load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
     static F set(float v) { return _mm512_set1_ps(v); }
     static F max(F a, F b) { return _mm512_max_ps(a, b); }
     static F min(F a, F b) { return _mm512_min_ps(a, b); }
@@ -115,9 +122,9 @@ inline typename O::F exp_v(typename O::F x) {
     return O::mul(O::mul(p, s1), s2);
 }
 
-inline __m256 exp8(__m256 x) { return exp_v<ExpOps8>(x); }
+inline __m256 exp8(__m256 x) { return exp_v<F8>(x); }
 #ifdef __AVX512F__
-inline __m512 exp16(__m512 x) { return exp_v<ExpOps16>(x); }
+inline __m512 exp16(__m512 x) { return exp_v<F16>(x); }
 #endif
 
 // silu(x) = x * sigmoid(x), same sign split as silu_scalar.
